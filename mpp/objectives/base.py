@@ -1,0 +1,31 @@
+"""What the training engine may call on an objective, and nothing more (STYLE.md: the engine
+knows nothing objective-specific)."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+
+class Objective(nn.Module):
+    """An ``nn.Module`` with ``forward(images) -> (loss, metrics)``.
+
+    ``images`` are normalised floats (B, C, H, W) already on the device; ``metrics`` maps
+    names to detached 0-dim tensors (the engine turns them into numbers only at log time,
+    so the step has no host sync).
+    """
+
+    def forward(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:  # pragma: no cover
+        raise NotImplementedError
+
+    def set_progress(self, epoch: float, total_epochs: float) -> None:
+        """Called by the engine before every micro-step: ``epoch`` counts completed epochs
+        fractionally (step / steps_per_epoch). Schedules (HPM's easy-to-hard alpha, the
+        teacher momentum) read it; the default does nothing."""
+
+    def after_optimizer_step(self) -> None:
+        """Called by the engine after every optimiser step (not after accumulation
+        micro-steps), on every rank: HPM updates its EMA teacher here."""
+
+    def no_weight_decay(self) -> set[str]:
+        """Full parameter names exempt from weight decay besides biases and norms."""
+        return set()

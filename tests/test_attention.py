@@ -1,0 +1,69 @@
+import pytest
+import torch
+
+from mpp.models.attention import ATTN_BACKENDS, Attention, attention, resolve_backend
+
+
+def _qkv(B, N, H, hd, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, N, H, hd, generator=g, dtype=torch.float32, requires_grad=True) for _ in range(3)]
+
+
+@pytest.mark.parametrize("N", [197, 1025])
+def test_sdpa_matches_math_forward_and_backward(N):
+    q, k, v = _qkv(2, N, 3, 32)
+    q2, k2, v2 = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out_math = attention(q, k, v, "math")
+    out_sdpa = attention(q2, k2, v2, "sdpa")
+    assert out_sdpa.shape == (2, N, 3, 32)
+    torch.testing.assert_close(out_sdpa, out_math, atol=1e-5, rtol=1e-5)
+    grad = torch.randn_like(out_math)
+    out_math.backward(grad)
+    out_sdpa.backward(grad)
+    for a, b in ((q, q2), (k, k2), (v, v2)):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_math_is_the_textbook_formula():
+    q, k, v = (t.detach() for t in _qkv(1, 5, 2, 4))
+    out = attention(q, k, v, "math")
+    for h in range(2):
+        qh, kh, vh = q[0, :, h], k[0, :, h], v[0, :, h]  # (N, hd)
+        ref = torch.softmax(qh @ kh.T / 2.0, dim=-1) @ vh  # sqrt(4) = 2
+        torch.testing.assert_close(out[0, :, h], ref, atol=1e-6, rtol=1e-6)
+
+
+def test_attention_module_backends_agree():
+    torch.manual_seed(0)
+    x = torch.randn(2, 17, 48)
+    outs = {}
+    for backend in ("math", "sdpa", "auto"):
+        torch.manual_seed(1)
+        m = Attention(48, 4, attn_backend=backend)
+        outs[backend] = m(x)
+    torch.testing.assert_close(outs["sdpa"], outs["math"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs["auto"], outs["sdpa"])
+
+
+def test_auto_resolves_to_sdpa_on_cpu():
+    assert resolve_backend("auto", torch.device("cpu")) == "sdpa"
+
+
+def test_forcing_xformers_on_cpu_is_a_clear_error():
+    m = Attention(32, 2, attn_backend="xformers")
+    with pytest.raises(RuntimeError, match="xformers.*CUDA"):
+        m(torch.randn(1, 4, 32))
+
+
+def test_unknown_backend_names_the_allowed_ones():
+    with pytest.raises(ValueError, match="flash.*allowed"):
+        Attention(32, 2, attn_backend="flash")
+    assert set(ATTN_BACKENDS) == {"auto", "xformers", "sdpa", "math"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="xformers runs on CUDA only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_xformers_matches_sdpa_on_cuda(dtype):  # runs on the GPU machine, not in CI
+    q, k, v = (t.detach().cuda().to(dtype) for t in _qkv(2, 197, 12, 64))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(attention(q, k, v, "xformers"), attention(q, k, v, "sdpa"), atol=tol, rtol=tol)
