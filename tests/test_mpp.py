@@ -130,7 +130,7 @@ def test_tiny_model_overfits_a_fixed_batch(target):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(target="hog"), "unknown MPP target 'hog'.*allowed"),
-    (dict(corrupt_ratio=1.5), "corrupt_ratio must be in"),
+    (dict(mask_ratio=1.5), "mask_ratio must be in"),
     (dict(mask_token_prob=0.7), "must sum to 1"),
     (dict(keep_prob=-0.1, mask_token_prob=1.0), "keep_prob must be in"),
 ])

@@ -35,7 +35,7 @@ def _xformers_ops():
     return xops, ""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _log_once(requested: str, resolved: str, device_type: str, why: str = "") -> None:
     msg = f"attention backend: {resolved} (requested {requested}, device {device_type})"
     if why:

@@ -70,7 +70,7 @@ class MaskedPatchPrediction(Objective):
         self,
         encoder: VisionTransformer,
         mask_generator: MaskGenerator | None = None,
-        corrupt_ratio: float = 0.5,
+        mask_ratio: float = 0.5,
         mask_token_prob: float = 0.8,
         random_token_prob: float = 0.1,
         keep_prob: float = 0.1,
@@ -84,7 +84,7 @@ class MaskedPatchPrediction(Objective):
         if target not in MPP_TARGETS:
             raise ValueError(f"unknown MPP target {target!r}; allowed: {MPP_TARGETS}")
         probs = {"mask_token_prob": mask_token_prob, "random_token_prob": random_token_prob, "keep_prob": keep_prob}
-        for key, p in {"corrupt_ratio": corrupt_ratio, **probs}.items():
+        for key, p in {"mask_ratio": mask_ratio, **probs}.items():
             if not 0.0 <= p <= 1.0:
                 raise ValueError(f"{key} must be in [0, 1], got {p}")
         if abs(sum(probs.values()) - 1.0) > 1e-6:
@@ -94,7 +94,7 @@ class MaskedPatchPrediction(Objective):
         if encoder.patch_embed.in_chans != 3 and target != "pixel":
             raise ValueError(f"target {target!r} needs RGB input (in_chans=3), got {encoder.patch_embed.in_chans}")
         self.encoder = encoder
-        self.mask_generator = mask_generator or RandomMask(encoder.grid_size, corrupt_ratio)
+        self.mask_generator = mask_generator or RandomMask(encoder.grid_size, mask_ratio)
         if self.mask_generator.num_patches != encoder.num_patches:
             raise ValueError(f"mask generator covers {self.mask_generator.num_patches} patches, encoder has {encoder.num_patches}")
         self.num_corrupt = self.mask_generator.num_masked
@@ -103,6 +103,7 @@ class MaskedPatchPrediction(Objective):
         self.mean, self.std = tuple(mean), tuple(std)
 
         dim, patch = encoder.embed_dim, encoder.patch_size
+        self.token_dim = dim  # what HPM's loss predictor reads: the encoder's output tokens
         self.mask_token = nn.Parameter(torch.zeros(1, 1, dim))  # [mask], in embedding space
         nn.init.normal_(self.mask_token, std=0.02)
         num_classes = 2 ** (3 * bits)
@@ -156,19 +157,27 @@ class MaskedPatchPrediction(Objective):
         correct = (logits.argmax(-1) == target).float()
         return ce.mean(-1), correct.mean(-1)
 
+    def predictor_tokens(self, images: Tensor) -> Tensor:
+        """Encoder tokens (B, 1 + N, D) of the clean image: what HPM's teacher scores."""
+        return self.encoder.forward_features(images)
+
     def forward_per_patch(self, images: Tensor, mask: Tensor | None = None) -> dict[str, Tensor]:
         """The whole step up to per-patch losses; HPM ranks these. Returns the corrupted
-        indices (B, n), their losses and accuracies (B, n), the kinds and the mask."""
+        indices (B, n), their losses and accuracies (B, n), the kinds, the mask, the encoder
+        tokens (B, 1 + N, D) and the head's outputs pred (B, n, out)."""
         B = images.shape[0]
         if mask is None:
             mask = self.mask_generator(B, images.device)  # (B, N), exactly num_corrupt True
         _, corrupt_idx = mask_indices(mask, self.num_corrupt)  # (B, n)
         tokens, kind = self.corrupt(self.encoder.patch_embed(images), mask)
-        x = self.encoder.encode(tokens)[:, self.encoder.num_prefix_tokens :]  # (B, N, D)
-        pred = self.head(gather_tokens(x, corrupt_idx))  # (B, n, out)
+        latent = self.encoder.encode(tokens)  # (B, 1 + N, D)
+        pred = self.head(gather_tokens(latent[:, self.encoder.num_prefix_tokens :], corrupt_idx))  # (B, n, out)
         target = gather_tokens(self.targets(images), corrupt_idx)
         loss, correct = self.forward_loss(pred, target)
-        return {"loss": loss, "correct": correct, "idx": corrupt_idx, "kind": kind, "mask": mask}
+        return {
+            "loss": loss, "correct": correct, "idx": corrupt_idx, "kind": kind, "mask": mask,
+            "tokens": latent, "pred": pred,
+        }
 
     def forward(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         out = self.forward_per_patch(images)

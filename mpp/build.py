@@ -1,0 +1,64 @@
+"""Config -> modules: the encoder, the mask generator and the objective, in one place.
+
+The ``objective`` and ``masking`` sections are constructor arguments; they are checked
+against the constructors' signatures here, so an unknown key is named before any run starts.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from mpp.config import Config, ConfigError
+from mpp.masking import build_mask_generator
+from mpp.models.vit import VisionTransformer, create_vit
+from mpp.objectives import OBJECTIVES, Objective
+
+# constructor arguments the builder supplies itself
+_BUILT = {"self", "encoder", "mask_generator", "mean", "std"}
+
+
+def _check_kwargs(fn: Any, kwargs: dict[str, Any], section: str, what: str, skip: set[str]) -> None:
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    allowed = sorted(set(params) - skip)
+    for key in kwargs:
+        if key not in allowed:
+            raise ConfigError(f"{section}.{key}: unknown key for {what} (allowed: {', '.join(allowed)})")
+
+
+def build_encoder(cfg: Config) -> VisionTransformer:
+    try:
+        return create_vit(cfg.model.name, **cfg.model.vit_kwargs())
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+
+
+def build_objective(cfg: Config) -> Objective:
+    """The objective module the engine trains, from a validated config."""
+    source = getattr(cfg, "_source", "<config>")
+    name, kwargs = cfg.objective.name, cfg.objective.kwargs()
+    if name not in OBJECTIVES:
+        raise ConfigError(f"{source}: objective.name: unknown objective {name!r} (allowed: {sorted(OBJECTIVES)})")
+    cls = OBJECTIVES[name]
+    try:
+        _check_kwargs(cls.__init__, kwargs, "objective", f"objective {name!r}", _BUILT)
+        encoder = build_encoder(cfg)
+        extra: dict[str, Any] = {}
+        init_params = inspect.signature(cls.__init__).parameters
+        if "mask_generator" in init_params:
+            ratio = kwargs.get("mask_ratio", init_params["mask_ratio"].default)
+            if not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+                raise ConfigError(f"objective.mask_ratio must be in [0, 1], got {ratio!r}")
+            try:
+                extra["mask_generator"] = build_mask_generator(cfg.masking.strategy, encoder.grid_size, ratio, **cfg.masking.kwargs())
+            except ValueError as e:
+                raise ConfigError(f"masking: {e}") from None
+        if "mean" in init_params:
+            extra.update(mean=cfg.data.mean, std=cfg.data.std)
+        return cls(encoder, **extra, **kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{source}: objective: {e}") from None

@@ -1,0 +1,128 @@
+"""The one checkpoint format: DeepSpeed checkpoints under ``RUN/checkpoints/step########``,
+each made complete by a ``COMPLETE`` marker written last; and the fp32 encoder export
+``encoder.safetensors`` that downstream modules take.
+
+A kill during a save leaves a tag directory without its marker: ``latest_complete`` skips
+it, so ``--resume auto`` always resumes from a checkpoint that was written whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+MARKER = "COMPLETE"
+TAG_PREFIX = "step"
+
+
+def tag_for(step: int) -> str:
+    return f"{TAG_PREFIX}{step:08d}"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def complete_tags(ckpt_root: str | Path) -> list[str]:
+    """Tags with a completion marker, oldest first."""
+    root = Path(ckpt_root)
+    if not root.is_dir():
+        return []
+    tags = [p.name for p in root.iterdir() if p.is_dir() and p.name.startswith(TAG_PREFIX) and (p / MARKER).is_file()]
+    return sorted(tags)
+
+
+def latest_complete(ckpt_root: str | Path) -> str | None:
+    tags = complete_tags(ckpt_root)
+    return tags[-1] if tags else None
+
+
+def save_checkpoint(engine: Any, ckpt_root: str | Path, step: int, client_state: dict, keep_last: int) -> str:
+    """Save on every rank (DeepSpeed requires it), then mark complete and prune on rank 0."""
+    tag = tag_for(step)
+    engine.save_checkpoint(str(ckpt_root), tag=tag, client_state=client_state)
+    dist.barrier()  # every rank's shard is on disk before the marker says so
+    if dist.get_rank() == 0:
+        _write_atomic(Path(ckpt_root) / tag / MARKER, json.dumps({"step": step}) + "\n")
+        for old in complete_tags(ckpt_root)[:-keep_last]:
+            shutil.rmtree(Path(ckpt_root) / old, ignore_errors=True)
+    dist.barrier()
+    return tag
+
+
+def resolve_resume(resume: str | None, ckpt_root: Path) -> tuple[str, str] | None:
+    """``auto`` -> the newest complete tag in this run (None on a fresh run); a path -> that tag."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        tag = latest_complete(ckpt_root)
+        return (str(ckpt_root), tag) if tag else None
+    path = Path(resume)
+    if (path / MARKER).is_file():
+        return str(path.parent), path.name
+    if path.is_dir() and latest_complete(path):
+        return str(path), latest_complete(path)
+    if path.is_dir() and (path / "checkpoints").is_dir() and latest_complete(path / "checkpoints"):
+        return str(path / "checkpoints"), latest_complete(path / "checkpoints")
+    raise FileNotFoundError(f"--resume {resume}: no complete checkpoint there")
+
+
+# ---- encoder export ------------------------------------------------------------------------
+
+
+def full_state_dict(engine: Any, ckpt_root: str | Path | None = None, tag: str | None = None) -> dict[str, torch.Tensor] | None:
+    """The model's fp32 weights on rank 0 (None elsewhere).
+
+    ZeRO and bf16 runs keep their fp32 master weights in the optimiser: read them through
+    DeepSpeed's zero-to-fp32 converter from the checkpoint just written. A plain fp32 run
+    (stage 0) holds them in the module itself.
+    """
+    stage = engine.zero_optimization_stage()
+    fp32_module = next(engine.module.parameters()).dtype == torch.float32
+    if stage == 0 and fp32_module:
+        sd = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+        return sd if dist.get_rank() == 0 else None
+    dist.barrier()
+    sd = None
+    if dist.get_rank() == 0:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_root), tag=tag)
+        # frozen buffers/params the converter leaves out (e.g. sin-cos tables) come from the module
+        for k, v in engine.module.state_dict().items():
+            if k not in sd and v.numel() > 0:
+                sd[k] = v.detach().float().cpu().clone()
+    dist.barrier()
+    return sd
+
+
+def export_encoder(state_dict: dict[str, torch.Tensor], model_kwargs: dict, path: str | Path, prefix: str = "encoder.") -> None:
+    """Write the encoder's fp32 weights (timm names) with the architecture in the metadata."""
+    enc = {k[len(prefix) :]: v.float().contiguous() for k, v in state_dict.items() if k.startswith(prefix)}
+    if not enc:
+        raise ValueError(f"no '{prefix}*' weights in the state dict")
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(enc, str(tmp), metadata={"format": "mpp-encoder", "model": json.dumps(model_kwargs)})
+    os.replace(tmp, path)
+
+
+def load_encoder_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(state dict, model kwargs) from an exported ``encoder.safetensors`` (no unpickling)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    return load_file(str(path)), json.loads(meta.get("model", "{}"))

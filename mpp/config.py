@@ -1,0 +1,303 @@
+"""The run configuration: JSON in, validated into typed sections, ``--set`` overrides,
+resolved copy saved in the run directory. Every default lives here, nowhere else.
+
+Sections: model, objective, masking, data, optim, train, deepspeed. ``objective`` and
+``masking`` hold the constructor arguments of the chosen objective / mask strategy and are
+checked against those constructors' signatures (their defaults stay in one place: the
+constructor). ``deepspeed`` holds DeepSpeed's own keys, passed to ``deepspeed.initialize``;
+the batch, precision and clipping keys are derived from ``train``/``optim`` (one source).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+# DeepSpeed keys that the train/optim sections own; setting them twice would let them disagree.
+DERIVED_DS_KEYS = {
+    "train_batch_size": "train.batch_size",
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.micro_batch_size",
+    "gradient_clipping": "optim.grad_clip",
+    "bf16": "train.precision",
+    "fp16": "train.precision",
+    "optimizer": "optim",
+    "scheduler": "optim (the engine computes warm-up + cosine per iteration)",
+}
+
+
+class ConfigError(ValueError):
+    """A bad configuration: one line naming the key and the file."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    name: str = "vit_base_patch16_224"
+    img_size: int | None = Field(None, gt=0)
+    patch_size: int | None = Field(None, gt=0)
+    in_chans: int = Field(3, gt=0)
+    embed_dim: int | None = Field(None, gt=0)
+    depth: int | None = Field(None, gt=0)
+    num_heads: int | None = Field(None, gt=0)
+    pos_embed: Literal["learned", "sincos"] = "learned"
+    attn_backend: Literal["auto", "xformers", "sdpa", "math"] = "auto"
+    drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
+
+    def vit_kwargs(self) -> dict[str, Any]:
+        """Overrides for ``create_vit(self.name, **overrides)``: only what was set."""
+        return self.model_dump(exclude={"name"}, exclude_none=True)
+
+
+class ObjectiveConfig(BaseModel):
+    """``name`` plus the objective's own constructor arguments (checked in mpp.build)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: Literal["mpp", "mae", "hpm"] = "mpp"
+
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class MaskingConfig(BaseModel):
+    """``strategy`` plus the mask generator's own parameters (checked in mpp.build)."""
+
+    model_config = ConfigDict(extra="allow")
+    strategy: str = "random"
+
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class DataConfig(_Section):
+    train_shards: str | list[str] | None = None  # brace patterns, paths or http(s) URLs
+    val_shards: str | list[str] | None = None
+    builtin: Literal["digits"] | None = None  # used when train_shards is not given
+    num_samples: int | None = Field(None, gt=0)  # for shards without sizes.json
+    num_classes: int | None = Field(None, gt=0)
+    num_workers: int = Field(2, ge=0)
+    shuffle_buffer: int = Field(1000, ge=1)
+    crop_scale: tuple[float, float] = (0.2, 1.0)
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    hflip: float = Field(0.5, ge=0.0, le=1.0)
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    allow_pipe: bool = False  # `pipe:` URLs run shell commands: only when asked for
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        lo, hi = self.crop_scale
+        if not 0.0 < lo <= hi <= 1.0:
+            raise ValueError(f"crop_scale must satisfy 0 < min <= max <= 1, got {self.crop_scale}")
+        if not 0.0 < self.crop_ratio[0] <= self.crop_ratio[1]:
+            raise ValueError(f"crop_ratio must satisfy 0 < min <= max, got {self.crop_ratio}")
+        if any(s <= 0 for s in self.std):
+            raise ValueError(f"std must be positive, got {self.std}")
+        return self
+
+
+class OptimConfig(_Section):
+    name: Literal["adam", "adamw"] | None = None  # None: the objective's paper (Adam for mpp, AdamW otherwise)
+    lr: float | None = Field(None, gt=0.0)  # absolute peak lr; else blr * batch_size / 256
+    blr: float | None = Field(None, gt=0.0)
+    betas: tuple[float, float] | None = None  # None: the paper's (0.9, 0.999) for Adam, (0.9, 0.95) for AdamW
+    eps: float = Field(1e-8, gt=0.0)
+    weight_decay: float = Field(0.05, ge=0.0)
+    warmup_steps: int | None = Field(None, ge=0)
+    warmup_epochs: float | None = Field(None, ge=0.0)
+    min_lr: float = Field(0.0, ge=0.0)
+    grad_clip: float | None = Field(None, gt=0.0)
+    layer_decay: float = Field(1.0, gt=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimConfig:
+        if self.lr is None and self.blr is None:
+            raise ValueError("one of lr or blr must be set")
+        if self.lr is not None and self.blr is not None:
+            raise ValueError(f"set lr or blr, not both (lr={self.lr}, blr={self.blr})")
+        if self.warmup_steps is not None and self.warmup_epochs is not None:
+            raise ValueError("set warmup_steps or warmup_epochs, not both")
+        if self.betas is not None and not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must be in [0, 1), got {self.betas}")
+        return self
+
+
+class TrainConfig(_Section):
+    batch_size: int = Field(256, gt=0)  # global: micro_batch_size x grad accumulation x world size
+    micro_batch_size: int | None = Field(None, gt=0)  # per rank; None: batch_size / world size
+    epochs: float | None = Field(None, gt=0.0)
+    max_steps: int | None = Field(None, gt=0)  # optimiser steps; overrides epochs (sets the schedule)
+    stop_at_step: int | None = Field(None, gt=0)  # stop early, schedule unchanged (time-limited jobs)
+    output_dir: str = "runs/{name}"
+    log_every: int = Field(10, gt=0)
+    ckpt_every: int = Field(1000, gt=0)
+    keep_last: int = Field(2, gt=0)
+    seed: int = 0
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    max_bad_steps: int = Field(10, ge=0)  # non-finite losses skipped before the run stops
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.epochs is None and self.max_steps is None:
+            raise ValueError("one of epochs or max_steps must be set")
+        if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"batch_size {self.batch_size} is not divisible by micro_batch_size {self.micro_batch_size}"
+            )
+        return self
+
+
+class Config(_Section):
+    name: str = "run"
+    model: ModelConfig = ModelConfig()
+    objective: ObjectiveConfig = ObjectiveConfig()
+    masking: MaskingConfig = MaskingConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig
+    train: TrainConfig
+    deepspeed: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        for key, owner in DERIVED_DS_KEYS.items():
+            if key in self.deepspeed:
+                raise ValueError(f"deepspeed.{key} is derived from {owner}; set it there")
+        stage = self.zero_stage
+        if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage <= 3:
+            raise ValueError(f"deepspeed.zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+        if self.data.train_shards is None and self.data.builtin is None:
+            raise ValueError("data.train_shards is not set (give shards, or data.builtin='digits')")
+        return self
+
+    @property
+    def zero_stage(self) -> Any:
+        return (self.deepspeed.get("zero_optimization") or {}).get("stage", 0)
+
+    # ---- runtime checks (need the world size / device), before any run directory exists ----
+
+    def micro_batch(self, world_size: int) -> tuple[int, int]:
+        """(micro batch per rank, gradient accumulation steps) for this world size."""
+        t = self.train
+        if t.micro_batch_size is None:
+            if t.batch_size % world_size:
+                raise ValueError(f"train.batch_size {t.batch_size} is not divisible by the world size {world_size}")
+            return t.batch_size // world_size, 1
+        if t.batch_size % (t.micro_batch_size * world_size):
+            raise ValueError(
+                f"train.batch_size {t.batch_size} is not divisible by train.micro_batch_size "
+                f"{t.micro_batch_size} x world size {world_size}"
+            )
+        return t.micro_batch_size, t.batch_size // (t.micro_batch_size * world_size)
+
+    def resolved_precision(self, device_type: str) -> str:
+        p = self.train.precision
+        if p == "auto":
+            return "bf16" if device_type == "cuda" else "fp32"
+        if device_type != "cuda" and p == "fp16":
+            raise ValueError("train.precision 'fp16' needs a GPU (the CPU accelerator runs fp32 and bf16)")
+        return p
+
+    def deepspeed_config(self, world_size: int, device_type: str) -> dict[str, Any]:
+        """The dict for ``deepspeed.initialize(config=...)``."""
+        micro, accum = self.micro_batch(world_size)
+        ds = copy.deepcopy(self.deepspeed)
+        ds.update(
+            train_batch_size=self.train.batch_size,
+            train_micro_batch_size_per_gpu=micro,
+            gradient_accumulation_steps=accum,
+            steps_per_print=10**9,  # our own logging; DeepSpeed's would repeat it
+            zero_allow_untested_optimizer=True,  # a plain torch Adam/AdamW, so per-group lr stays ours
+        )
+        ds.setdefault("zero_optimization", {"stage": 0})
+        if self.optim.grad_clip is not None:
+            ds["gradient_clipping"] = self.optim.grad_clip
+        precision = self.resolved_precision(device_type)
+        if precision == "bf16":
+            ds["bf16"] = {"enabled": True}
+        elif precision == "fp16":
+            ds["fp16"] = {"enabled": True}
+        return ds
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A path as given, or a bare name (``mpp_b16`` / ``mpp_b16.json``) looked up in configs/."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    for cand in (CONFIG_DIR / p.name, CONFIG_DIR / f"{p.name}.json"):
+        if p.parent == Path(".") and cand.is_file():
+            return cand
+    raise ConfigError(f"{path}: config file not found (looked here and in {CONFIG_DIR})")
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> (["a", "b"], value parsed as JSON, else the string)."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    raw = copy.deepcopy(raw)
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = raw
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {k} is not a section")
+        node[keys[-1]] = value
+    return raw
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(x) for x in e["loc"] if not str(x).startswith("function-after"))
+    msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif "input" in e and e["type"] not in ("missing", "value_error"):
+        msg += f" (got {e['input']!r})"
+    return f"{source}: {loc}: {msg}" if loc else f"{source}: {msg}"
+
+
+def validate(raw: dict[str, Any], source: str = "<config>") -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read, override, validate. Errors are ``ConfigError`` naming the key and the file."""
+    p = resolve_config_path(path)
+    try:
+        raw = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: expected a JSON object at the top level")
+    raw = apply_overrides(raw, overrides or [])
+    cfg = validate(raw, str(p))
+    cfg._source = str(p)  # type: ignore[attr-defined]
+    return cfg
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2) + "\n")

@@ -1,0 +1,129 @@
+"""How much the training pipeline costs over bare decoding, on the same JPEGs.
+
+python -m mpp.data.bench --num-images 256 --img-size 224
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import tempfile
+import time
+
+import numpy as np
+from PIL import Image
+
+from .loader import make_train_loader
+from .writer import write_shards
+
+
+def synthetic_jpegs(
+    num_images: int, width: int = 500, height: int = 375, quality: int = 90, seed: int = 0
+) -> list[bytes]:
+    """Photo-like JPEGs (smooth colour fields plus grain): random noise would decode unrealistically slowly."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(num_images):
+        coarse = rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)
+        img = np.asarray(
+            Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC),
+            dtype=np.int16,
+        )
+        img = np.clip(img + rng.integers(-12, 13, img.shape), 0, 255).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(img).save(buf, "JPEG", quality=quality)
+        out.append(buf.getvalue())
+    return out
+
+
+def _bare(images: list[bytes], img_size: int) -> None:
+    for data in images:
+        img = Image.open(io.BytesIO(data))
+        img.draft("RGB", (img_size, img_size))
+        img = img if img.mode == "RGB" else img.convert("RGB")  # convert() to the same mode copies
+        np.asarray(img.resize((img_size, img_size), Image.Resampling.BICUBIC))
+
+
+def _best_times(repeats: int, **fns) -> dict[str, float]:
+    # Interleaved rounds, best of each: on a shared machine a burst of load then hits all
+    # contenders alike instead of whichever happened to run during it.
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def bench_pipeline(
+    num_images: int = 256,
+    img_size: int = 224,
+    width: int = 500,
+    height: int = 375,
+    batch_size: int = 32,
+    repeats: int = 3,
+) -> dict:
+    """images/s of (a) a bare PIL decode + resize loop and (b) the train pipeline (num_workers=0).
+
+    (c) repeats (b) with a crop that is the whole image, the same pixel work as (a), so that
+    `overhead_ratio` isolates what the pipeline adds (tar reading, shuffle, RNG, batch copy).
+    """
+    images = synthetic_jpegs(num_images, width, height)
+    num_batches = num_images // batch_size
+    with tempfile.TemporaryDirectory() as tmp:
+        shards = write_shards(
+            [(d, None) for d in images],
+            tmp,
+            "bench",
+            max_count=max(1, num_images // 4),
+            progress=False,
+        )
+
+        def pipeline(**crop):
+            loader = make_train_loader(
+                shards, batch_size=batch_size, num_batches=num_batches, img_size=img_size, num_workers=0,
+                resampled=False, **crop,
+            )  # fmt: skip
+            for _ in loader:
+                pass
+
+        full_crop = {
+            "crop_scale": (1.0, 1.0),
+            "crop_ratio": (width / height, width / height),
+            "hflip": 0.0,
+        }
+        pipeline()  # warm the page cache and imports
+        times = _best_times(
+            repeats,
+            bare=lambda: _bare(images[: num_batches * batch_size], img_size),
+            pipeline=pipeline,
+            full_crop=lambda: pipeline(**full_crop),
+        )
+        bare_s, pipe_s, full_s = times["bare"], times["pipeline"], times["full_crop"]
+    n = num_batches * batch_size
+    return {
+        "num_images": n,
+        "img_size": img_size,
+        "source_size": [width, height],
+        "bare_decode_resize_ips": n / bare_s,
+        "pipeline_ips": n / pipe_s,
+        "pipeline_full_crop_ips": n / full_s,
+        "cost_ratio": pipe_s
+        / bare_s,  # pipeline time per image / bare time per image; goal <= 1.10
+        "overhead_ratio": full_s / bare_s,
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        prog="python -m mpp.data.bench", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--num-images", type=int, default=256)
+    parser.add_argument("--img-size", type=int, default=224)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    print(
+        json.dumps(bench_pipeline(args.num_images, args.img_size, repeats=args.repeats), indent=1)
+    )

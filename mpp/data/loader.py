@@ -1,0 +1,355 @@
+"""Training and evaluation loaders: one webdataset pipeline per DataLoader worker, batched in the worker.
+
+Training (DESIGN.md §6): resampled shards, a fixed number of batches per worker so every rank
+yields the same count, and every random choice derived from (seed, epoch, rank, worker, index):
+    shards -> tar samples -> image/label -> shuffle -> number/skip -> decode+augment -> batch
+Evaluation: the shard list split by rank then by worker, one exact pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import webdataset as wds
+from torch.utils.data import DataLoader, IterableDataset
+
+from .errors import SkipCounter
+from .sources import check_shards, expand_shards
+from .tario import shard_samples
+from .transforms import IMAGE_KEYS, collate, eval_transform, train_transform
+
+
+def _worker_info() -> tuple[int, int]:
+    info = torch.utils.data.get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+def _share(n: int, worker: int, num_workers: int) -> int:
+    """How many of items 0..n-1 fall to `worker` when dealt round-robin (the DataLoader's order)."""
+    return n // num_workers + (worker < n % num_workers)
+
+
+# ---- pipeline stages: each takes an iterator and yields -------------------------------------
+
+
+def resampled_shards(shards: list[str], rng: random.Random) -> Iterator[dict]:
+    """Shards drawn with replacement, forever: no worker ever runs dry, whatever the shard sizes."""
+    while True:
+        yield {"url": rng.choice(shards)}
+
+
+def epoch_shards(
+    shards: list[str], key: str, part: slice, worker: int, num_workers: int
+) -> Iterator[dict]:
+    """Without replacement: a seeded permutation split by rank (`part`) then worker, cycled forever."""
+    order = list(shards)
+    random.Random(f"order/{key}").shuffle(order)
+    mine = order[part][worker::num_workers]
+    for cycle in itertools.count():
+        random.Random(f"cycle/{key}/{worker}/{cycle}").shuffle(mine)
+        yield from ({"url": url} for url in mine)
+
+
+def select_image(
+    src: Iterator[dict], errors: SkipCounter, with_labels: bool, num_classes: int | None
+) -> Iterator[tuple[bytes, int | None, str]]:
+    """webdataset sample -> (encoded image, label, "url#key"); samples without an image/label are skipped."""
+    for sample in src:
+        key = f"{sample['__url__']}#{sample['__key__']}"
+        image = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
+        if image is None:
+            errors.skip(
+                f"skipping sample {key}: no image member (has {sorted(sample)})", sample["__url__"]
+            )
+            continue
+        label = None
+        if with_labels:
+            try:
+                label = int(sample["cls"])
+                if num_classes is not None and not 0 <= label < num_classes:
+                    raise ValueError(f"label {label} outside [0, {num_classes})")
+            except (KeyError, ValueError) as exn:
+                errors.skip(
+                    f"skipping sample {key}: bad or missing .cls ({exn!r})", sample["__url__"]
+                )
+                continue
+        errors.sample_read()
+        yield image, label, key
+
+
+def number(src: Iterator, skip: int = 0) -> Iterator[tuple[int, tuple]]:
+    """Attach each sample's position in the stream; drop the first `skip` BEFORE decoding (cheap resume)."""
+    for index, sample in enumerate(src):
+        if index >= skip:
+            yield index, sample
+
+
+def decode(
+    src: Iterator, transform: Callable, rng_key: str, errors: SkipCounter
+) -> Iterator[tuple]:
+    """(index, (bytes, label, key)) -> (HWC uint8, label, key); the augmentation RNG is per sample index."""
+    for index, (data, label, key) in src:
+        rng = random.Random(f"aug/{rng_key}/{index}")
+        try:
+            image = transform(data, rng=rng)
+        except Exception as exn:  # PIL raises many types for corrupt data
+            errors.skip(f"skipping sample {key}: cannot decode ({exn!r})", decode=True)
+            continue
+        errors.sample_decoded()
+        yield image, label, key
+
+
+def batched(
+    src: Iterator, batch_size: int, collation_fn: Callable, partial: bool
+) -> Iterator[dict]:
+    # Not wds.batched: it holds a full batch until the NEXT sample arrives, decoding one extra
+    # image per batch ahead of need and one wasted at the end of a worker's share.
+    batch = []
+    for sample in src:
+        batch.append(sample)
+        if len(batch) == batch_size:
+            yield collation_fn(batch)
+            batch = []
+    if batch and partial:
+        yield collation_fn(batch)
+
+
+def take(src: Iterator, n: int) -> Iterator:
+    yield from itertools.islice(src, n)
+
+
+# ---- per-worker datasets --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    batch_size: int
+    img_size: int
+    rank: int = 0
+    world_size: int = 1
+    with_labels: bool = False
+    num_classes: int | None = None
+    with_keys: bool = False
+    allow_pipe: bool = False
+    max_consecutive_errors: int = 100
+    # training only
+    num_batches: int = 0
+    start_batch: int = 0
+    seed: int = 0
+    epoch: int = 0
+    crop_scale: tuple[float, float] = (0.2, 1.0)
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    hflip: float = 0.5
+    shuffle_buffer: int = 1000
+    resampled: bool = True
+
+
+class _TrainStream(IterableDataset):
+    def __init__(self, shards: list[str], cfg: StreamConfig):
+        self.shards, self.cfg = shards, cfg
+
+    def __iter__(self) -> Iterator[dict]:
+        c = self.cfg
+        worker, num_workers = _worker_info()
+        errors = SkipCounter(c.max_consecutive_errors)
+        # The DataLoader takes batches from workers 0, 1, ... in turn. Resuming at start_batch=k,
+        # worker w plays the part of worker (w + k) % W of the straight run, so batch k (which
+        # came from worker k % W) is again the first one out and the round-robin lines up.
+        role = (worker + c.start_batch) % num_workers
+        total = _share(c.num_batches, role, num_workers)
+        done = _share(c.start_batch, role, num_workers)
+        key = f"{c.seed}/{c.epoch}/{c.rank}/{role}"
+        if c.resampled:
+            source = partial(resampled_shards, self.shards, random.Random(f"shards/{key}"))
+        else:
+            part, epoch_key = slice(c.rank, None, c.world_size), f"{c.seed}/{c.epoch}"
+            source = partial(epoch_shards, self.shards, epoch_key, part, role, num_workers)
+        shuffle = wds.shuffle(
+            c.shuffle_buffer,
+            initial=max(1, c.shuffle_buffer // 5),
+            rng=random.Random(f"samples/{key}"),
+        )
+        augment = partial(
+            train_transform,
+            img_size=c.img_size,
+            scale=c.crop_scale,
+            ratio=c.crop_ratio,
+            hflip=c.hflip,
+        )
+        to_batch = partial(collate, with_keys=c.with_keys)
+        pipeline = wds.DataPipeline(
+            source,
+            partial(shard_samples, errors=errors, allow_pipe=c.allow_pipe),
+            partial(
+                select_image, errors=errors, with_labels=c.with_labels, num_classes=c.num_classes
+            ),
+            shuffle if c.shuffle_buffer > 1 else None,
+            partial(number, skip=done * c.batch_size),  # resume: skip before decoding
+            partial(decode, transform=augment, rng_key=key, errors=errors),
+            partial(batched, batch_size=c.batch_size, collation_fn=to_batch, partial=False),
+            partial(take, n=total - done),
+        )
+        for batch in pipeline:
+            yield {**batch, "_worker": worker, "_skipped": errors.skipped}
+        yield {"_worker": worker, "_skipped": errors.skipped, "_end": True}
+
+
+class _EvalStream(IterableDataset):
+    def __init__(self, shards: list[str], cfg: StreamConfig):
+        self.shards, self.cfg = shards, cfg
+
+    def __iter__(self) -> Iterator[dict]:
+        c = self.cfg
+        worker, num_workers = _worker_info()
+        errors = SkipCounter(c.max_consecutive_errors)
+        # split by node, then by worker: every shard read exactly once
+        mine = self.shards[c.rank :: c.world_size][worker::num_workers]
+        resize_crop = partial(eval_transform, img_size=c.img_size)
+        to_batch = partial(collate, with_keys=c.with_keys)
+        pipeline = wds.DataPipeline(
+            partial(iter, [{"url": url} for url in mine]),
+            partial(shard_samples, errors=errors, allow_pipe=c.allow_pipe),
+            partial(
+                select_image, errors=errors, with_labels=c.with_labels, num_classes=c.num_classes
+            ),
+            number,
+            partial(decode, transform=resize_crop, rng_key="eval", errors=errors),
+            partial(batched, batch_size=c.batch_size, collation_fn=to_batch, partial=True),
+        )
+        for batch in pipeline:
+            yield {**batch, "_worker": worker, "_skipped": errors.skipped}
+        # a last message so errors after the final batch (or in a worker with none) still count
+        yield {"_worker": worker, "_skipped": errors.skipped, "_end": True}
+
+
+class Loader:
+    """Iterable of batch dicts; `skipped` sums the bad-data counts reported by every worker."""
+
+    def __init__(self, dataset: IterableDataset, num_workers: int, num_batches: int | None):
+        self.dataset, self.num_workers, self.num_batches = dataset, num_workers, num_batches
+        self._skipped: dict[int, int] = {}
+
+    @property
+    def skipped(self) -> int:
+        return sum(self._skipped.values())
+
+    def __len__(self) -> int:
+        if self.num_batches is None:
+            raise TypeError("an evaluation loader's length depends on the shards; iterate it")
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[dict]:
+        loader = DataLoader(
+            self.dataset,
+            batch_size=None,  # batches are built inside the workers
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=False,
+            # its own generator: DataLoader otherwise draws worker seeds from the global torch
+            # RNG, and re-creating a loader on resume would shift every later mask draw
+            generator=torch.Generator().manual_seed(0),
+        )
+        self._skipped = {}
+        count = 0
+        for batch in loader:
+            self._skipped[batch.pop("_worker")] = batch.pop("_skipped")
+            if batch.pop("_end", False):
+                continue
+            batch["skipped"] = self.skipped
+            count += 1
+            yield batch
+        if self.num_batches is not None and count != self.num_batches:
+            # unequal batch counts across ranks deadlock the next collective: fail loudly instead
+            raise RuntimeError(f"training loader gave {count} batches, expected {self.num_batches}")
+
+
+def _validate(shards, allow_pipe: bool, rank: int, world_size: int, num_workers: int) -> list[str]:
+    shards = expand_shards(shards)
+    check_shards(shards, allow_pipe=allow_pipe)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside [0, world_size={world_size})")
+    workers = max(1, num_workers)
+    if len(shards) < world_size * workers:
+        raise ValueError(
+            f"{len(shards)} shard(s) for {world_size} rank(s) x {workers} worker(s): every worker needs "
+            f"at least one shard; write at least {world_size * workers} shards or use fewer workers"
+        )
+    return shards
+
+
+def make_train_loader(
+    shards: str | list[str],
+    *,
+    batch_size: int,
+    num_batches: int,
+    img_size: int,
+    crop_scale: tuple[float, float] = (0.2, 1.0),
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    hflip: float = 0.5,
+    seed: int = 0,
+    epoch: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 2,
+    start_batch: int = 0,
+    with_labels: bool = False,
+    shuffle_buffer: int = 1000,
+    allow_pipe: bool = False,
+    max_consecutive_errors: int = 100,
+    resampled: bool = True,
+    num_classes: int | None = None,
+    with_keys: bool = False,
+) -> Loader:
+    """Exactly `num_batches - start_batch` uint8 batches for this rank of this epoch.
+
+    Batches are {"image": (B,3,H,W) uint8, "label": (B,) int64 if with_labels, "skipped": int}.
+    Order and augmentation depend only on (seed, epoch, rank, num_workers, shards): with clean
+    data, start_batch=k gives exactly the batches after the first k of a straight run.
+    """
+    shards = _validate(shards, allow_pipe, rank, world_size, num_workers)
+    if batch_size < 1 or not 0 <= start_batch <= num_batches:
+        raise ValueError(
+            f"need batch_size >= 1 and 0 <= start_batch <= num_batches ({batch_size=}, {start_batch=}, {num_batches=})"
+        )
+    cfg = StreamConfig(
+        batch_size=batch_size, img_size=img_size, rank=rank, world_size=world_size, with_labels=with_labels,
+        num_classes=num_classes, with_keys=with_keys, allow_pipe=allow_pipe,
+        max_consecutive_errors=max_consecutive_errors, num_batches=num_batches, start_batch=start_batch,
+        seed=seed, epoch=epoch, crop_scale=crop_scale, crop_ratio=crop_ratio, hflip=hflip,
+        shuffle_buffer=shuffle_buffer, resampled=resampled,
+    )  # fmt: skip
+    dataset = _TrainStream(shards, cfg)
+    return Loader(dataset, num_workers, num_batches - start_batch)
+
+
+def make_eval_loader(
+    shards: str | list[str],
+    *,
+    batch_size: int,
+    img_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 2,
+    with_labels: bool = True,
+    allow_pipe: bool = False,
+    max_consecutive_errors: int = 100,
+    num_classes: int | None = None,
+    with_keys: bool = False,
+) -> Loader:
+    """One exact pass over this rank's shards (split by rank, then by worker); the last batch may be short.
+
+    Ranks may get different batch counts: reduce metrics after the loop, not per batch.
+    """
+    shards = _validate(shards, allow_pipe, rank, world_size, num_workers)
+    cfg = StreamConfig(
+        batch_size=batch_size, img_size=img_size, rank=rank, world_size=world_size, with_labels=with_labels,
+        num_classes=num_classes, with_keys=with_keys, allow_pipe=allow_pipe,
+        max_consecutive_errors=max_consecutive_errors,
+    )  # fmt: skip
+    dataset = _EvalStream(shards, cfg)
+    return Loader(dataset, num_workers, None)

@@ -1,0 +1,143 @@
+"""Shard lists: brace expansion, URL checks, sizes.json, opening a shard as a byte stream."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+from collections.abc import Iterable
+from urllib.parse import urlparse
+
+import braceexpand
+
+SIZES_FILE = "sizes.json"
+HTTP_TIMEOUT_S = 60.0
+
+
+def expand_shards(spec: str | Iterable[str]) -> list[str]:
+    """`train-{000000..000127}.tar`, comma-separated specs, lists, or a directory of `.tar` files."""
+    parts = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    shards: list[str] = []
+    for part in parts:
+        for piece in _split_top_level_commas(os.fspath(part)):
+            if os.path.isdir(piece):
+                shards += sorted(
+                    os.path.join(piece, f) for f in os.listdir(piece) if f.endswith(".tar")
+                )
+            else:
+                shards += list(braceexpand.braceexpand(piece))
+    if not shards:
+        raise ValueError(f"no shards in {spec!r}")
+    return shards
+
+
+def _split_top_level_commas(spec: str) -> list[str]:
+    # Commas inside braces belong to brace expansion ({a,b}); only the outer ones separate specs.
+    pieces, depth, start = [], 0, 0
+    for i, ch in enumerate(spec):
+        depth += (ch == "{") - (ch == "}")
+        if ch == "," and depth == 0:
+            pieces.append(spec[start:i])
+            start = i + 1
+    pieces.append(spec[start:])
+    return [p.strip() for p in pieces if p.strip()]
+
+
+def _scheme(url: str) -> str:
+    scheme = urlparse(url).scheme
+    return "" if len(scheme) <= 1 else scheme  # "C:\\x.tar" parses as scheme "c"
+
+
+def check_shards(shards: list[str], *, allow_pipe: bool = False) -> None:
+    """Fail early: refuse `pipe:` (it runs a shell command) unless allowed, name missing local files."""
+    missing = []
+    for url in shards:
+        scheme = _scheme(url)
+        if scheme == "pipe":
+            if not allow_pipe:
+                raise ValueError(
+                    f"refusing shard {url!r}: 'pipe:' runs a shell command; pass allow_pipe=True "
+                    "if the shard list is trusted"
+                )
+        elif scheme not in ("", "file", "http", "https"):
+            raise ValueError(
+                f"shard {url!r}: unsupported scheme {scheme!r} (local path, file:, http(s):, pipe:)"
+            )
+        elif scheme in ("", "file") and not os.path.isfile(_local_path(url)):
+            missing.append(url)
+    if missing:
+        shown = ", ".join(missing[:10]) + (
+            f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        )
+        raise FileNotFoundError(f"{len(missing)} shard file(s) not found: {shown}")
+
+
+def _local_path(url: str) -> str:
+    return urllib.request.url2pathname(urlparse(url).path) if url.startswith("file:") else url
+
+
+def open_shard(url: str, *, allow_pipe: bool = False):
+    """A readable binary stream for one shard (local file, http(s) or, if allowed, a `pipe:`)."""
+    scheme = _scheme(url)
+    if scheme in ("", "file"):
+        return open(_local_path(url), "rb")
+    if scheme in ("http", "https"):
+        # urllib, not webdataset's curl pipe: curl retries an unreachable host for a minute
+        # and reports nothing useful; urlopen fails at once with the reason.
+        return urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S)
+    if scheme == "pipe" and allow_pipe:
+        import webdataset as wds
+
+        return wds.gopen(url)
+    raise ValueError(f"refusing to open shard {url!r}")
+
+
+def _read_json(url: str) -> dict | None:
+    try:
+        if _scheme(url) in ("http", "https"):
+            with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as f:
+                return json.loads(f.read())
+        with open(_local_path(url)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _sizes_url(shard: str) -> str:
+    return shard.rsplit("/", 1)[0] + "/" + SIZES_FILE if "/" in shard else SIZES_FILE
+
+
+def read_sizes(shards: str | list[str]) -> dict | None:
+    """Merge the sizes.json files beside `shards`: {"shards": {name: count}, "class_names": [...]}.
+
+    None when no shard has a sizes.json beside it (shards written by other tools).
+    """
+    shards = expand_shards(shards)
+    merged: dict = {"shards": {}, "class_names": None}
+    found = False
+    for url in dict.fromkeys(_sizes_url(s) for s in shards):
+        sizes = _read_json(url)
+        if sizes is None:
+            continue
+        found = True
+        merged["shards"].update(sizes.get("shards", {}))
+        merged["class_names"] = merged["class_names"] or sizes.get("class_names")
+    return merged if found else None
+
+
+def count_samples(shards: str | list[str]) -> int:
+    """Total samples in `shards` according to sizes.json; ValueError when it cannot tell."""
+    shards = expand_shards(shards)
+    sizes = read_sizes(shards)
+    if sizes is None:
+        raise ValueError(
+            f"no {SIZES_FILE} beside the shards ({shards[0]} ...): pass the sample count "
+            "(num_samples) for shards written by other tools"
+        )
+    names = [s.rsplit("/", 1)[-1] for s in shards]
+    missing = [n for n in names if n not in sizes["shards"]]
+    if missing:
+        raise ValueError(
+            f"{SIZES_FILE} does not list {len(missing)} shard(s), e.g. {missing[0]}: pass num_samples"
+        )
+    return sum(sizes["shards"][n] for n in names)

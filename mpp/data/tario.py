@@ -1,0 +1,141 @@
+"""Reading tar shards into samples, with exact accounting of truncation.
+
+Not `tarfile`: in stream mode it ends silently when a shard is cut inside a header, so a
+truncated tar would lose samples without a trace. Here a shard must end with the all-zero
+end-of-archive block; anything short of it is one counted error, and the sample being read
+at the cut is dropped (it may be missing members).
+"""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Iterator
+
+from .errors import SkipCounter
+from .sources import open_shard
+
+BLOCK = 512
+
+
+class TarError(Exception):
+    def __init__(self, message: str, member: str | None = None):
+        super().__init__(message)
+        self.member = member  # the file being read at the cut, when its header was whole
+
+
+def _read_exact(stream, n: int) -> bytes:
+    data = stream.read(n)
+    while 0 < len(data) < n:  # sockets and pipes may return short reads before the end
+        more = stream.read(n - len(data))
+        if not more:
+            break
+        data += more
+    return data
+
+
+def _number(field: bytes) -> int:
+    if field[:1] and field[0] & 0x80:  # GNU base-256 for sizes past 8 GiB
+        return int.from_bytes(field[1:], "big")
+    return int(field.replace(b"\0", b" ").strip() or b"0", 8)
+
+
+def _pax_records(data: bytes) -> dict[str, str]:
+    records, pos = {}, 0
+    while pos < len(data) and data[pos : pos + 1] != b"\0":
+        space = data.index(b" ", pos)
+        length = int(data[pos:space])
+        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
+        records[key.decode()] = value.decode("utf-8", "replace")
+        pos += length
+    return records
+
+
+def read_tar(stream) -> Iterator[tuple[str, bytes]]:
+    """(name, bytes) of each regular file in an uncompressed tar stream (ustar, GNU, pax names)."""
+    pax: dict[str, str] = {}
+    long_name = None
+    while True:
+        header = _read_exact(stream, BLOCK)
+        if len(header) < BLOCK:
+            raise TarError(
+                "truncated: no end-of-archive block" if not header else "truncated inside a header"
+            )
+        if header == bytes(BLOCK):
+            return
+        stored = _number(header[148:156])
+        if stored != sum(header[:148]) + 8 * 32 + sum(header[156:]):
+            raise TarError("bad header checksum (not a tar file, or corrupt)")
+        size = int(pax["size"]) if "size" in pax else _number(header[124:136])
+        data = _read_exact(
+            stream, size
+        )  # exactly the member: slicing off the padding would copy it
+        padding = -size % BLOCK
+        if len(data) < size or len(_read_exact(stream, padding)) < padding:
+            name = header[:100].rstrip(b"\0").decode("utf-8", "replace")
+            member = pax.get("path") or long_name or name
+            raise TarError(f"truncated inside {member} ({len(data)} of {size} bytes)", member)
+        kind = header[156:157]
+        if kind == b"x":
+            pax = _pax_records(data)
+            continue
+        if kind == b"L":
+            long_name = data.rstrip(b"\0").decode("utf-8", "replace")
+            continue
+        if kind in (b"0", b"\0", b"7"):
+            name = header[:100].rstrip(b"\0").decode("utf-8", "replace")
+            if header[257:263] == b"ustar\0":  # POSIX only: GNU keeps atime/ctime at 345..369
+                prefix = header[345:500].rstrip(b"\0").decode("utf-8", "replace")
+                name = f"{prefix}/{name}" if prefix else name
+            name = pax.get("path") or long_name or name
+            if not name.endswith("/"):  # old tars mark directories only by the slash
+                yield name, data
+        pax, long_name = {}, None  # directories, links and global headers carry nothing for us
+
+
+def split_name(name: str) -> tuple[str | None, str | None]:
+    """webdataset's rule: the key is the path up to the first dot of the file name; the rest is the extension."""
+    slash = name.rfind("/") + 1
+    dot = name.find(".", slash)
+    if dot < 0:
+        return None, None
+    return name[:dot], name[dot + 1 :].lower()
+
+
+def shard_samples(
+    src: Iterator[dict], errors: SkipCounter, allow_pipe: bool = False
+) -> Iterator[dict]:
+    """Pipeline stage: {url} -> samples {"__key__", "__url__", ext: bytes}, grouped by key within a shard."""
+    for item in src:
+        url = item["url"]
+        errors.shard_opened(url)
+        try:
+            stream = open_shard(url, allow_pipe=allow_pipe)
+        except Exception as exn:  # any failure to open is bad data
+            errors.skip(f"cannot open shard {url}: {exn!r}", url=url)
+            continue
+        if url.endswith((".tar.gz", ".tgz")):
+            stream = gzip.GzipFile(fileobj=stream)
+        sample = None
+        try:
+            for name, data in read_tar(stream):
+                key, ext = split_name(name)
+                if key is None or key.rsplit("/", 1)[-1].startswith("__"):
+                    continue  # no extension, or webdataset metadata such as __index__
+                if sample is not None and key != sample["__key__"]:
+                    yield sample
+                    sample = None
+                if sample is None:
+                    sample = {"__key__": key, "__url__": url}
+                sample.setdefault(ext, data)
+        except Exception as exn:  # truncation, corrupt headers, network errors
+            errors.skip(f"skipping the rest of shard {url}: {exn!r}", url=url)
+            # The sample in progress is kept only if the cut is known to be in a later sample.
+            cut_key = (
+                split_name(exn.member)[0] if isinstance(exn, TarError) and exn.member else None
+            )
+            if sample is not None and (cut_key is None or cut_key == sample["__key__"]):
+                sample = None
+        finally:
+            stream.close()
+        if sample is not None:
+            yield sample

@@ -1,0 +1,395 @@
+"""The training engine: DeepSpeed init, parameter groups, the LR schedule, the step loop,
+logging and checkpoints. Read it top to bottom; DeepSpeed does the heavy lifting underneath.
+
+The engine knows nothing objective-specific: it calls ``objective(images) -> (loss, metrics)``
+and the two hooks of ``mpp.objectives.base.Objective``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mpp import checkpoint as ckpt
+from mpp.config import Config, ConfigError, save_config
+from mpp.data import count_samples, digits_shards, expand_shards, make_train_loader, normalize
+
+log = logging.getLogger("mpp.engine")
+
+
+# ---- distributed -----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def world_from_env() -> tuple[int, int]:
+    """(rank, world size) as the launcher set them; a plain ``python`` run is rank 0 of 1."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed() -> torch.device:
+    """Join the process group the launcher (deepspeed, torchrun, slurm) describes, or make a
+    one-process group for ``python pretrain/run.py``. gloo on CPU, NCCL on GPU."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+# ---- optimiser and schedule -----------------------------------------------------------------
+
+
+def param_groups(
+    model: torch.nn.Module, weight_decay: float, lr_scale_of: Callable[[str], float] | None = None
+) -> list[dict[str, Any]]:
+    """Trainable parameters grouped by (weight decay, lr scale). No decay on biases, norms
+    (any 1-D tensor) and the model's ``no_weight_decay()`` names (position embeddings, tokens)."""
+    skip = model.no_weight_decay() if hasattr(model, "no_weight_decay") else set()
+    groups: dict[tuple[float, float], dict[str, Any]] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        decay = 0.0 if p.ndim <= 1 or name.endswith(".bias") or name in skip else weight_decay
+        scale = lr_scale_of(name) if lr_scale_of else 1.0
+        group = groups.setdefault((decay, scale), {"params": [], "weight_decay": decay, "lr_scale": scale})
+        group["params"].append(p)
+    return list(groups.values())
+
+
+PAPER_OPTIMIZER = {"mpp": "adam", "mae": "adamw", "hpm": "adamw"}  # ViT paper: Adam; MAE/HPM: AdamW
+
+
+def build_optimizer(cfg: Config, model: torch.nn.Module, lr_scale_of=None) -> torch.optim.Optimizer:
+    o = cfg.optim
+    name = o.name or PAPER_OPTIMIZER[cfg.objective.name]
+    betas = o.betas or ((0.9, 0.999) if name == "adam" else (0.9, 0.95))
+    groups = param_groups(model, o.weight_decay, lr_scale_of)
+    if name == "adam":  # Adam's L2-style decay, as the ViT paper's Adam with weight decay
+        return torch.optim.Adam(groups, lr=peak_lr(cfg), betas=betas, eps=o.eps)
+    return torch.optim.AdamW(groups, lr=peak_lr(cfg), betas=betas, eps=o.eps)
+
+
+def peak_lr(cfg: Config) -> float:
+    """Absolute lr, or MAE's linear scaling rule: blr x global batch / 256."""
+    return cfg.optim.lr if cfg.optim.lr is not None else cfg.optim.blr * cfg.train.batch_size / 256
+
+
+def lr_at(step: int, *, peak: float, total: int, warmup: int, min_lr: float = 0.0) -> float:
+    """Linear warm-up from 0, then half-cosine to ``min_lr`` (MAE's per-iteration schedule)."""
+    if step < warmup:
+        return peak * step / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_lr + (peak - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Per-group lr = lr x lr_scale, on the engine's optimiser (DeepSpeed schedulers would
+    flatten the per-group scales)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
+# ---- the plan: everything checked before a run directory exists -----------------------------
+
+
+@dataclass
+class Plan:
+    train_shards: list[str]
+    samples_per_epoch: int
+    steps_per_epoch: int  # optimiser steps
+    total_steps: int
+    warmup_steps: int
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+    img_size: int
+    ds_config: dict
+
+    @property
+    def micro_per_epoch(self) -> int:  # micro-batches per rank per epoch
+        return self.steps_per_epoch * self.grad_accum
+
+    @property
+    def total_epochs(self) -> float:
+        return self.total_steps / self.steps_per_epoch
+
+
+def plan_run(cfg: Config, world_size: int, dev_type: str, img_size: int) -> Plan:
+    """Resolve data, batch and schedule; any problem is a ConfigError naming the key."""
+    src = getattr(cfg, "_source", "<config>")
+
+    def fail(key: str, msg: str) -> ConfigError:
+        return ConfigError(f"{src}: {key}: {msg}")
+
+    try:
+        micro, accum = cfg.micro_batch(world_size)
+    except ValueError as e:
+        raise fail("train.batch_size", str(e)) from None
+    try:
+        ds_config = cfg.deepspeed_config(world_size, dev_type)
+    except ValueError as e:
+        raise fail("train.precision", str(e)) from None
+    d = cfg.data
+    if d.train_shards is None:
+        spec, key = digits_shards(img_size)["train"], "data.builtin"
+    else:
+        spec, key = d.train_shards, "data.train_shards"
+    try:
+        shards = expand_shards(spec)
+    except ValueError as e:
+        raise fail(key, str(e)) from None
+    local_missing = [s for s in shards if "://" not in s and not s.startswith("pipe:") and not Path(s).is_file()]
+    if local_missing:
+        raise fail(key, f"{len(local_missing)} shard(s) not found, first: {local_missing[0]}")
+    if any(s.startswith("pipe:") for s in shards) and not d.allow_pipe:
+        raise fail(key, "pipe: shards run shell commands; set data.allow_pipe=true to allow them")
+    if d.num_samples is not None:
+        samples = d.num_samples
+    else:
+        try:
+            samples = count_samples(shards)
+        except ValueError as e:
+            raise fail("data.num_samples", f"{e} (set data.num_samples for shards without sizes.json)") from None
+    steps_per_epoch = samples // cfg.train.batch_size
+    if steps_per_epoch < 1:
+        raise fail("train.batch_size", f"{cfg.train.batch_size} exceeds the {samples} samples of an epoch")
+    t = cfg.train
+    total = t.max_steps if t.max_steps is not None else math.ceil(t.epochs * steps_per_epoch)
+    o = cfg.optim
+    warmup = o.warmup_steps if o.warmup_steps is not None else round((o.warmup_epochs or 0.0) * steps_per_epoch)
+    return Plan(shards, samples, steps_per_epoch, total, warmup, micro, accum, world_size, img_size, ds_config)
+
+
+# ---- run state and RNG ---------------------------------------------------------------------
+
+
+@dataclass
+class RunState:
+    step: int = 0  # optimiser steps done
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches this rank consumed in the current epoch
+    samples: int = 0  # images seen, all ranks
+    bad_steps: int = 0
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states, as plain lists and tensors (loadable with weights_only)."""
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": [list(x) if isinstance(x, tuple) else x for x in random.getstate()],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+    }
+
+
+def set_rng_state(s: dict[str, Any]) -> None:
+    torch.set_rng_state(s["torch"])
+    if s["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+    v, internal, gauss = s["python"]
+    random.setstate((v, tuple(internal), gauss))
+    n = s["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+# ---- logging -------------------------------------------------------------------------------
+
+
+class MetricLog:
+    """metrics.jsonl + TensorBoard on rank 0; sums metrics on the device between log steps so
+    the step itself never waits for the host."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.rank = rank
+        self.sums: dict[str, torch.Tensor] = {}
+        self.count = 0
+        self.data_wait = 0.0
+        self.t0 = time.perf_counter()
+        self.samples0 = 0
+        self.file = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
+        self.tb = None
+        if rank == 0:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tb"))
+            except ImportError:  # tensorboard is optional at run time
+                log.warning("tensorboard not installed: no event files")
+
+    def add(self, metrics: dict[str, torch.Tensor], data_wait: float) -> None:
+        for k, v in metrics.items():
+            v = v.detach().float()
+            self.sums[k] = self.sums[k] + v if k in self.sums else v.clone()
+        self.count += 1
+        self.data_wait += data_wait
+
+    def flush(self, state: RunState, plan: Plan, lr: float, skipped: int) -> dict[str, float] | None:
+        """All-reduce the averages (every rank calls this), write one record on rank 0."""
+        keys = sorted(self.sums)
+        dev = self.sums[keys[0]].device
+        extra = torch.tensor([float(skipped), self.data_wait], device=dev)
+        stats = torch.cat([torch.stack([self.sums[k] / self.count for k in keys]), extra])
+        dist.all_reduce(stats)
+        values = stats.tolist()
+        world = dist.get_world_size()
+        elapsed = time.perf_counter() - self.t0
+        record = {
+            "step": state.step,
+            "epoch": round(state.step / plan.steps_per_epoch, 4),
+            "samples": state.samples,
+            **{k: values[i] / world for i, k in enumerate(keys)},
+            "lr": lr,
+            "imgs_per_sec": (state.samples - self.samples0) / max(elapsed, 1e-9),
+            "data_wait_frac": values[-1] / world / max(elapsed, 1e-9),
+            "skipped": int(values[-2]),
+        }
+        self.sums, self.count, self.data_wait = {}, 0, 0.0
+        self.t0, self.samples0 = time.perf_counter(), state.samples
+        if self.rank == 0:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+            if self.tb is not None:
+                for k, v in record.items():
+                    if k != "step":
+                        self.tb.add_scalar(f"train/{k}", v, state.step)
+        return record
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.tb:
+            self.tb.close()
+
+
+# ---- the loop ------------------------------------------------------------------------------
+
+
+def train(
+    cfg: Config,
+    objective: torch.nn.Module,
+    plan: Plan,
+    run_dir: Path,
+    device: torch.device,
+    resume: str | None = None,
+    model_kwargs: dict | None = None,
+) -> RunState:
+    """Pretrain ``objective`` under DeepSpeed for ``plan.total_steps`` optimiser steps."""
+    import deepspeed
+    from tqdm import tqdm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seed_everything(cfg.train.seed + rank)  # ranks draw different masks; data has its own seeds
+    stop = min(plan.total_steps, cfg.train.stop_at_step or plan.total_steps)
+    optimizer = build_optimizer(cfg, objective)
+    engine, optimizer, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, config=plan.ds_config)
+    model = engine.module
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
+    ckpt_root = run_dir / "checkpoints"
+
+    state = RunState()
+    found = ckpt.resolve_resume(resume, ckpt_root)
+    if found:
+        _, client = engine.load_checkpoint(found[0], tag=found[1])
+        state = RunState(**client["state"])
+        set_rng_state(client["rng"][rank])
+        if rank == 0:
+            log.info("resumed from %s/%s at step %d", found[0], found[1], state.step)
+
+    def save() -> None:
+        rngs = [None] * world
+        dist.all_gather_object(rngs, rng_state())
+        ckpt.save_checkpoint(engine, ckpt_root, state.step, {"state": asdict(state), "rng": rngs}, cfg.train.keep_last)
+
+    peak = peak_lr(cfg)
+    schedule = dict(peak=peak, total=plan.total_steps, warmup=plan.warmup_steps, min_lr=cfg.optim.min_lr)
+    lr = lr_at(state.step, **schedule)
+    set_lr(optimizer, lr)
+    metrics_log = MetricLog(run_dir, rank)
+    bar = tqdm(total=plan.total_steps, initial=state.step, disable=rank != 0, dynamic_ncols=True, desc="pretrain")
+    d = cfg.data
+    skipped_before = 0  # bad samples this rank skipped in finished epochs
+
+    while state.step < stop:
+        loader = make_train_loader(
+            plan.train_shards, batch_size=plan.micro_batch, num_batches=plan.micro_per_epoch,
+            img_size=plan.img_size, crop_scale=d.crop_scale, crop_ratio=d.crop_ratio, hflip=d.hflip,
+            seed=cfg.train.seed, epoch=state.epoch, rank=rank, world_size=world, num_workers=d.num_workers,
+            start_batch=state.batch_in_epoch, shuffle_buffer=d.shuffle_buffer, allow_pipe=d.allow_pipe,
+        )  # fmt: skip
+        skipped_epoch = 0
+        t_wait = time.perf_counter()
+        for batch in loader:
+            data_wait = time.perf_counter() - t_wait
+            skipped_epoch = batch["skipped"]
+            images = normalize(batch["image"].to(device, non_blocking=True), d.mean, d.std).to(dtype)
+            model.set_progress(state.epoch + state.batch_in_epoch / plan.micro_per_epoch, plan.total_epochs)
+            loss, metrics = engine(images)
+            engine.backward(loss)
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.step()
+            state.batch_in_epoch += 1
+            metrics_log.add({"loss": loss, **metrics}, data_wait)
+            if boundary:
+                model.after_optimizer_step()
+                state.step += 1
+                state.samples += cfg.train.batch_size
+                if state.batch_in_epoch >= plan.micro_per_epoch:
+                    state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+                lr_done, lr = lr, lr_at(state.step, **schedule)
+                set_lr(optimizer, lr)
+                bar.update(1)
+                if state.step % cfg.train.log_every == 0 or state.step == stop:
+                    record = metrics_log.flush(state, plan, lr_done, skipped_before + skipped_epoch)
+                    bar.set_postfix(loss=f"{record['loss']:.4f}", ips=f"{record['imgs_per_sec']:.1f}")
+                if state.step % cfg.train.ckpt_every == 0 or state.step == stop:
+                    save()
+                if state.step >= stop:
+                    break
+            t_wait = time.perf_counter()
+        skipped_before += skipped_epoch
+    bar.close()
+    metrics_log.close()
+
+    # fp32 encoder for downstream: from the final checkpoint (ZeRO/bf16) or the module (fp32)
+    tag = ckpt.latest_complete(ckpt_root)
+    sd = ckpt.full_state_dict(engine, ckpt_root, tag)
+    if rank == 0:
+        ckpt.export_encoder(sd, model_kwargs or {}, run_dir / "encoder.safetensors")
+        save_config(cfg, run_dir / "encoder_config.json")
+    dist.barrier()
+    return state

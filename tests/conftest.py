@@ -1,0 +1,61 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session")
+def digits16(tmp_path_factory):
+    """The built-in digits dataset as 16-px shards, built once per test session."""
+    from mpp.data import digits_shards
+
+    return digits_shards(img_size=16, cache_dir=str(tmp_path_factory.mktemp("digits")))
+
+
+def tiny_config(digits, **sections) -> dict:
+    """A 2-block ViT on 16-px digits: seconds per run on a 2-core CPU."""
+    cfg = {
+        "name": "t",
+        "model": {"name": "vit_tiny_patch4_16", "depth": 2, "embed_dim": 32, "num_heads": 2},
+        "objective": {"name": "mpp"},
+        "masking": {"strategy": "random"},
+        "data": {"train_shards": digits["train"], "num_workers": 1, "shuffle_buffer": 64},
+        "optim": {"lr": 1e-3, "warmup_steps": 2},
+        "train": {"batch_size": 16, "max_steps": 4, "log_every": 1, "ckpt_every": 2, "seed": 0},
+        "deepspeed": {"zero_optimization": {"stage": 0}},
+    }
+    for key, value in sections.items():
+        cfg[key].update(value)
+    return cfg
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def run_cli(args: list[str], timeout: int = 240, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    """Run a command with the venv's executables first on PATH; output captured as text."""
+    dist_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE"}
+    base = {k: v for k, v in os.environ.items() if k not in dist_vars}  # a test's own group must not leak in
+    full_env = {**base, "PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def dist_group():
+    """A one-process gloo group, as ``python pretrain/run.py`` makes, for in-process DeepSpeed."""
+    from mpp.engine import init_distributed
+
+    init_distributed()
+    yield

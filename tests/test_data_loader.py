@@ -1,0 +1,285 @@
+"""Training and evaluation loaders (mpp/data/loader.py): exact passes, equal batch counts,
+determinism and resume, bad data, shards from other tools and over HTTP.
+"""
+
+import functools
+import http.server
+import io
+import logging
+import socket
+import tarfile
+import threading
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mpp.data import count_samples, make_eval_loader, make_train_loader, write_shards
+
+
+def encode(seed: int, fmt: str = "JPEG", h: int = 24, w: int = 32) -> bytes:
+    array = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, fmt)
+    return buf.getvalue()
+
+
+def write_tar(path, members: list[tuple[str, bytes]]) -> str:
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+def make_shards(folder, counts: list[int], prefix: str = "s") -> tuple[list[str], dict[str, int]]:
+    """One shard per count, labels = sample number % 5; returns the paths and {"url#key": label}."""
+    paths, labels, n = [], {}, 0
+    for i, count in enumerate(counts):
+        sub = folder / f"{prefix}{i}"
+        samples = [(encode(n + j), (n + j) % 5) for j in range(count)]
+        path = write_shards(samples, sub, prefix, seed=None, progress=False)[0]
+        labels.update({f"{path}#{j:09d}": (n + j) % 5 for j in range(count)})
+        paths.append(path)
+        n += count
+    return paths, labels
+
+
+def collect(loader) -> tuple[list[str], list[int], list[dict]]:
+    batches = list(loader)
+    keys = [k for b in batches for k in b["key"]]
+    labels = [int(v) for b in batches for v in b.get("label", [])]
+    return keys, labels, batches
+
+
+def test_eval_pass_sees_every_sample_once_across_ranks_and_workers(tmp_path):
+    paths, truth = make_shards(tmp_path, [3, 5, 1, 4, 2, 6, 3, 2])
+    keys, labels = [], []
+    for rank in range(2):
+        loader = make_eval_loader(
+            paths, batch_size=4, img_size=16, rank=rank, world_size=2, num_workers=2, with_keys=True
+        )
+        k, lab, batches = collect(loader)
+        keys += k
+        labels += lab
+        assert all(
+            b["image"].dtype == torch.uint8 and b["image"].shape[1:] == (3, 16, 16) for b in batches
+        )
+        assert all(b["label"].dtype == torch.int64 for b in batches)
+    assert sorted(keys) == sorted(truth)  # every sample exactly once over 2 ranks x 2 workers
+    assert labels == [truth[k] for k in keys]
+
+
+@pytest.mark.parametrize("resampled, num_workers", [(True, 2), (False, 0)])
+def test_every_rank_gets_the_same_number_of_batches(tmp_path, resampled, num_workers):
+    paths, _ = make_shards(tmp_path, [1, 30, 2, 7])  # very unequal shards
+    for rank in range(2):
+        loader = make_train_loader(
+            paths, batch_size=4, num_batches=7, img_size=16, rank=rank, world_size=2,
+            num_workers=num_workers, resampled=resampled, with_labels=True, shuffle_buffer=8,
+        )  # fmt: skip
+        batches = list(loader)
+        assert len(loader) == len(batches) == 7
+        assert all(b["image"].shape == (4, 3, 16, 16) and b["label"].shape == (4,) for b in batches)
+
+
+def test_seed_epoch_and_resume_determinism(tmp_path):
+    paths, _ = make_shards(tmp_path, [6, 9, 5, 8])
+
+    def run(num_workers=2, **kw):
+        args = dict(
+            batch_size=3,
+            num_batches=7,
+            img_size=16,
+            seed=5,
+            epoch=1,
+            num_workers=num_workers,
+            shuffle_buffer=10,
+            with_keys=True,
+        )
+        return list(make_train_loader(paths, **(args | kw)))
+
+    def same(a, b):
+        return len(a) == len(b) and all(
+            x["key"] == y["key"] and torch.equal(x["image"], y["image"])
+            for x, y in zip(a, b, strict=True)
+        )
+
+    straight = run()
+    assert same(straight[:3], run(num_batches=3))
+    for k in (3, 6):  # an odd k moves the first batch to worker 1 of the straight run
+        assert same(straight[k:], run(start_batch=k))
+    assert same(run(num_workers=0)[2:], run(num_workers=0, start_batch=2))
+    assert not same(straight[:2], run(seed=6)[:2])
+    assert not same(straight[:2], run(epoch=2)[:2])
+    # a different crop/flip for the same sample: augmentation depends on the sample's position, not only its bytes
+    images = [b["image"] for b in straight]
+    assert len({tuple(img.flatten()[:64].tolist()) for batch in images for img in batch}) == 21
+
+
+def test_bad_data_is_skipped_and_counted_exactly(tmp_path, caplog):
+    good, _ = make_shards(tmp_path, [4, 3])
+    jpeg = encode(99)
+    mixed = write_tar(tmp_path / "mixed.tar", [
+        ("a.jpg", encode(1)), ("a.cls", b"1"),
+        ("b.jpg", b"garbage, not an image"), ("b.cls", b"2"),  # 1: undecodable
+        ("c.jpg", jpeg[: len(jpeg) // 2]), ("c.cls", b"3"),     # 2: truncated JPEG
+        ("d.cls", b"4"),                                         # 3: no image member
+        ("e.png", encode(2, "PNG")), ("e.cls", b"0"),
+    ])  # fmt: skip
+    cut = write_tar(
+        tmp_path / "cut.tar",
+        [
+            (f"{i}.{ext}", encode(i) if ext == "jpg" else b"1")
+            for i in range(4)
+            for ext in ("jpg", "cls")
+        ],
+    )
+    with tarfile.open(cut) as tar:
+        member = tar.getmember("2.jpg")
+    data = open(cut, "rb").read()
+    open(cut, "wb").write(
+        data[: member.offset_data + member.size // 2]
+    )  # 4: truncated tar, cut inside sample 2
+    shards = good + [mixed, cut]
+    loader = make_eval_loader(shards, batch_size=5, img_size=16, num_workers=2, with_keys=True)
+    keys, _, batches = collect(loader)
+    assert len(keys) == 4 + 3 + 2 + 2  # good, good, mixed (a, e), cut (0, 1)
+    assert loader.skipped == 4  # summed over both worker processes
+
+    caplog.set_level(logging.WARNING, logger="mpp.data")
+    train = make_train_loader(
+        [mixed, cut], batch_size=4, num_batches=5, img_size=16, num_workers=0, with_labels=True
+    )
+    batches = list(train)
+    assert len(batches) == 5 and batches[-1]["skipped"] == train.skipped > 0
+    assert [b["skipped"] for b in batches] == sorted(b["skipped"] for b in batches)
+    assert "cut.tar" in caplog.text and "mixed.tar#d" in caplog.text
+    assert len(caplog.records) < train.skipped  # rate-limited
+
+
+def test_all_bad_shards_raise_instead_of_looping(tmp_path):
+    not_tars = [write_tar(tmp_path / f"e{i}.tar", []) for i in range(2)] + [
+        str(tmp_path / "jpeg.tar")
+    ]
+    (tmp_path / "jpeg.tar").write_bytes(encode(0))
+    with pytest.raises(RuntimeError, match="consecutive.*jpeg.tar|consecutive.*e0.tar"):
+        list(
+            make_train_loader(
+                not_tars,
+                batch_size=2,
+                num_batches=2,
+                img_size=16,
+                num_workers=0,
+                max_consecutive_errors=5,
+            )
+        )
+    corrupt = write_tar(
+        tmp_path / "corrupt.tar", [(f"{i}.jpg", b"\xff\xd8\xff junk") for i in range(4)]
+    )
+    with pytest.raises(RuntimeError, match="consecutive"):
+        list(
+            make_train_loader(
+                [corrupt],
+                batch_size=2,
+                num_batches=2,
+                img_size=16,
+                num_workers=0,
+                max_consecutive_errors=5,
+            )
+        )
+
+
+def test_start_checks_name_the_problem(tmp_path):
+    paths, _ = make_shards(tmp_path, [2, 2, 2])
+    with pytest.raises(ValueError, match=r"3 shard\(s\) for 2 rank\(s\) x 2 worker\(s\)"):
+        make_train_loader(
+            paths, batch_size=2, num_batches=1, img_size=16, world_size=2, num_workers=2
+        )
+    with pytest.raises(ValueError, match="allow_pipe"):
+        make_eval_loader([f"pipe:cat {paths[0]}"], batch_size=2, img_size=16, num_workers=0)
+    piped = make_eval_loader(
+        [f"pipe:cat {paths[0]}"], batch_size=2, img_size=16, num_workers=0, allow_pipe=True
+    )
+    assert sum(len(b["image"]) for b in piped) == 2
+    with pytest.raises(FileNotFoundError, match="nowhere-000001.tar"):
+        make_train_loader(
+            paths + [str(tmp_path / "nowhere-000001.tar")],
+            batch_size=2,
+            num_batches=1,
+            img_size=16,
+            num_workers=0,
+        )
+
+
+def test_shards_from_other_tools_with_num_samples(tmp_path):
+    """img2dataset layout: jpg/png/webp + cls + json/txt members, no sizes.json."""
+    exts = ["jpg", "png", "webp"]
+    for s in range(3):
+        members = []
+        for i in range(3 * s, 3 * s + 3):
+            fmt = exts[i % 3]
+            members += [(f"{i:09d}.{fmt}", encode(i, "JPEG" if fmt == "jpg" else fmt.upper())), (f"{i:09d}.cls", str(i).encode()),
+                        (f"{i:09d}.json", b"{}"), (f"{i:09d}.txt", b"a caption")]  # fmt: skip
+        write_tar(tmp_path / f"{s:05d}.tar", members)
+    spec = str(tmp_path / "{00000..00002}.tar")
+    with pytest.raises(ValueError, match="num_samples"):
+        count_samples(spec)
+    num_samples = 9  # given by the caller
+    loader = make_train_loader(
+        spec,
+        batch_size=3,
+        num_batches=num_samples // 3,
+        img_size=16,
+        num_workers=0,
+        with_labels=True,
+        num_classes=10,
+    )
+    assert len(list(loader)) == 3 and loader.skipped == 0
+    _, labels, _ = collect(
+        make_eval_loader(
+            spec, batch_size=4, img_size=16, num_workers=0, num_classes=10, with_keys=True
+        )
+    )
+    assert sorted(labels) == list(range(9))
+
+
+@pytest.fixture
+def data_http_server(tmp_path):
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_http_shards_and_unreachable_url(tmp_path, data_http_server, caplog):
+    write_shards([(encode(i), i) for i in range(6)], tmp_path, "web", max_count=3, progress=False)
+    spec = f"{data_http_server}/web-{{000000..000001}}.tar"
+    assert count_samples(spec) == 6  # sizes.json fetched over HTTP
+    dead = f"http://127.0.0.1:{closed_port()}/web-000000.tar"
+    caplog.set_level(logging.WARNING, logger="mpp.data")
+    loader = make_eval_loader([spec, dead], batch_size=4, img_size=16, num_workers=0)
+    assert sorted(int(v) for b in loader for v in b["label"]) == list(range(6))
+    assert loader.skipped == 1 and dead in caplog.text
+    with pytest.raises(RuntimeError, match=dead):
+        list(
+            make_train_loader(
+                [dead],
+                batch_size=2,
+                num_batches=1,
+                img_size=16,
+                num_workers=0,
+                max_consecutive_errors=3,
+            )
+        )

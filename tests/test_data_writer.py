@@ -1,0 +1,201 @@
+"""Shard writer, CLI and shard-list helpers (mpp/data/writer.py, shards.py, sources.py, tario.py)."""
+
+import io
+import json
+import os
+import tarfile
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mpp.data import (
+    count_samples,
+    expand_shards,
+    from_arrays,
+    from_flat_folder,
+    from_image_folder,
+    read_sizes,
+    write_shards,
+)
+from mpp.data.shards import main as shards_main
+from mpp.data.tario import read_tar
+
+
+def encode(array: np.ndarray, fmt: str = "JPEG") -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, fmt)
+    return buf.getvalue()
+
+
+def random_image(seed: int, h: int = 20, w: int = 28) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def tar_members(path: str) -> dict[str, bytes]:
+    with tarfile.open(path) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+
+
+def test_round_trip_keeps_bytes_and_labels(tmp_path):
+    images = [encode(random_image(i), "JPEG" if i % 2 else "PNG") for i in range(10)]
+    labels = [i % 3 for i in range(10)]
+    paths = write_shards(
+        zip(images, labels, strict=True),
+        tmp_path,
+        "train",
+        max_count=3,
+        seed=1,
+        class_names=["a", "b", "c"],
+        progress=False,
+    )
+    assert [os.path.basename(p) for p in paths] == [f"train-{i:06d}.tar" for i in range(4)]
+    seen = {}
+    for path in paths:
+        members = tar_members(path)
+        for name, data in members.items():
+            key, ext = name.split(".")
+            if ext in ("jpg", "png"):
+                seen[data] = int(members[f"{key}.cls"])
+    assert seen == dict(
+        zip(images, labels, strict=True)
+    )  # every image, byte-identical, with its label
+    sizes = json.loads((tmp_path / "sizes.json").read_text())
+    assert sizes["shards"] == {
+        "train-000000.tar": 3,
+        "train-000001.tar": 3,
+        "train-000002.tar": 3,
+        "train-000003.tar": 1,
+    }
+    assert sizes["class_names"] == ["a", "b", "c"]
+    assert count_samples(str(tmp_path / "train-{000000..000003}.tar")) == 10
+    # our own reader agrees with tarfile on every member
+    with open(paths[0], "rb") as f:
+        assert dict(read_tar(f)) == tar_members(paths[0])
+
+
+def test_seed_shuffles_reproducibly(tmp_path):
+    samples = [(encode(random_image(i)), i) for i in range(12)]
+
+    def order(seed, sub):
+        path = write_shards(samples, tmp_path / sub, "x", seed=seed, progress=False)[0]
+        members = tar_members(path)
+        return [int(members[n]) for n in sorted(members) if n.endswith(".cls")]
+
+    assert order(None, "a") == list(range(12))
+    assert order(3, "b") == order(3, "c") != order(4, "d")
+
+
+def test_max_size_bounds_every_shard(tmp_path):
+    samples = [(encode(random_image(i, 32, 32), "PNG"), None) for i in range(12)]
+    one = len(samples[0][0])
+    max_size = 10240 + 3 * (one + 1024)
+    paths = write_shards(samples, tmp_path, "s", max_size=max_size, progress=False)
+    assert len(paths) >= 4
+    assert all(os.path.getsize(p) <= max_size for p in paths)
+    assert sum(read_sizes(paths)["shards"].values()) == 12
+
+
+def test_train_and_val_share_a_folder_and_refuse_silent_overwrite(tmp_path):
+    write_shards([(encode(random_image(0)), 0)], tmp_path, "train", progress=False)
+    write_shards([(encode(random_image(1)), 1)] * 2, tmp_path, "val", progress=False)
+    assert read_sizes(str(tmp_path / "train-000000.tar"))["shards"] == {
+        "train-000000.tar": 1,
+        "val-000000.tar": 2,
+    }
+    with pytest.raises(FileExistsError, match="overwrite"):
+        write_shards([(encode(random_image(0)), 0)], tmp_path, "train", progress=False)
+    write_shards(
+        [(encode(random_image(0)), 0)] * 3, tmp_path, "train", overwrite=True, progress=False
+    )
+    assert count_samples(str(tmp_path / "train-000000.tar")) == 3
+
+
+def test_image_folder_cli_and_flat_folder(tmp_path, capsys):
+    src = tmp_path / "src"
+    for label, name in enumerate(["cat", "dog"]):
+        (src / name / "sub").mkdir(parents=True)
+        for i in range(3 + label):
+            (src / name / "sub" / f"{i}.jpg").write_bytes(encode(random_image(10 * label + i)))
+    samples, class_names = from_image_folder(src)
+    assert class_names == ["cat", "dog"] and sorted(label for _, label in samples) == [
+        0,
+        0,
+        0,
+        1,
+        1,
+        1,
+        1,
+    ]
+    paths = shards_main(
+        [str(src), str(tmp_path / "out"), "--prefix", "train", "--max-count", "4", "--no-progress"]
+    )
+    assert len(paths) == 2 and "train-{000000..000001}.tar" in capsys.readouterr().out
+    sizes = read_sizes(paths)
+    assert sizes["class_names"] == ["cat", "dog"] and sum(sizes["shards"].values()) == 7
+    cls = [int(v) for p in paths for n, v in tar_members(p).items() if n.endswith(".cls")]
+    assert sorted(cls) == [0, 0, 0, 1, 1, 1, 1]
+
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for i in range(3):
+        (flat / f"{i}.png").write_bytes(encode(random_image(i), "PNG"))
+    (flat / "notes.txt").write_text("not an image")
+    assert len(from_flat_folder(flat)) == 3
+    paths = shards_main([str(flat), str(tmp_path / "flat_out"), "--no-progress"])
+    assert sorted(n.split(".")[1] for n in tar_members(paths[0])) == ["png"] * 3  # no .cls
+
+
+def test_arrays_resize_and_reencode(tmp_path):
+    arrays = np.stack([random_image(i, 8, 8) for i in range(4)])
+    path = write_shards(
+        from_arrays(arrays, [0, 1, 2, 3]), tmp_path / "a", "a", seed=None, progress=False
+    )[0]
+    pngs = [v for n, v in sorted(tar_members(path).items()) if n.endswith(".png")]
+    assert all(
+        np.array_equal(np.asarray(Image.open(io.BytesIO(b))), a)
+        for b, a in zip(pngs, arrays, strict=True)
+    )  # lossless
+
+    jpg = encode(random_image(0, 60, 90))
+    path = write_shards(
+        [(jpg, None)], tmp_path / "b", "b", resize=30, reencode="webp", progress=False
+    )[0]
+    ((name, data),) = tar_members(path).items()
+    assert name.endswith(".webp") and Image.open(io.BytesIO(data)).size == (45, 30)  # short side 30
+
+
+def test_expand_shards_forms(tmp_path):
+    assert expand_shards("a-{000..002}.tar") == ["a-000.tar", "a-001.tar", "a-002.tar"]
+    assert expand_shards("a-{0..1}.tar,b-{x,y}.tar") == ["a-0.tar", "a-1.tar", "b-x.tar", "b-y.tar"]
+    assert expand_shards(["u.tar", "v-{1..2}.tar"]) == ["u.tar", "v-1.tar", "v-2.tar"]
+    for name in ("b.tar", "a.tar", "sizes.json"):
+        (tmp_path / name).write_bytes(b"")
+    assert expand_shards(str(tmp_path)) == [str(tmp_path / "a.tar"), str(tmp_path / "b.tar")]
+    with pytest.raises(ValueError):
+        expand_shards([])
+
+
+def test_count_samples_without_sizes_asks_for_num_samples(tmp_path):
+    (tmp_path / "x-0.tar").write_bytes(b"")
+    assert read_sizes(str(tmp_path / "x-0.tar")) is None
+    with pytest.raises(ValueError, match="num_samples"):
+        count_samples(str(tmp_path / "x-0.tar"))
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT])
+def test_tar_reader_agrees_with_tarfile(tmp_path, fmt):
+    long_dir = "d" * 120 if fmt != tarfile.USTAR_FORMAT else "d" * 60
+    path = tmp_path / "x.tar"
+    with tarfile.open(path, "w", format=fmt) as tar:
+        folder = tarfile.TarInfo("folder")
+        folder.type = tarfile.DIRTYPE
+        tar.addfile(folder)  # a directory: not a member for us
+        for i, size in enumerate([0, 1, 511, 512, 513, 5000]):
+            info = tarfile.TarInfo(f"{long_dir}/{i:03d}.bin")
+            info.size = size
+            tar.addfile(info, io.BytesIO(bytes([i]) * size))
+    with open(path, "rb") as f:
+        ours = list(read_tar(f))
+    assert ours == [(n, d) for n, d in tar_members(path).items() if n.endswith(".bin")]
+    assert len(ours) == 6

@@ -1,0 +1,85 @@
+"""The engine in-process: LR schedule, parameter groups, exact resume, the export."""
+
+import math
+
+import pytest
+import torch
+from conftest import read_metrics, run_cli, tiny_config, write_config
+
+from mpp.build import build_objective
+from mpp.checkpoint import load_encoder_file
+from mpp.config import validate
+from mpp.engine import build_optimizer, lr_at, param_groups, set_lr
+from mpp.models import create_vit
+
+
+def test_lr_schedule_warmup_then_cosine():
+    kw = dict(peak=1.0, total=110, warmup=10, min_lr=0.1)
+    assert lr_at(0, **kw) == 0.0
+    assert lr_at(5, **kw) == pytest.approx(0.5)
+    assert lr_at(10, **kw) == pytest.approx(1.0)
+    assert lr_at(60, **kw) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(110, **kw) == pytest.approx(0.1)
+
+
+def test_param_groups_exempt_bias_norm_pos_and_tokens():
+    cfg = validate({"model": {"name": "vit_tiny_patch4_16", "depth": 1}, "optim": {"lr": 1e-3, "weight_decay": 0.05},
+                    "train": {"max_steps": 1}, "data": {"builtin": "digits"}})
+    obj = build_objective(cfg)
+    groups = param_groups(obj, 0.05)
+    names = {id(p): n for n, p in obj.named_parameters()}
+    no_decay = {names[id(p)] for g in groups if g["weight_decay"] == 0.0 for p in g["params"]}
+    decay = {names[id(p)] for g in groups if g["weight_decay"] > 0.0 for p in g["params"]}
+    assert {"encoder.pos_embed", "encoder.cls_token", "mask_token", "encoder.blocks.0.attn.qkv.bias",
+            "encoder.blocks.0.norm1.weight", "encoder.norm.weight"} <= no_decay
+    assert {"encoder.blocks.0.attn.qkv.weight", "encoder.patch_embed.proj.weight", "head.weight"} <= decay
+    assert isinstance(build_optimizer(cfg, obj), torch.optim.Adam)  # the ViT paper's optimiser for mpp
+    cfg.objective.name = "mae"
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_per_group_lr_follows_schedule_times_lr_scale_on_the_engine_optimizer(stage, dist_group):
+    import deepspeed
+
+    enc = create_vit("vit_tiny_patch4_16", depth=2, embed_dim=32, num_heads=2)
+    scale = lambda name: 0.5 if name.startswith("blocks.0.") else 1.0  # noqa: E731
+    opt = torch.optim.AdamW(param_groups(enc, 0.05, scale), lr=1.0)
+    engine, opt, _, _ = deepspeed.initialize(model=enc, optimizer=opt, config={
+        "train_batch_size": 2, "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9})
+    kw = dict(peak=1e-3, total=6, warmup=2)
+    for step in range(6):
+        set_lr(opt, lr_at(step, **kw))
+        # the groups the underlying torch optimiser steps with, not a copy
+        inner = getattr(opt, "optimizer", opt)
+        for g in inner.param_groups:
+            assert g["lr"] == pytest.approx(lr_at(step, **kw) * g["lr_scale"])
+        assert sorted({g["lr_scale"] for g in inner.param_groups}) == [0.5, 1.0]
+        loss = engine(torch.randn(2, 3, 16, 16)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+
+
+def test_exact_resume_equals_straight_run(tmp_path, digits16):
+    """8 steps straight == 4 steps, then --resume auto for 4 more: same per-step losses."""
+    cfg = tiny_config(digits16, train={"max_steps": 8, "ckpt_every": 4}, data={"num_workers": 2})
+    path = write_config(tmp_path / "c.json", cfg)
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    r = run_cli(["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(straight)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_cli(["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(split), "--set", "train.stop_at_step=4"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_cli(["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(split), "--resume", "auto"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr
+    a, b = read_metrics(straight), read_metrics(split)
+    assert [m["step"] for m in b] == list(range(1, 9)) and [m["samples"] for m in b] == [16 * s for s in range(1, 9)]
+    assert [m["loss"] for m in b] == [m["loss"] for m in a]  # bitwise: fp32 on the CPU is deterministic
+    assert [m["lr"] for m in b] == [m["lr"] for m in a]
+    sd_a, kwargs = load_encoder_file(straight / "encoder.safetensors")
+    sd_b, _ = load_encoder_file(split / "encoder.safetensors")
+    assert kwargs["name"] == "vit_tiny_patch4_16" and kwargs["depth"] == 2
+    for k in sd_a:
+        torch.testing.assert_close(sd_a[k], sd_b[k], rtol=0, atol=0)
+    enc = create_vit(kwargs.pop("name"), **kwargs)
+    enc.load_state_dict(sd_a, strict=True)  # the export is exactly the encoder

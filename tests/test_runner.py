@@ -1,0 +1,156 @@
+"""pretrain/run.py through the real DeepSpeed launcher on the CPU (gloo)."""
+
+import json
+import socket
+import subprocess
+
+import pytest
+import torch
+from conftest import REPO, read_metrics, run_cli, tiny_config, write_config
+
+from mpp.checkpoint import MARKER, load_encoder_file
+from mpp.models import create_vit
+from pretrain.run import main
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_run(run_dir, steps):
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    for key in ("epoch", "samples", "loss", "lr", "imgs_per_sec", "data_wait_frac", "skipped", "acc", "frac_mask_token"):
+        assert key in metrics[-1], key
+    assert (run_dir / "checkpoints" / f"step{steps:08d}" / MARKER).is_file()
+    assert list((run_dir / "tb").iterdir()), "no TensorBoard event file"
+    sd, kwargs = load_encoder_file(run_dir / "encoder.safetensors")
+    enc = create_vit(kwargs.pop("name"), **kwargs)
+    enc.load_state_dict(sd, strict=True)
+    return metrics, sd
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory, digits16):
+    """ZeRO-2 and ZeRO-3 runs of the same config on 2 ranks: computed once, checked by several tests."""
+    tmp = tmp_path_factory.mktemp("zero")
+    runs = {}
+    for stage in (2, 3):
+        cfg = tiny_config(digits16, train={"max_steps": 3, "ckpt_every": 2},
+                          deepspeed={"zero_optimization": {"stage": stage}})
+        path = write_config(tmp / f"z{stage}.json", cfg)
+        out = tmp / f"z{stage}"
+        r = run_cli(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "pretrain/run.py",
+                     "--config", str(path), "--output-dir", str(out)])
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        runs[stage] = (out, path)
+    return runs
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_zero_stage_writes_metrics_checkpoint_and_encoder(two_rank_runs, stage):
+    out, _ = two_rank_runs[stage]
+    metrics, _ = check_run(out, 3)
+    assert metrics[-1]["samples"] == 48  # global batch 16 = 2 ranks x 8
+    ds_files = {p.name for p in (out / "checkpoints" / "step00000003").iterdir()}
+    assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= ds_files
+
+
+def test_zero2_and_zero3_train_the_same_model(two_rank_runs):
+    """Same seed, same data: ZeRO only changes where the state lives, not the numbers."""
+    m2, sd2 = check_run(two_rank_runs[2][0], 3)
+    m3, sd3 = check_run(two_rank_runs[3][0], 3)
+    assert [m["loss"] for m in m2] == pytest.approx([m["loss"] for m in m3], rel=1e-5)
+    for k in sd2:
+        torch.testing.assert_close(sd2[k], sd3[k], rtol=1e-4, atol=1e-5)
+
+
+def test_two_node_loopback_job_equals_one_node(two_rank_runs, tmp_path):
+    """Two launchers, --no_ssh, one rank each: the same losses as 1 node x 2 ranks."""
+    ref_dir, cfg_path = two_rank_runs[2]
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    port, out = str(free_port()), tmp_path / "two_node"
+    cmd = lambda r: ["deepspeed", "--hostfile", str(hostfile), "--no_ssh", f"--node_rank={r}",  # noqa: E731
+                     "--master_addr", "127.0.0.1", "--master_port", port, "pretrain/run.py",
+                     "--config", str(cfg_path), "--output-dir", str(out)]
+    node1 = subprocess.Popen(cmd(1), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    r0 = run_cli(cmd(0))
+    _, err1 = node1.communicate(timeout=240)
+    assert r0.returncode == 0, r0.stderr[-3000:]
+    assert node1.returncode == 0, err1[-3000:]
+    assert "nnodes=2" in r0.stdout + r0.stderr
+    metrics, _ = check_run(out, 3)
+    assert [m["loss"] for m in metrics] == [m["loss"] for m in read_metrics(ref_dir)]
+
+
+def _env():
+    import os
+    import sys
+    from pathlib import Path
+
+    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    return env
+
+
+# ---- bad input: one line naming the key and the file, exit 2, no run directory ---------------
+
+BAD = [
+    ({"train": {"bogus": 1}}, "train.bogus: unknown key"),
+    ({"train": {"max_steps": "ten"}}, "train.max_steps"),
+    ({"optim": {"lr": -1e-3}}, "optim.lr: Input should be greater than 0"),
+    ({"train": {"batch_size": 15}}, "train.batch_size 15 is not divisible by the world size"),
+    ({"deepspeed": {"zero_optimization": {"stage": 4}}}, "deepspeed.zero_optimization.stage must be 0, 1, 2 or 3"),
+    ({"train": {"precision": "fp16"}}, "train.precision: train.precision 'fp16' needs a GPU"),
+    ({"data": {"train_shards": "/nonexistent/train-{000000..000003}.tar"}}, "data.train_shards: 4 shard(s) not found"),
+    ({"objective": {"mask_ratio": 1.5}}, "objective.mask_ratio must be in [0, 1], got 1.5"),
+    ({"objective": {"colour": "red"}}, "objective.colour: unknown key for objective 'mpp'"),
+    ({"model": {"img_size": 18}}, "not divisible by patch_size 4"),
+    ({"masking": {"strategy": "spiral"}}, "masking: unknown masking strategy 'spiral'"),
+    ({"deepspeed": {"train_batch_size": 32}}, "deepspeed.train_batch_size is derived from train.batch_size"),
+]
+
+
+@pytest.mark.parametrize("change,message", BAD, ids=[m.split(":")[0][:30] for _, m in BAD])
+def test_bad_config_is_one_line_exit_2_and_no_run_dir(tmp_path, digits16, capsys, change, message):
+    cfg = tiny_config(digits16, train={"batch_size": 16})
+    for section, values in change.items():
+        for k, v in values.items():
+            if isinstance(v, dict) and isinstance(cfg[section].get(k), dict):
+                cfg[section][k].update(v)
+            else:
+                cfg[section][k] = v
+    if "world size" in message:  # only the launcher knows the world size: emulate 2 ranks
+        import os
+
+        os.environ["WORLD_SIZE"] = "2"
+    path = write_config(tmp_path / "bad.json", cfg)
+    out = tmp_path / "run"
+    try:
+        code = main(["--config", str(path), "--output-dir", str(out)])
+    finally:
+        import os
+
+        os.environ.pop("WORLD_SIZE", None)
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1, err
+    assert message in err and str(path) in err, err
+    assert not out.exists()
+
+
+def test_bad_config_through_the_cli_exits_2(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"optim": {"lr": 1e-3}, "train": {"max_steps": 1, "typo": 3}, "data": {"builtin": "digits"}}))
+    r = run_cli(["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(tmp_path / "run")])
+    assert r.returncode == 2 and f"{path}: train.typo: unknown key" in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_bare_config_name_resolves_in_configs_dir(capsys):
+    code = main(["--config", "mpp_b16", "--set", "train.bogus=1"])
+    assert code == 2 and "configs/mpp_b16.json: train.bogus: unknown key" in capsys.readouterr().err
