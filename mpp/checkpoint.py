@@ -8,9 +8,11 @@ it, so ``--resume auto`` always resumes from a checkpoint that was written whole
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +81,46 @@ def resolve_resume(resume: str | None, ckpt_root: Path) -> tuple[str, str] | Non
     raise FileNotFoundError(f"--resume {resume}: no complete checkpoint there")
 
 
+# ---- reading checkpoints without unpickling arbitrary objects ---------------------------------
+
+
+def _deepspeed_checkpoint_classes() -> list:
+    """The classes DeepSpeed pickles into its own checkpoint files (found by loading ZeRO-0..3
+    checkpoints with weights_only=True); nothing else may be constructed on load."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextlib.contextmanager
+def weights_only_loads() -> Iterator[None]:
+    """DeepSpeed's readers (``load_checkpoint``, zero-to-fp32) call ``torch.load(weights_only=False)``.
+    Inside this context every ``torch.load`` runs with ``weights_only=True`` and only DeepSpeed's
+    own checkpoint classes allow-listed, so a pickled payload in a checkpoint is refused."""
+    original = torch.load
+
+    def safe_load(*args: Any, **kwargs: Any) -> Any:
+        kwargs["weights_only"] = True
+        return original(*args, **kwargs)
+
+    with torch.serialization.safe_globals(_deepspeed_checkpoint_classes()):
+        torch.load = safe_load
+        try:
+            yield
+        finally:
+            torch.load = original
+
+
+def zero_to_fp32(ckpt_root: str | Path, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """The fp32 weights of a DeepSpeed checkpoint of any ZeRO stage, read safely."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with weights_only_loads():
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_root), tag=tag)
+
+
 # ---- encoder export ------------------------------------------------------------------------
 
 
@@ -97,9 +139,7 @@ def full_state_dict(engine: Any, ckpt_root: str | Path | None = None, tag: str |
     dist.barrier()
     sd = None
     if dist.get_rank() == 0:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_root), tag=tag)
+        sd = zero_to_fp32(ckpt_root, tag)
         # frozen buffers/params the converter leaves out (e.g. sin-cos tables) come from the module
         for k, v in engine.module.state_dict().items():
             if k not in sd and v.numel() > 0:
@@ -110,13 +150,10 @@ def full_state_dict(engine: Any, ckpt_root: str | Path | None = None, tag: str |
 
 def export_encoder(state_dict: dict[str, torch.Tensor], model_kwargs: dict, path: str | Path, prefix: str = "encoder.") -> None:
     """Write the encoder's fp32 weights (timm names) with the architecture in the metadata."""
-    enc = {k[len(prefix) :]: v.float().contiguous() for k, v in state_dict.items() if k.startswith(prefix)}
+    enc = {k[len(prefix) :]: v.float() for k, v in state_dict.items() if k.startswith(prefix)}
     if not enc:
         raise ValueError(f"no '{prefix}*' weights in the state dict")
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(enc, str(tmp), metadata={"format": "mpp-encoder", "model": json.dumps(model_kwargs)})
-    os.replace(tmp, path)
+    save_weights(enc, path, {"format": "mpp-encoder", "model": model_kwargs})
 
 
 def load_encoder_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -126,3 +163,69 @@ def load_encoder_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
     return load_file(str(path)), json.loads(meta.get("model", "{}"))
+
+
+# ---- pretrained weights for downstream -----------------------------------------------------
+
+
+def _ds_checkpoint(path: Path) -> tuple[Path, str | None] | None:
+    """(root, tag) when ``path`` is a DeepSpeed checkpoint root, a tag dir, or a run dir."""
+    for root in (path, path / "checkpoints"):
+        if root.is_dir() and (latest_complete(root) or (root / "latest").is_file()):
+            return root, latest_complete(root)
+    if path.is_dir() and any(path.glob("*model_states.pt")):
+        return path.parent, path.name
+    return None
+
+
+def load_pretrained(init: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(encoder state dict with timm names, model kwargs if known) from ``init``: an exported
+    ``.safetensors``, a pretrain run directory, or a DeepSpeed checkpoint (root or tag) of any
+    ZeRO stage. Never unpickles arbitrary objects."""
+    path = Path(init)
+    if not path.exists():
+        raise FileNotFoundError(f"{init}: no such file or directory")
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise ValueError(f"{init}: unknown kind (expected .safetensors, a run directory or a DeepSpeed checkpoint)")
+        return load_encoder_file(path)
+    if (path / "encoder.safetensors").is_file():
+        return load_encoder_file(path / "encoder.safetensors")
+    found = _ds_checkpoint(path)
+    if found is None:
+        raise ValueError(f"{init}: neither encoder.safetensors nor a DeepSpeed checkpoint found there")
+    sd = zero_to_fp32(*found)
+    # the encoder inside any objective: keys ending in a ViT parameter, under '...encoder.'
+    prefixes = sorted({k[: k.index("encoder.") + len("encoder.")] for k in sd if "encoder." in k}, key=len)
+    prefixes = [p for p in prefixes if not p.startswith("teacher")]
+    if not prefixes:
+        raise ValueError(f"{init}: the checkpoint holds no encoder weights")
+    prefix = prefixes[0]
+    kwargs: dict = {}
+    cfg_file = found[0].parent / "config.json"
+    if cfg_file.is_file():
+        model = json.loads(cfg_file.read_text()).get("model", {})
+        kwargs = {k: v for k, v in model.items() if v is not None}
+    return {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}, kwargs
+
+
+def gathered_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
+    """The module's weights in fp32 on rank 0 (None elsewhere), gathering ZeRO-3 shards on the
+    fly; every rank must call it. For evaluation snapshots ("best"), not for exact resumes."""
+    import deepspeed
+
+    module = engine.module
+    params = list(module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
+        if dist.get_rank() != 0:
+            return None
+        return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+
+
+def save_weights(state_dict: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
+    """A safetensors file written atomically."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    meta = {k: json.dumps(v) for k, v in (metadata or {}).items()}
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp), metadata=meta)
+    os.replace(tmp, path)

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -115,7 +115,7 @@ class OptimConfig(_Section):
     warmup_epochs: float | None = Field(None, ge=0.0)
     min_lr: float = Field(0.0, ge=0.0)
     grad_clip: float | None = Field(None, gt=0.0)
-    layer_decay: float = Field(1.0, gt=0.0, le=1.0)
+    layer_decay: float = Field(1.0, gt=0.0, le=1.0)  # lr x decay^(depth - layer): fine-tuning's 0.65 / 0.8
 
     @model_validator(mode="after")
     def _check(self) -> OptimConfig:
@@ -155,18 +155,19 @@ class TrainConfig(_Section):
         return self
 
 
-class Config(_Section):
+class RunConfig(_Section):
+    """What every DeepSpeed run has: a model, data, an optimiser, a loop and DeepSpeed's keys."""
+
     name: str = "run"
     model: ModelConfig = ModelConfig()
-    objective: ObjectiveConfig = ObjectiveConfig()
-    masking: MaskingConfig = MaskingConfig()
     data: DataConfig = DataConfig()
     optim: OptimConfig
     train: TrainConfig
     deepspeed: dict[str, Any] = Field(default_factory=dict)
+    _source: str = PrivateAttr("<config>")  # the file it came from, for error messages
 
     @model_validator(mode="after")
-    def _check(self) -> Config:
+    def _check(self) -> RunConfig:
         for key, owner in DERIVED_DS_KEYS.items():
             if key in self.deepspeed:
                 raise ValueError(f"deepspeed.{key} is derived from {owner}; set it there")
@@ -227,6 +228,61 @@ class Config(_Section):
         return ds
 
 
+class Config(RunConfig):
+    """Pretraining: the objective and its masking."""
+
+    objective: ObjectiveConfig = ObjectiveConfig()
+    masking: MaskingConfig = MaskingConfig()
+
+
+class FinetuneSection(_Section):
+    """The supervised recipe (MAE/BEiT fine-tuning, DESIGN.md §4.6)."""
+
+    num_classes: int | None = Field(None, gt=0)  # None: from the shards' class list / data.num_classes
+    global_pool: Literal["avg", "token"] = "avg"
+    label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
+    mixup: float = Field(0.8, ge=0.0)  # Beta(alpha, alpha); 0 disables
+    cutmix: float = Field(1.0, ge=0.0)
+    mixup_prob: float = Field(1.0, ge=0.0, le=1.0)
+    mixup_switch_prob: float = Field(0.5, ge=0.0, le=1.0)
+    randaug_n: int = Field(2, ge=0)  # RandAugment(n ops, magnitude m / 10); n=0 disables
+    randaug_m: int = Field(9, ge=0, le=30)
+    reprob: float = Field(0.25, ge=0.0, le=1.0)  # random erasing
+    eval_batch_size: int | None = Field(None, gt=0)
+
+
+class FinetuneConfig(RunConfig):
+    """Supervised fine-tuning from ``init``: a run dir, a DeepSpeed checkpoint, a .safetensors or 'scratch'."""
+
+    init: str = "scratch"
+    finetune: FinetuneSection = FinetuneSection()
+
+
+class ProbeSection(_Section):
+    """Frozen-encoder evaluations (DESIGN.md §4.6): linear probe and k-NN on cached features."""
+
+    pool: Literal["token", "avg"] = "token"  # cls token (MAE's linear probe) or mean of patch tokens
+    batch_size: int = Field(256, gt=0)
+    epochs: int = Field(90, gt=0)
+    blr: float = Field(0.1, gt=0.0)  # SGD lr = blr x batch / 256 (MAE: 0.1)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_epochs: int = Field(10, ge=0)
+    k: int = Field(20, gt=0)
+    temperature: float = Field(0.07, gt=0.0)
+
+
+class ProbeConfig(_Section):
+    name: str = "probe"
+    init: str = "scratch"
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    probe: ProbeSection = ProbeSection()
+    output_dir: str = "runs/{name}"
+    seed: int = 0
+    _source: str = PrivateAttr("<config>")
+
+
 # ---- loading -------------------------------------------------------------------------------
 
 
@@ -277,14 +333,14 @@ def _format_error(err: ValidationError, source: str) -> str:
     return f"{source}: {loc}: {msg}" if loc else f"{source}: {msg}"
 
 
-def validate(raw: dict[str, Any], source: str = "<config>") -> Config:
+def validate(raw: dict[str, Any], source: str = "<config>", cls: type[BaseModel] = Config) -> Any:
     try:
-        return Config.model_validate(raw)
+        return cls.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_format_error(err, source)) from None
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | Path, overrides: list[str] | None = None, cls: type[BaseModel] = Config) -> Any:
     """Read, override, validate. Errors are ``ConfigError`` naming the key and the file."""
     p = resolve_config_path(path)
     try:
@@ -294,10 +350,10 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: expected a JSON object at the top level")
     raw = apply_overrides(raw, overrides or [])
-    cfg = validate(raw, str(p))
-    cfg._source = str(p)  # type: ignore[attr-defined]
+    cfg = validate(raw, str(p), cls)
+    cfg._source = str(p)
     return cfg
 
 
-def save_config(cfg: Config, path: str | Path) -> None:
+def save_config(cfg: BaseModel, path: str | Path) -> None:
     Path(path).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2) + "\n")

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mpp import checkpoint as ckpt
-from mpp.config import Config, ConfigError, save_config
+from mpp.config import ConfigError, RunConfig, save_config
 from mpp.data import count_samples, digits_shards, expand_shards, make_train_loader, normalize
 
 log = logging.getLogger("mpp.engine")
@@ -87,9 +87,10 @@ def param_groups(
 PAPER_OPTIMIZER = {"mpp": "adam", "mae": "adamw", "hpm": "adamw"}  # ViT paper: Adam; MAE/HPM: AdamW
 
 
-def build_optimizer(cfg: Config, model: torch.nn.Module, lr_scale_of=None) -> torch.optim.Optimizer:
+def build_optimizer(cfg: RunConfig, model: torch.nn.Module, lr_scale_of=None) -> torch.optim.Optimizer:
     o = cfg.optim
-    name = o.name or PAPER_OPTIMIZER[cfg.objective.name]
+    objective = getattr(cfg, "objective", None)  # fine-tuning has none: AdamW
+    name = o.name or PAPER_OPTIMIZER.get(objective.name if objective else "", "adamw")
     betas = o.betas or ((0.9, 0.999) if name == "adam" else (0.9, 0.95))
     groups = param_groups(model, o.weight_decay, lr_scale_of)
     if name == "adam":  # Adam's L2-style decay, as the ViT paper's Adam with weight decay
@@ -97,7 +98,7 @@ def build_optimizer(cfg: Config, model: torch.nn.Module, lr_scale_of=None) -> to
     return torch.optim.AdamW(groups, lr=peak_lr(cfg), betas=betas, eps=o.eps)
 
 
-def peak_lr(cfg: Config) -> float:
+def peak_lr(cfg: RunConfig) -> float:
     """Absolute lr, or MAE's linear scaling rule: blr x global batch / 256."""
     return cfg.optim.lr if cfg.optim.lr is not None else cfg.optim.blr * cfg.train.batch_size / 256
 
@@ -142,7 +143,7 @@ class Plan:
         return self.total_steps / self.steps_per_epoch
 
 
-def plan_run(cfg: Config, world_size: int, dev_type: str, img_size: int) -> Plan:
+def plan_run(cfg: RunConfig, world_size: int, dev_type: str, img_size: int) -> Plan:
     """Resolve data, batch and schedule; any problem is a ConfigError naming the key."""
     src = getattr(cfg, "_source", "<config>")
 
@@ -289,6 +290,18 @@ class MetricLog:
                         self.tb.add_scalar(f"train/{k}", v, state.step)
         return record
 
+    def write(self, state: RunState, plan: Plan, values: dict | None) -> None:
+        """An extra record (e.g. validation results) at this step, rank 0 only."""
+        if self.rank != 0 or not values:
+            return
+        record = {"step": state.step, "epoch": round(state.step / plan.steps_per_epoch, 4), **values}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(f"val/{k}", v, state.step)
+
     def close(self) -> None:
         if self.file:
             self.file.close()
@@ -300,22 +313,31 @@ class MetricLog:
 
 
 def train(
-    cfg: Config,
+    cfg: RunConfig,
     objective: torch.nn.Module,
     plan: Plan,
     run_dir: Path,
     device: torch.device,
     resume: str | None = None,
     model_kwargs: dict | None = None,
+    lr_scale_of: Callable[[str], float] | None = None,
+    loader_kwargs: dict | None = None,
+    on_epoch_end: Callable[[Any, RunState], dict | None] | None = None,
+    desc: str = "pretrain",
 ) -> RunState:
-    """Pretrain ``objective`` under DeepSpeed for ``plan.total_steps`` optimiser steps."""
+    """Train ``objective`` under DeepSpeed for ``plan.total_steps`` optimiser steps.
+
+    ``lr_scale_of(name)`` scales a parameter's lr (layer decay); ``loader_kwargs`` go to the
+    training loader (e.g. RandAugment); ``on_epoch_end(engine, state)`` runs on every rank after
+    each epoch and at the end, and what it returns is logged (evaluation)."""
     import deepspeed
     from tqdm import tqdm
 
     rank, world = dist.get_rank(), dist.get_world_size()
     seed_everything(cfg.train.seed + rank)  # ranks draw different masks; data has its own seeds
     stop = min(plan.total_steps, cfg.train.stop_at_step or plan.total_steps)
-    optimizer = build_optimizer(cfg, objective)
+    optimizer = build_optimizer(cfg, objective, lr_scale_of)
+    with_labels = getattr(objective, "needs_labels", False)
     engine, optimizer, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, config=plan.ds_config)
     model = engine.module
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
@@ -324,7 +346,8 @@ def train(
     state = RunState()
     found = ckpt.resolve_resume(resume, ckpt_root)
     if found:
-        _, client = engine.load_checkpoint(found[0], tag=found[1])
+        with ckpt.weights_only_loads():  # a checkpoint is untrusted input
+            _, client = engine.load_checkpoint(found[0], tag=found[1])
         state = RunState(**client["state"])
         set_rng_state(client["rng"][rank])
         if rank == 0:
@@ -340,7 +363,7 @@ def train(
     lr = lr_at(state.step, **schedule)
     set_lr(optimizer, lr)
     metrics_log = MetricLog(run_dir, rank)
-    bar = tqdm(total=plan.total_steps, initial=state.step, disable=rank != 0, dynamic_ncols=True, desc="pretrain")
+    bar = tqdm(total=plan.total_steps, initial=state.step, disable=rank != 0, dynamic_ncols=True, desc=desc)
     d = cfg.data
     skipped_before = 0  # bad samples this rank skipped in finished epochs
 
@@ -350,6 +373,7 @@ def train(
             img_size=plan.img_size, crop_scale=d.crop_scale, crop_ratio=d.crop_ratio, hflip=d.hflip,
             seed=cfg.train.seed, epoch=state.epoch, rank=rank, world_size=world, num_workers=d.num_workers,
             start_batch=state.batch_in_epoch, shuffle_buffer=d.shuffle_buffer, allow_pipe=d.allow_pipe,
+            with_labels=with_labels, **(loader_kwargs or {}),
         )  # fmt: skip
         skipped_epoch = 0
         t_wait = time.perf_counter()
@@ -358,7 +382,7 @@ def train(
             skipped_epoch = batch["skipped"]
             images = normalize(batch["image"].to(device, non_blocking=True), d.mean, d.std).to(dtype)
             model.set_progress(state.epoch + state.batch_in_epoch / plan.micro_per_epoch, plan.total_epochs)
-            loss, metrics = engine(images)
+            loss, metrics = engine(images, batch["label"].to(device)) if with_labels else engine(images)
             engine.backward(loss)
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
@@ -376,6 +400,8 @@ def train(
                 if state.step % cfg.train.log_every == 0 or state.step == stop:
                     record = metrics_log.flush(state, plan, lr_done, skipped_before + skipped_epoch)
                     bar.set_postfix(loss=f"{record['loss']:.4f}", ips=f"{record['imgs_per_sec']:.1f}")
+                if on_epoch_end is not None and (state.batch_in_epoch == 0 or state.step == stop):
+                    metrics_log.write(state, plan, on_epoch_end(engine, state))
                 if state.step % cfg.train.ckpt_every == 0 or state.step == stop:
                     save()
                 if state.step >= stop:
@@ -389,7 +415,8 @@ def train(
     tag = ckpt.latest_complete(ckpt_root)
     sd = ckpt.full_state_dict(engine, ckpt_root, tag)
     if rank == 0:
-        ckpt.export_encoder(sd, model_kwargs or {}, run_dir / "encoder.safetensors")
+        prefix = next(n for n, m in model.named_modules() if m is model.encoder) + "."  # hpm: base.encoder.
+        ckpt.export_encoder(sd, model_kwargs or {}, run_dir / "encoder.safetensors", prefix=prefix)
         save_config(cfg, run_dir / "encoder_config.json")
     dist.barrier()
     return state

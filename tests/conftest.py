@@ -1,5 +1,6 @@
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +60,28 @@ def dist_group():
 
     init_distributed()
     yield
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def two_rank_runs(tmp_path_factory, digits16):
+    """ZeRO-2 and ZeRO-3 runs of the same config on 2 ranks: computed once, checked by several tests."""
+    tmp = tmp_path_factory.mktemp("zero")
+    runs = {}
+    for stage in (2, 3):
+        cfg = tiny_config(digits16, train={"max_steps": 3, "ckpt_every": 2},
+                          deepspeed={"zero_optimization": {"stage": stage}})
+        path = write_config(tmp / f"z{stage}.json", cfg)
+        out = tmp / f"z{stage}"
+        r = run_cli(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "pretrain/run.py",
+                     "--config", str(path), "--output-dir", str(out)])
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        runs[stage] = (out, path)
+    return runs
+
+

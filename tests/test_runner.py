@@ -1,22 +1,15 @@
 """pretrain/run.py through the real DeepSpeed launcher on the CPU (gloo)."""
 
 import json
-import socket
 import subprocess
 
 import pytest
 import torch
-from conftest import REPO, read_metrics, run_cli, tiny_config, write_config
+from conftest import REPO, free_port, read_metrics, run_cli, tiny_config, write_config
 
 from mpp.checkpoint import MARKER, load_encoder_file
 from mpp.models import create_vit
 from pretrain.run import main
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_run(run_dir, steps):
@@ -30,23 +23,6 @@ def check_run(run_dir, steps):
     enc = create_vit(kwargs.pop("name"), **kwargs)
     enc.load_state_dict(sd, strict=True)
     return metrics, sd
-
-
-@pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory, digits16):
-    """ZeRO-2 and ZeRO-3 runs of the same config on 2 ranks: computed once, checked by several tests."""
-    tmp = tmp_path_factory.mktemp("zero")
-    runs = {}
-    for stage in (2, 3):
-        cfg = tiny_config(digits16, train={"max_steps": 3, "ckpt_every": 2},
-                          deepspeed={"zero_optimization": {"stage": stage}})
-        path = write_config(tmp / f"z{stage}.json", cfg)
-        out = tmp / f"z{stage}"
-        r = run_cli(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "pretrain/run.py",
-                     "--config", str(path), "--output-dir", str(out)])
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        runs[stage] = (out, path)
-    return runs
 
 
 @pytest.mark.parametrize("stage", [2, 3])

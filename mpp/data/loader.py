@@ -145,6 +145,7 @@ class StreamConfig:
     crop_scale: tuple[float, float] = (0.2, 1.0)
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
     hflip: float = 0.5
+    randaug: tuple[int, int] | None = None
     shuffle_buffer: int = 1000
     resampled: bool = True
 
@@ -180,6 +181,7 @@ class _TrainStream(IterableDataset):
             scale=c.crop_scale,
             ratio=c.crop_ratio,
             hflip=c.hflip,
+            randaug=c.randaug,
         )
         to_batch = partial(collate, with_keys=c.with_keys)
         pipeline = wds.DataPipeline(
@@ -291,6 +293,7 @@ def make_train_loader(
     crop_scale: tuple[float, float] = (0.2, 1.0),
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3),
     hflip: float = 0.5,
+    randaug: tuple[int, int] | None = None,
     seed: int = 0,
     epoch: int = 0,
     rank: int = 0,
@@ -321,7 +324,7 @@ def make_train_loader(
         num_classes=num_classes, with_keys=with_keys, allow_pipe=allow_pipe,
         max_consecutive_errors=max_consecutive_errors, num_batches=num_batches, start_batch=start_batch,
         seed=seed, epoch=epoch, crop_scale=crop_scale, crop_ratio=crop_ratio, hflip=hflip,
-        shuffle_buffer=shuffle_buffer, resampled=resampled,
+        randaug=randaug, shuffle_buffer=shuffle_buffer, resampled=resampled,
     )  # fmt: skip
     dataset = _TrainStream(shards, cfg)
     return Loader(dataset, num_workers, num_batches - start_batch)

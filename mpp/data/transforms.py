@@ -92,12 +92,18 @@ def train_transform(
     scale=(0.2, 1.0),
     ratio=(3 / 4, 4 / 3),
     hflip: float = 0.5,
+    randaug: tuple[int, int] | None = None,
 ) -> np.ndarray:
-    """Encoded bytes -> RandomResizedCrop (bicubic) + horizontal flip -> (S, S, 3) uint8 view."""
+    """Encoded bytes -> RandomResizedCrop (bicubic) + horizontal flip [+ RandAugment(n, m)]
+    -> (S, S, 3) uint8 view."""
     img = open_image(data)
     box = random_resized_crop_box(*img.size, rng, scale, ratio)
     flip = rng.random() < hflip
     array = crop_resize(img, box, img_size)
+    if randaug is not None and randaug[0] > 0:
+        from .randaug import rand_augment
+
+        array = np.asarray(rand_augment(Image.fromarray(np.ascontiguousarray(array)), rng, *randaug))
     return array[:, ::-1] if flip else array  # a view: the copy into the batch does the flip
 
 

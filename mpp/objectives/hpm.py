@@ -1,0 +1,328 @@
+"""HPM, hard patches mining (Wang et al., 2304.05919, CVPR 2023; DESIGN.md §4.4).
+
+A wrapper around any objective with a per-patch loss (``base``: MAE's reconstruction MSE,
+as in the paper, or the BERT-style MPP's cross-entropy). The student gets a second decoder,
+the loss predictor, that scores every patch; an EMA teacher of the whole student scores the
+fully visible image, and the patches it predicts to be hardest are masked, easy to hard:
+a growing share alpha of the mask is the teacher's top-k, the rest stays random. The
+predictor learns which patch is harder than which from the detached per-patch losses.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mpp.masking import topk_mask
+from mpp.models.decoder import Decoder
+from mpp.models.vit import VisionTransformer
+from mpp.objectives.base import Objective
+from mpp.objectives.mae import MaskedAutoencoder
+from mpp.objectives.mpp import IMAGENET_MEAN, IMAGENET_STD, MaskedPatchPrediction, gather_tokens
+
+HPM_BASES: dict[str, type[Objective]] = {"mae": MaskedAutoencoder, "mpp": MaskedPatchPrediction}
+SCHEDULES = ("easy_to_hard", "hard_only", "hard_to_easy", "random")
+PRED_LOSSES = ("ranking", "mse")
+
+# ---- schedules ------------------------------------------------------------------------------
+
+
+def hard_ratio_at(
+    schedule: str, epoch: float, total_epochs: float, hard_ratio: float = 0.5
+) -> float:
+    """alpha, the share of the mask chosen as the hardest patches, at (integer part of) ``epoch``.
+
+    easy_to_hard: alpha_T (e+1)/T (the paper); hard_to_easy: alpha_T (T-e)/T, its reverse;
+    hard_only: alpha_T always; random: 0 (plain MAE masking)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown HPM schedule {schedule!r}; allowed: {SCHEDULES}")
+    e, T = math.floor(epoch), float(total_epochs)
+    if schedule == "easy_to_hard":
+        return hard_ratio * min((e + 1) / T, 1.0)
+    if schedule == "hard_to_easy":
+        return hard_ratio * max((T - e) / T, 0.0)
+    return hard_ratio if schedule == "hard_only" else 0.0
+
+
+def momentum_at(
+    epoch: float, start: float = 0.999, end: float = 0.9999, ramp_epochs: float = 100.0
+) -> float:
+    """Teacher EMA momentum: linear from ``start`` to ``end`` over the first ``ramp_epochs``, then held."""
+    if ramp_epochs <= 0:
+        return end
+    return start + (end - start) * min(max(epoch, 0.0) / ramp_epochs, 1.0)
+
+
+# ---- the mask policy --------------------------------------------------------------------------
+
+
+def hard_patch_mask(
+    scores: Tensor, num_masked: int, k: int, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
+    """HPM's mask: the k highest-scoring patches always masked, ``num_masked - k`` more drawn
+    uniformly from the rest. scores (B, N) -> mask (B, N) bool with exactly ``num_masked``
+    True per row, and hard (B, N) bool, the top-k part of it. k = 0 is plain random masking.
+
+    Batched: hard patches get noise 2 (above any U[0, 1) draw), then the top ``num_masked``
+    of the noise are masked; the official code loops over samples on the CPU."""
+    B, N = scores.shape
+    if not 0 <= k <= num_masked <= N:
+        raise ValueError(
+            f"need 0 <= k <= num_masked <= N, got k={k}, num_masked={num_masked}, N={N}"
+        )
+    hard = topk_mask(scores, k)  # (B, N)
+    noise = torch.rand(B, N, device=scores.device, generator=generator).masked_fill_(hard, 2.0)
+    return topk_mask(noise, num_masked), hard
+
+
+# ---- the loss predictor's objective -----------------------------------------------------------
+
+
+def ranking_loss(pred: Tensor, target: Tensor) -> Tensor:
+    """HPM's relative loss: BCE on every ordered pair (i, j) of one image's patches that
+    pred_j > pred_i iff target_j > target_i. pred, target (B, n); ties and i = j excluded,
+    normalised by the number of untied ordered pairs in the batch."""
+    diff = pred.unsqueeze(1) - pred.unsqueeze(2)  # (B, n, n): [b, i, j] = p_j - p_i
+    harder = target.unsqueeze(1) > target.unsqueeze(2)  # l_j > l_i
+    easier = target.unsqueeze(1) < target.unsqueeze(2)
+    # log(1 - sigmoid(x)) = logsigmoid(-x): stable where the official code adds 1e-6 inside log
+    loss = -(harder * F.logsigmoid(diff) + easier * F.logsigmoid(-diff))
+    return loss.sum() / (harder | easier).sum().clamp(min=1)
+
+
+def zscore_mse_loss(pred: Tensor, target: Tensor, eps: float = 1e-6) -> Tensor:
+    """The paper's ablation: MSE against the per-image z-scored target (B, n)."""
+    mean, var = target.mean(dim=1, keepdim=True), target.var(dim=1, keepdim=True)
+    target = (target - mean) / (var + eps) ** 0.5
+    return (pred - target).pow(2).mean()
+
+
+def rank_correlation(a: Tensor, b: Tensor) -> Tensor:
+    """Spearman's rho per row of (B, n) inputs -> (B,): Pearson correlation of the ranks."""
+    ra = a.argsort(dim=1).argsort(dim=1).float()
+    rb = b.argsort(dim=1).argsort(dim=1).float()
+    ra, rb = ra - ra.mean(dim=1, keepdim=True), rb - rb.mean(dim=1, keepdim=True)
+    return (ra * rb).sum(dim=1) / (ra.norm(dim=1) * rb.norm(dim=1)).clamp(min=1e-12)
+
+
+# ---- the objective ------------------------------------------------------------------------------
+
+
+def build_base(base: str, encoder: VisionTransformer, shared: dict, base_kwargs: dict) -> Objective:
+    """The wrapped objective. HPM's ``shared`` arguments go to it where its constructor takes
+    them (MAE's decoder size, MPP's mean/std); ``base_kwargs`` must all be its own."""
+    if base not in HPM_BASES:
+        raise ValueError(f"unknown HPM base {base!r}; allowed: {sorted(HPM_BASES)}")
+    base_cls = HPM_BASES[base]
+    # HPM sets the mask itself, so the base's own mask generator is not configurable here
+    allowed = set(inspect.signature(base_cls).parameters) - {"encoder", "mask_generator"}
+    unknown = sorted(set(base_kwargs) - allowed)
+    if unknown:
+        raise ValueError(
+            f"unknown argument(s) {unknown} for hpm with base {base!r}; allowed besides hpm's own: "
+            f"{sorted(allowed - set(shared))}"
+        )
+    return base_cls(encoder, **{k: v for k, v in shared.items() if k in allowed}, **base_kwargs)
+
+
+class HardPatchesMining(Objective):
+    """``forward(images) -> (loss, metrics)``; the engine must call ``set_progress`` before each
+    micro-step and ``after_optimizer_step`` after each optimiser step (the EMA teacher)."""
+
+    def __init__(
+        self,
+        encoder: VisionTransformer,
+        base: str = "mae",
+        hard_ratio: float = 0.5,
+        schedule: str = "easy_to_hard",
+        pred_loss: str = "ranking",
+        pred_weight: float = 1.0,
+        momentum_start: float = 0.999,
+        momentum_end: float = 0.9999,
+        momentum_epochs: float = 100.0,
+        decoder_dim: int = 512,
+        decoder_depth: int = 8,
+        decoder_heads: int = 16,
+        mlp_ratio: float = 4.0,
+        attn_backend: str = "auto",
+        mean: tuple[float, ...] = IMAGENET_MEAN,
+        std: tuple[float, ...] = IMAGENET_STD,
+        **base_kwargs,
+    ) -> None:
+        super().__init__()
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown HPM schedule {schedule!r}; allowed: {SCHEDULES}")
+        if pred_loss not in PRED_LOSSES:
+            raise ValueError(f"unknown HPM pred_loss {pred_loss!r}; allowed: {PRED_LOSSES}")
+        if not 0.0 <= hard_ratio <= 1.0:
+            raise ValueError(f"hard_ratio must be in [0, 1], got {hard_ratio}")
+        if pred_weight < 0:
+            raise ValueError(f"pred_weight must be >= 0, got {pred_weight}")
+        for key, m in {"momentum_start": momentum_start, "momentum_end": momentum_end}.items():
+            if not 0.0 <= m <= 1.0:
+                raise ValueError(f"{key} must be in [0, 1], got {m}")
+        shared = dict(decoder_dim=decoder_dim, decoder_depth=decoder_depth, decoder_heads=decoder_heads,
+                      mlp_ratio=mlp_ratio, attn_backend=attn_backend, mean=mean, std=std)  # fmt: skip
+        self.base = build_base(base, encoder, shared, base_kwargs)
+        # the loss predictor is the size of the pixel decoder, fed what the base hands it
+        self.predictor = Decoder(decoder_dim, decoder_depth, decoder_heads, out_dim=1, in_dim=self.base.token_dim,
+                                 mlp_ratio=mlp_ratio, attn_backend=attn_backend)  # fmt: skip
+        self.num_masked = self.base.mask_generator.num_masked
+        self.mean, self.std = tuple(mean), tuple(std)  # to show the images (mpp.viz)
+        self.hard_ratio, self.schedule = hard_ratio, schedule
+        self.pred_loss, self.pred_weight = pred_loss, pred_weight
+        self.momentum_start, self.momentum_end = momentum_start, momentum_end
+        self.momentum_epochs = momentum_epochs
+
+        self.teacher = self.make_teacher()
+        self.set_progress(0.0, 1.0)  # the engine overrides this before the first step
+
+    def make_teacher(self) -> nn.ModuleDict:
+        """The EMA of the whole student, frozen. A submodule, so it is checkpointed (and
+        ZeRO-partitioned, like the student: same shapes) with the rest."""
+        teacher = nn.ModuleDict(
+            {"base": copy.deepcopy(self.base), "predictor": copy.deepcopy(self.predictor)}
+        )
+        teacher.requires_grad_(False).eval()
+        # (teacher name, student name), paired once; the Parameter objects are looked up at
+        # the first update (after the engine has wrapped the module) and again after a load
+        self.ema_pairs = [(f"teacher.{n}", n) for n, _ in teacher.named_parameters()]
+        self._ema_params: list[tuple[nn.Parameter, nn.Parameter]] | None = None
+        self._ema_fp32: list[Tensor] | None = None  # fp32 EMA state when the params are bf16/fp16
+        self.register_load_state_dict_post_hook(HardPatchesMining._forget_ema_state)
+        return teacher
+
+    @staticmethod
+    def _forget_ema_state(module: HardPatchesMining, incompatible_keys) -> None:
+        # a load may assign new Parameters, and the loaded teacher replaces the fp32 EMA state
+        module._ema_params = module._ema_fp32 = None
+
+    @property
+    def encoder(self) -> VisionTransformer:
+        return self.base.encoder
+
+    def train(self, mode: bool = True) -> HardPatchesMining:
+        super().train(mode)
+        self.teacher.eval()  # the teacher only ever scores
+        return self
+
+    def no_weight_decay(self) -> set[str]:
+        return {f"base.{n}" for n in self.base.no_weight_decay()}
+
+    # ---- per-step state -----------------------------------------------------------------------
+
+    def set_progress(self, epoch: float, total_epochs: float) -> None:
+        if total_epochs <= 0:
+            raise ValueError(f"total_epochs must be > 0, got {total_epochs}")
+        self.alpha = hard_ratio_at(self.schedule, epoch, total_epochs, self.hard_ratio)
+        self.num_hard = int(self.num_masked * self.alpha)  # k
+        self.teacher_momentum = momentum_at(
+            epoch, self.momentum_start, self.momentum_end, self.momentum_epochs
+        )
+
+    def after_optimizer_step(self) -> None:
+        self.update_teacher()
+
+    def _ema_tensors(self) -> tuple[list[Tensor], list[Tensor]]:
+        """(teacher, student) tensors to update: the full data, or under ZeRO-3 this rank's
+        flat shard ``ds_tensor`` (same shapes, so the same partitioning), never gathered."""
+        if self._ema_params is None:
+            self._ema_params = [
+                (self.get_parameter(t), self.get_parameter(s)) for t, s in self.ema_pairs
+            ]
+        teacher, student = [], []
+        for t, s in self._ema_params:
+            if not hasattr(t, "ds_tensor"):
+                teacher.append(t.data)
+                student.append(s.data)
+                continue
+            teacher.append(t.ds_tensor)
+            student.append(s.ds_tensor)
+            # ZeRO-3 keeps small ("persistent") parameters whole on every rank as well, and the
+            # forward reads that copy: it is refreshed from the shards only after the *next*
+            # optimiser step, so update it too (measured: else the teacher lags a step)
+            if t.data.numel() == t.ds_numel and s.data.numel() == s.ds_numel:
+                teacher.append(t.data)
+                student.append(s.data)
+        return teacher, student
+
+    @torch.no_grad()
+    def update_teacher(self) -> None:
+        """theta_t <- m theta_t + (1 - m) theta_s, one batched lerp over all (local) tensors."""
+        teacher, student = self._ema_tensors()
+        weight = 1.0 - self.teacher_momentum
+        if all(t.dtype == torch.float32 for t in teacher):
+            torch._foreach_lerp_(teacher, student, weight)
+            return
+        # In bf16 a step of (1 - m) = 1e-4 of the difference is below the rounding unit (2^-8):
+        # a bf16 EMA never moves. Keep the EMA in fp32 and copy it into the params.
+        if self._ema_fp32 is None or len(self._ema_fp32) != len(teacher):
+            self._ema_fp32 = [t.float() for t in teacher]
+        torch._foreach_lerp_(self._ema_fp32, [s.float() for s in student], weight)
+        torch._foreach_copy_(teacher, self._ema_fp32)
+
+    def teacher_state(self) -> dict[str, Tensor]:
+        """Full fp32 CPU copies of the teacher's parameters, by name. Under ZeRO-3 this gathers
+        them: a collective, call it on every rank."""
+        params = dict(self.teacher.named_parameters())
+        gather = nullcontext()
+        if any(hasattr(p, "ds_tensor") for p in params.values()):
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters(list(params.values()))
+        with gather:
+            return {n: p.detach().float().cpu().clone() for n, p in params.items()}
+
+    # ---- the algorithm, one step a method -----------------------------------------------------
+
+    def predict_loss(self, tokens: Tensor, predictor: nn.Module) -> Tensor:
+        """Predictor input tokens (B, 1 + N, Dt) -> one score per patch (B, N), fp32."""
+        return predictor(tokens)[:, self.encoder.num_prefix_tokens :, 0].float()
+
+    @torch.no_grad()
+    def teacher_scores(self, images: Tensor) -> Tensor:
+        """The teacher's predicted loss of every patch of the fully visible image (B, N)."""
+        return self.predict_loss(
+            self.teacher["base"].predictor_tokens(images), self.teacher["predictor"]
+        )
+
+    def hard_patch_masking(self, images: Tensor) -> tuple[Tensor, Tensor]:
+        """mask (B, N) with the teacher's k = int(alpha n_mask) hardest patches; hard (B, N) marks them."""
+        B, N = images.shape[0], self.encoder.num_patches
+        # k = 0 is plain random masking: skip the teacher's forward
+        scores = self.teacher_scores(images) if self.num_hard > 0 else images.new_zeros(B, N)
+        return hard_patch_mask(scores, self.num_masked, self.num_hard)
+
+    def forward_pred_loss(self, pred: Tensor, target: Tensor) -> Tensor:
+        """L_pred on the masked patches: pred, target (B, N_mask); the target is detached."""
+        if self.pred_loss == "ranking":
+            return ranking_loss(pred, target.detach())
+        return zscore_mse_loss(pred, target.detach())
+
+    def forward(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        mask, _ = self.hard_patch_masking(images)
+        out = self.base.forward_per_patch(images, mask)  # loss (B, N_mask) at idx (B, N_mask)
+        scores = self.predict_loss(out["tokens"], self.predictor)  # (B, N)
+        pred = gather_tokens(scores, out["idx"])  # (B, N_mask)
+        loss_rec = out["loss"].mean()
+        loss_pred = self.forward_pred_loss(pred, out["loss"])
+        loss = loss_rec + self.pred_weight * loss_pred
+
+        def scalar(v: float) -> Tensor:  # a fill kernel on the device: no host-to-device copy
+            return torch.full((), v, device=images.device)
+
+        metrics = {
+            "loss": loss.detach(),
+            "loss_rec": loss_rec.detach(),
+            "loss_pred": loss_pred.detach(),
+            "rank_corr": rank_correlation(pred.detach(), out["loss"].detach()).mean(),
+            "alpha": scalar(self.alpha),
+            "teacher_momentum": scalar(self.teacher_momentum),
+        }
+        return loss, metrics

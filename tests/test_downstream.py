@@ -1,0 +1,196 @@
+"""Fine-tuning, probes and exports: init kinds, layer decay, position-embedding resampling,
+safe loading, bad input, and the CLIs through the real launcher."""
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import free_port, run_cli, tiny_config, write_config
+from test_vit import timm_vit_keys
+
+from mpp.checkpoint import load_pretrained, save_weights
+from mpp.config import ConfigError, FinetuneConfig, validate
+from mpp.engine import build_optimizer, lr_at, set_lr
+from mpp.export import export
+from mpp.finetune import (
+    Classifier,
+    layer_decay_scale,
+    load_into,
+    mixup_cutmix,
+    random_erasing,
+    soft_targets,
+)
+from mpp.models import create_vit, resample_abs_pos_embed
+from mpp.probe import knn_classify
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_checkpoints_give_the_exported_weights(two_rank_runs, stage):
+    run_dir, _ = two_rank_runs[stage]
+    exported, kwargs = load_pretrained(run_dir / "encoder.safetensors")
+    for source in (run_dir / "checkpoints", run_dir / "checkpoints" / "step00000003"):
+        sd, kw = load_pretrained(source)  # DeepSpeed's zero-to-fp32, under weights_only loads
+        assert sd.keys() == exported.keys() and kw["name"] == kwargs["name"]
+        for k in sd:
+            torch.testing.assert_close(sd[k], exported[k], rtol=0, atol=0)
+    assert load_pretrained(run_dir)[0].keys() == exported.keys()  # a run directory
+
+
+def test_layer_decay_lr_of_block_i_is_base_times_decay_to_depth_minus_i():
+    cfg = validate({"optim": {"lr": 1e-3, "layer_decay": 0.65}, "train": {"max_steps": 1},
+                    "data": {"builtin": "digits"}}, cls=FinetuneConfig)
+    depth = 4
+    model = Classifier(create_vit("vit_tiny_patch4_16", depth=depth, embed_dim=32, num_heads=2, num_classes=10))
+    opt = build_optimizer(cfg, model, layer_decay_scale(depth, 0.65))
+    assert isinstance(opt, torch.optim.AdamW)
+    base = lr_at(5, peak=1e-3, total=10, warmup=2)
+    set_lr(opt, base)
+    lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    params = dict(model.named_parameters())
+    for i in range(depth):
+        assert lr_of[id(params[f"encoder.blocks.{i}.attn.qkv.weight"])] == pytest.approx(base * 0.65 ** (depth - i))
+    assert lr_of[id(params["encoder.patch_embed.proj.weight"])] == pytest.approx(base * 0.65 ** (depth + 1))
+    assert lr_of[id(params["encoder.head.weight"])] == pytest.approx(base)
+
+
+def test_finetuning_at_a_larger_size_starts_from_the_resampled_position_embedding(tmp_path):
+    src = create_vit("vit_tiny_patch4_16", depth=1, embed_dim=32, num_heads=2)
+    save_weights(src.state_dict(), tmp_path / "enc.safetensors", {"model": {"name": "vit_tiny_patch4_16"}})
+    big = create_vit("vit_tiny_patch4_16", img_size=32, depth=1, embed_dim=32, num_heads=2, num_classes=5)
+    load_into(big, tmp_path / "enc.safetensors")
+    assert big.pos_embed.shape == (1, 1 + 64, 32)
+    torch.testing.assert_close(big.pos_embed.data, resample_abs_pos_embed(src.pos_embed.data, (8, 8)))
+    torch.testing.assert_close(big.pos_embed.data[:, 0], src.pos_embed.data[:, 0])  # cls kept
+    torch.testing.assert_close(big.blocks[0].attn.qkv.weight, src.blocks[0].attn.qkv.weight)
+
+
+class Payload:
+    def __reduce__(self):
+        return (Path.touch, (Path(os.environ["PAYLOAD_MARK"]),))
+
+
+def test_a_pickled_payload_in_a_checkpoint_is_refused_not_executed(two_rank_runs, tmp_path, monkeypatch):
+    import shutil
+
+    run_dir, _ = two_rank_runs[2]
+    bad = tmp_path / "ckpt"
+    shutil.copytree(run_dir / "checkpoints", bad)
+    mark = tmp_path / "pwned"
+    monkeypatch.setenv("PAYLOAD_MARK", str(mark))
+    target = bad / "step00000003" / "mp_rank_00_model_states.pt"
+    state = torch.load(target, weights_only=True)
+    state["evil"] = Payload()
+    torch.save(state, target)
+    with pytest.raises(pickle.UnpicklingError):
+        load_pretrained(bad)
+    assert not mark.exists()
+
+
+@pytest.mark.parametrize("init,match", [
+    ("/nonexistent/run", "no such file or directory"),
+    ("{tmp}/weights.txt", "unknown kind"),
+    ("{tmp}/deeper.safetensors", "missing 1 encoder weights|blocks.1"),
+    ("{tmp}/wider.safetensors", "has shape"),
+])
+def test_bad_init_is_a_clear_error_naming_the_path(tmp_path, init, match):
+    (tmp_path / "weights.txt").write_text("x")
+    shallow = create_vit("vit_tiny_patch4_16", depth=1, embed_dim=32, num_heads=2)
+    save_weights(shallow.state_dict(), tmp_path / "deeper.safetensors")  # 1 block; the model has 2
+    wide = create_vit("vit_tiny_patch4_16", depth=2, embed_dim=64, num_heads=2)
+    save_weights(wide.state_dict(), tmp_path / "wider.safetensors")
+    model = create_vit("vit_tiny_patch4_16", depth=2, embed_dim=32, num_heads=2, num_classes=3)
+    path = init.format(tmp=tmp_path)
+    with pytest.raises((ValueError, FileNotFoundError), match=match) as err:
+        load_into(model, path)
+    assert path in str(err.value)
+
+
+def test_class_count_that_does_not_match_the_shards(digits16, tmp_path):
+    from mpp.finetune import build_classifier
+
+    raw = tiny_config(digits16)
+    raw.pop("objective"), raw.pop("masking")
+    raw["finetune"] = {"num_classes": 12}
+    cfg = validate(raw, "ft.json", cls=FinetuneConfig)
+    with pytest.raises(ConfigError, match="finetune.num_classes: 12 does not match the 10 classes"):
+        build_classifier(cfg)
+
+
+def test_mixup_cutmix_targets_and_label_smoothing():
+    labels = torch.tensor([0, 1, 2, 3])
+    t = soft_targets(labels, 4, 0.1)
+    assert torch.allclose(t.sum(1), torch.ones(4)) and t[0, 0] == pytest.approx(0.925)
+    images = torch.randn(4, 3, 8, 8)
+    torch.manual_seed(0)
+    mixed, targets, lam = mixup_cutmix(images, t, mixup=0.8, cutmix=0.0)
+    torch.testing.assert_close(mixed, lam * images + (1 - lam) * images.flip(0))
+    torch.testing.assert_close(targets, lam * t + (1 - lam) * t.flip(0))
+    torch.manual_seed(1)
+    cut, targets, lam = mixup_cutmix(images, t, mixup=0.0, cutmix=1.0)
+    from_other = (cut == images.flip(0)).all(1).float().mean().item()  # fraction of pixels pasted
+    assert 1 - lam == pytest.approx(from_other, abs=1e-6)
+
+
+def test_random_erasing_rate_and_area():
+    torch.manual_seed(0)
+    x = torch.zeros(2000, 1, 16, 16)
+    erased = random_erasing(x, prob=0.25) != 0
+    frac = erased.flatten(1).any(1).float().mean().item()
+    assert frac == pytest.approx(0.25, abs=0.03)
+    area = erased.flatten(1).float().mean(1)[erased.flatten(1).any(1)]
+    assert area.min() >= 0.02 * 0.5 and area.max() <= 1 / 3 + 0.05
+
+
+def test_knn_votes_by_similarity():
+    train = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0]])
+    y = torch.tensor([0, 0, 1])
+    res = knn_classify(train, y, torch.tensor([[1.0, 0.05], [0.05, 1.0]]), torch.tensor([0, 1]), 2, k=2)
+    assert res["top1"] == 100.0
+
+
+def test_timm_export_has_timms_layout(two_rank_runs, tmp_path):
+    from safetensors.torch import load_file
+
+    folder = export(two_rank_runs[3][0], "timm", tmp_path / "timm")
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["model_args"] == {"img_size": 16, "patch_size": 4, "in_chans": 3, "embed_dim": 32, "depth": 2,
+                                 "num_heads": 2, "num_classes": 0, "global_pool": "token", "class_token": True}
+    sd = load_file(folder / "model.safetensors")
+    assert {k: tuple(v.shape) for k, v in sd.items()} == timm_vit_keys(depth=2, dim=32, patch=4, num_patches=16, mlp=128)
+
+
+def test_finetune_and_probes_through_the_clis(two_rank_runs, digits16, tmp_path):
+    """2-rank ZeRO-3 fine-tune from a ZeRO-2 pretrain run; then k-NN and linear probe."""
+    pre_dir, _ = two_rank_runs[2]
+    raw = tiny_config(digits16, train={"batch_size": 32, "epochs": 1, "max_steps": None, "ckpt_every": 100},
+                      deepspeed={"zero_optimization": {"stage": 3}}, optim={"lr": 1e-3, "layer_decay": 0.75})
+    raw.pop("objective"), raw.pop("masking")
+    raw["data"]["val_shards"] = digits16["val"]
+    raw["finetune"] = {"mixup": 0.8, "cutmix": 1.0, "randaug_n": 2, "randaug_m": 9, "reprob": 0.25}
+    raw["init"] = str(pre_dir)
+    path = write_config(tmp_path / "ft.json", raw)
+    out = tmp_path / "ft"
+    r = run_cli(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "downstream/finetune.py",
+                 "--config", str(path), "--output-dir", str(out)])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert {"top1", "top5", "epoch", "init"} <= res.keys() and res["init"] == str(pre_dir)
+    assert res["last"]["num_val"] == 300  # both ranks' shares, every val sample once
+    assert 0.0 <= res["top1"] <= 100.0 and res["top5"] >= res["top1"]
+    assert (out / "model_best.safetensors").is_file() and (out / "model_last.safetensors").is_file()
+    assert any("val_top1" in line for line in (out / "metrics.jsonl").read_text().splitlines())
+
+    probe = {"name": "p", "init": str(pre_dir), "model": raw["model"],
+             "data": {"train_shards": digits16["train"], "val_shards": digits16["val"], "num_workers": 1},
+             "probe": {"epochs": 5, "batch_size": 128}}
+    ppath = write_config(tmp_path / "probe.json", probe)
+    for tool in ("knn", "linear_probe"):
+        r = run_cli(["python", f"downstream/{tool}.py", "--config", str(ppath), "--output-dir", str(tmp_path / tool)])
+        assert r.returncode == 0, r.stderr[-2000:]
+        res = json.loads((tmp_path / tool / "results.json").read_text())
+        assert res["num_train"] == 1497 and res["num_val"] == 300 and 0 <= res["top1"] <= 100
+    r = run_cli(["python", "downstream/knn.py", "--config", str(ppath), "--set", "init=/missing", "--output-dir", str(tmp_path / "x")])
+    assert r.returncode == 2 and "init: /missing: no such file" in r.stderr and not (tmp_path / "x").exists()
