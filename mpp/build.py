@@ -1,7 +1,8 @@
 """Config -> modules: the encoder, the mask generator and the objective, in one place.
 
-The ``objective`` and ``masking`` sections are constructor arguments; they are checked
-against the constructors' signatures here, so an unknown key is named before any run starts.
+The ``objective`` and ``masking`` sections are constructor arguments; the registries
+(``mpp.objectives.build_objective``, ``mpp.masking.build_mask_generator``) check them against
+the constructors' signatures, so an unknown key is named before any run starts.
 """
 
 from __future__ import annotations
@@ -13,19 +14,7 @@ from mpp.config import Config, ConfigError
 from mpp.masking import build_mask_generator
 from mpp.models.vit import VisionTransformer, create_vit
 from mpp.objectives import OBJECTIVES, Objective
-
-# constructor arguments the builder supplies itself
-_BUILT = {"self", "encoder", "mask_generator", "mean", "std"}
-
-
-def _check_kwargs(fn: Any, kwargs: dict[str, Any], section: str, what: str, skip: set[str]) -> None:
-    params = inspect.signature(fn).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return
-    allowed = sorted(set(params) - skip)
-    for key in kwargs:
-        if key not in allowed:
-            raise ConfigError(f"{section}.{key}: unknown key for {what} (allowed: {', '.join(allowed)})")
+from mpp.objectives import build_objective as build_objective_by_name
 
 
 def build_encoder(cfg: Config) -> VisionTransformer:
@@ -43,7 +32,6 @@ def build_objective(cfg: Config) -> Objective:
         raise ConfigError(f"{source}: objective.name: unknown objective {name!r} (allowed: {sorted(OBJECTIVES)})")
     cls = OBJECTIVES[name]
     try:
-        _check_kwargs(cls.__init__, kwargs, "objective", f"objective {name!r}", _BUILT)
         encoder = build_encoder(cfg)
         extra: dict[str, Any] = {}
         init_params = inspect.signature(cls.__init__).parameters
@@ -55,9 +43,13 @@ def build_objective(cfg: Config) -> Objective:
                 extra["mask_generator"] = build_mask_generator(cfg.masking.strategy, encoder.grid_size, ratio, **cfg.masking.kwargs())
             except ValueError as e:
                 raise ConfigError(f"masking: {e}") from None
+        elif cfg.masking.strategy != "random" or cfg.masking.kwargs():
+            raise ConfigError(f"masking.strategy: objective {name!r} chooses its own masks (its teacher); remove the masking section")
         if "mean" in init_params:
             extra.update(mean=cfg.data.mean, std=cfg.data.std)
-        return cls(encoder, **extra, **kwargs)
+        if clash := sorted(set(kwargs) & set(extra)):
+            raise ConfigError(f"objective.{clash[0]}: set by the builder (masking / data sections), not here")
+        return build_objective_by_name(name, encoder, **extra, **kwargs)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
     except (ValueError, TypeError) as e:

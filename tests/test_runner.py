@@ -84,7 +84,7 @@ BAD = [
     ({"train": {"precision": "fp16"}}, "train.precision: train.precision 'fp16' needs a GPU"),
     ({"data": {"train_shards": "/nonexistent/train-{000000..000003}.tar"}}, "data.train_shards: 4 shard(s) not found"),
     ({"objective": {"mask_ratio": 1.5}}, "objective.mask_ratio must be in [0, 1], got 1.5"),
-    ({"objective": {"colour": "red"}}, "objective.colour: unknown key for objective 'mpp'"),
+    ({"objective": {"colour": "red"}}, "objective: unknown argument(s) ['colour'] for objective 'mpp'"),
     ({"model": {"img_size": 18}}, "not divisible by patch_size 4"),
     ({"masking": {"strategy": "spiral"}}, "masking: unknown masking strategy 'spiral'"),
     ({"deepspeed": {"train_batch_size": 32}}, "deepspeed.train_batch_size is derived from train.batch_size"),

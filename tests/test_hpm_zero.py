@@ -1,0 +1,52 @@
+"""HPM's EMA teacher under DeepSpeed ZeRO-2 and ZeRO-3, 2 CPU ranks, through the real launcher."""
+
+import pytest
+import torch
+from conftest import free_port, read_metrics, run_cli, tiny_config, write_config
+
+from mpp.checkpoint import zero_to_fp32
+from mpp.objectives.hpm import momentum_at
+
+
+@pytest.fixture(scope="module")
+def hpm_runs(tmp_path_factory, digits16):
+    tmp = tmp_path_factory.mktemp("hpm")
+    runs = {}
+    for stage in (2, 3):
+        cfg = tiny_config(
+            digits16, train={"max_steps": 3, "ckpt_every": 1, "keep_last": 3},
+            objective={"name": "hpm", "base": "mae", "decoder_dim": 32, "decoder_depth": 1, "decoder_heads": 2,
+                       "momentum_start": 0.99, "momentum_end": 0.999, "momentum_epochs": 1},
+            deepspeed={"zero_optimization": {"stage": stage}},
+        )
+        cfg.pop("masking")
+        path = write_config(tmp / f"h{stage}.json", cfg)
+        out = tmp / f"h{stage}"
+        r = run_cli(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "pretrain/run.py",
+                     "--config", str(path), "--output-dir", str(out)])
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        runs[stage] = {s: zero_to_fp32(out / "checkpoints", f"step{s:08d}") for s in (2, 3)}
+        runs[stage]["metrics"] = read_metrics(out)
+    return runs
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_teacher_is_the_ema_of_the_student_after_a_step(hpm_runs, stage):
+    before, after = hpm_runs[stage][2], hpm_runs[stage][3]
+    teacher_keys = [k for k in after if k.startswith("teacher.")]
+    assert len(teacher_keys) > 20  # the whole student: encoder, pixel decoder, loss predictor
+    steps_per_epoch = 1497 // 16
+    m = momentum_at(2 / steps_per_epoch, 0.99, 0.999, 1)  # progress set before step 3's micro-step
+    assert hpm_runs[stage]["metrics"][2]["teacher_momentum"] == pytest.approx(m, abs=1e-6)
+    for k in teacher_keys:
+        student = k.removeprefix("teacher.")
+        expected = m * before[k] + (1 - m) * after[student]
+        torch.testing.assert_close(after[k], expected, rtol=1e-5, atol=1e-6)
+    moved = [k for k in teacher_keys if not torch.equal(after[k], before[k])]
+    assert len(moved) > len(teacher_keys) // 2  # the teacher really moved
+
+
+def test_zero2_and_zero3_keep_the_same_teacher(hpm_runs):
+    z2, z3 = hpm_runs[2][3], hpm_runs[3][3]
+    for k in (k for k in z2 if k.startswith("teacher.")):
+        torch.testing.assert_close(z3[k], z2[k], rtol=1e-4, atol=1e-5)
