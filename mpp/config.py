@@ -143,6 +143,7 @@ class TrainConfig(_Section):
     seed: int = 0
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     max_bad_steps: int = Field(10, ge=0)  # non-finite losses skipped before the run stops
+    skip_nonfinite: bool = True  # check every micro-step's loss (one host sync) and skip NaN/Inf steps
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

@@ -133,6 +133,7 @@ class Plan:
     world_size: int
     img_size: int
     ds_config: dict
+    missing_shards: int = 0
 
     @property
     def micro_per_epoch(self) -> int:  # micro-batches per rank per epoch
@@ -168,8 +169,12 @@ def plan_run(cfg: RunConfig, world_size: int, dev_type: str, img_size: int) -> P
     except ValueError as e:
         raise fail(key, str(e)) from None
     local_missing = [s for s in shards if "://" not in s and not s.startswith("pipe:") and not Path(s).is_file()]
-    if local_missing:
+    if len(local_missing) == len(shards):
         raise fail(key, f"{len(local_missing)} shard(s) not found, first: {local_missing[0]}")
+    if local_missing:  # a lost shard costs its samples, not the run; named once, counted in metrics
+        log.warning("%d of %d shards not found, training without them: %s", len(local_missing), len(shards),
+                    ", ".join(local_missing[:10]))
+        shards = [s for s in shards if s not in set(local_missing)]
     if any(s.startswith("pipe:") for s in shards) and not d.allow_pipe:
         raise fail(key, "pipe: shards run shell commands; set data.allow_pipe=true to allow them")
     if d.num_samples is not None:
@@ -186,7 +191,8 @@ def plan_run(cfg: RunConfig, world_size: int, dev_type: str, img_size: int) -> P
     total = t.max_steps if t.max_steps is not None else math.ceil(t.epochs * steps_per_epoch)
     o = cfg.optim
     warmup = o.warmup_steps if o.warmup_steps is not None else round((o.warmup_epochs or 0.0) * steps_per_epoch)
-    return Plan(shards, samples, steps_per_epoch, total, warmup, micro, accum, world_size, img_size, ds_config)
+    return Plan(shards, samples, steps_per_epoch, total, warmup, micro, accum, world_size, img_size, ds_config,
+                len(local_missing))
 
 
 # ---- run state and RNG ---------------------------------------------------------------------
@@ -278,6 +284,8 @@ class MetricLog:
             "imgs_per_sec": (state.samples - self.samples0) / max(elapsed, 1e-9),
             "data_wait_frac": values[-1] / world / max(elapsed, 1e-9),
             "skipped": int(values[-2]),
+            "missing_shards": plan.missing_shards,
+            "bad_steps": state.bad_steps,
         }
         self.sums, self.count, self.data_wait = {}, 0, 0.0
         self.t0, self.samples0 = time.perf_counter(), state.samples
@@ -307,6 +315,32 @@ class MetricLog:
             self.file.close()
         if self.tb:
             self.tb.close()
+
+
+# ---- non-finite losses ----------------------------------------------------------------------
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many steps with a NaN/Inf loss: the run stops, its last checkpoint untouched."""
+
+
+def all_finite(loss: torch.Tensor) -> bool:
+    """True when the loss is finite on every rank. One small all-reduce and host sync per
+    micro-step: the price of never applying a NaN update (``train.skip_nonfinite``)."""
+    bad = (~torch.isfinite(loss.detach())).float().reshape(1)
+    dist.all_reduce(bad)
+    return bad.item() == 0.0
+
+
+def skip_bad_step(state: RunState, limit: int, rank: int) -> None:
+    state.bad_steps += 1
+    if rank == 0:
+        log.warning("non-finite loss at step %d: skipped (%d of at most %d)", state.step + 1, state.bad_steps, limit)
+    if state.bad_steps > limit:
+        raise NonFiniteLossError(
+            f"{state.bad_steps} steps with a non-finite loss (train.max_bad_steps={limit}); stopped at step "
+            f"{state.step}, the last complete checkpoint is untouched (lower the lr, check the data)"
+        )
 
 
 # ---- the loop ------------------------------------------------------------------------------
@@ -367,49 +401,56 @@ def train(
     d = cfg.data
     skipped_before = 0  # bad samples this rank skipped in finished epochs
 
-    while state.step < stop:
-        loader = make_train_loader(
-            plan.train_shards, batch_size=plan.micro_batch, num_batches=plan.micro_per_epoch,
-            img_size=plan.img_size, crop_scale=d.crop_scale, crop_ratio=d.crop_ratio, hflip=d.hflip,
-            seed=cfg.train.seed, epoch=state.epoch, rank=rank, world_size=world, num_workers=d.num_workers,
-            start_batch=state.batch_in_epoch, shuffle_buffer=d.shuffle_buffer, allow_pipe=d.allow_pipe,
-            with_labels=with_labels, **(loader_kwargs or {}),
-        )  # fmt: skip
-        skipped_epoch = 0
-        t_wait = time.perf_counter()
-        for batch in loader:
-            data_wait = time.perf_counter() - t_wait
-            skipped_epoch = batch["skipped"]
-            images = normalize(batch["image"].to(device, non_blocking=True), d.mean, d.std).to(dtype)
-            model.set_progress(state.epoch + state.batch_in_epoch / plan.micro_per_epoch, plan.total_epochs)
-            loss, metrics = engine(images, batch["label"].to(device)) if with_labels else engine(images)
-            engine.backward(loss)
-            boundary = engine.is_gradient_accumulation_boundary()
-            engine.step()
-            state.batch_in_epoch += 1
-            metrics_log.add({"loss": loss, **metrics}, data_wait)
-            if boundary:
-                model.after_optimizer_step()
-                state.step += 1
-                state.samples += cfg.train.batch_size
-                if state.batch_in_epoch >= plan.micro_per_epoch:
+    try:
+        while state.step < stop:
+            loader = make_train_loader(
+                plan.train_shards, batch_size=plan.micro_batch, num_batches=plan.micro_per_epoch,
+                img_size=plan.img_size, crop_scale=d.crop_scale, crop_ratio=d.crop_ratio, hflip=d.hflip,
+                seed=cfg.train.seed, epoch=state.epoch, rank=rank, world_size=world, num_workers=d.num_workers,
+                start_batch=state.batch_in_epoch, shuffle_buffer=d.shuffle_buffer, allow_pipe=d.allow_pipe,
+                with_labels=with_labels, **(loader_kwargs or {}),
+            )  # fmt: skip
+            skipped_epoch = 0
+            t_wait = time.perf_counter()
+            for batch in loader:
+                data_wait = time.perf_counter() - t_wait
+                skipped_epoch = batch["skipped"]
+                images = normalize(batch["image"].to(device, non_blocking=True), d.mean, d.std).to(dtype)
+                model.set_progress(state.epoch + state.batch_in_epoch / plan.micro_per_epoch, plan.total_epochs)
+                loss, metrics = engine(images, batch["label"].to(device)) if with_labels else engine(images)
+                stepped = False
+                if cfg.train.skip_nonfinite and not all_finite(loss):
+                    skip_bad_step(state, cfg.train.max_bad_steps, rank)  # every rank agrees: no backward, no step
+                else:
+                    engine.backward(loss)
+                    stepped = engine.is_gradient_accumulation_boundary()
+                    engine.step()
+                    metrics_log.add({"loss": loss, **metrics}, data_wait)
+                state.batch_in_epoch += 1
+                epoch_done = state.batch_in_epoch >= plan.micro_per_epoch
+                if epoch_done:
                     state.epoch, state.batch_in_epoch = state.epoch + 1, 0
-                lr_done, lr = lr, lr_at(state.step, **schedule)
-                set_lr(optimizer, lr)
-                bar.update(1)
-                if state.step % cfg.train.log_every == 0 or state.step == stop:
-                    record = metrics_log.flush(state, plan, lr_done, skipped_before + skipped_epoch)
-                    bar.set_postfix(loss=f"{record['loss']:.4f}", ips=f"{record['imgs_per_sec']:.1f}")
-                if on_epoch_end is not None and (state.batch_in_epoch == 0 or state.step == stop):
+                if stepped:
+                    model.after_optimizer_step()
+                    state.step += 1
+                    state.samples += cfg.train.batch_size
+                    lr_done, lr = lr, lr_at(state.step, **schedule)
+                    set_lr(optimizer, lr)
+                    bar.update(1)
+                    if metrics_log.count and (state.step % cfg.train.log_every == 0 or state.step == stop):
+                        record = metrics_log.flush(state, plan, lr_done, skipped_before + skipped_epoch)
+                        bar.set_postfix(loss=f"{record['loss']:.4f}", ips=f"{record['imgs_per_sec']:.1f}")
+                if on_epoch_end is not None and (epoch_done or (stepped and state.step == stop)):
                     metrics_log.write(state, plan, on_epoch_end(engine, state))
-                if state.step % cfg.train.ckpt_every == 0 or state.step == stop:
+                if stepped and (state.step % cfg.train.ckpt_every == 0 or state.step == stop):
                     save()
                 if state.step >= stop:
                     break
-            t_wait = time.perf_counter()
-        skipped_before += skipped_epoch
-    bar.close()
-    metrics_log.close()
+                t_wait = time.perf_counter()
+            skipped_before += skipped_epoch
+    finally:  # a stopped run still leaves a closed log and a clean terminal
+        bar.close()
+        metrics_log.close()
 
     # fp32 encoder for downstream: from the final checkpoint (ZeRO/bf16) or the module (fp32)
     tag = ckpt.latest_complete(ckpt_root)

@@ -13,7 +13,9 @@ from pathlib import Path
 
 from mpp.build import build_objective
 from mpp.config import ConfigError, load_config, save_config
+from mpp.data import DataError
 from mpp.engine import (
+    NonFiniteLossError,
     device_type,
     init_distributed,
     plan_run,
@@ -54,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.json")
     model_kwargs = {"name": cfg.model.name, **cfg.model.vit_kwargs()}
-    state = train(cfg, objective, plan, run_dir, device, resume=args.resume, model_kwargs=model_kwargs)
+    try:
+        state = train(cfg, objective, plan, run_dir, device, resume=args.resume, model_kwargs=model_kwargs)
+    except (NonFiniteLossError, DataError) as e:  # DataLoader workers wrap the message in a traceback
+        print(f"error: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
+        return 1
     if rank == 0:
         print(f"done: {state.step} steps, {state.samples} images -> {run_dir}/metrics.jsonl, "
               f"{run_dir}/checkpoints, {run_dir}/encoder.safetensors")

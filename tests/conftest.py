@@ -41,12 +41,17 @@ def write_config(path: Path, cfg: dict) -> Path:
     return path
 
 
-def run_cli(args: list[str], timeout: int = 240, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
-    """Run a command with the venv's executables first on PATH; output captured as text."""
+def cli_env(extra: dict | None = None) -> dict:
+    """The environment for a CLI or launcher: the venv's executables first on PATH, and none of
+    this process's distributed variables (a test's own process group must not leak in)."""
     dist_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE"}
-    base = {k: v for k, v in os.environ.items() if k not in dist_vars}  # a test's own group must not leak in
-    full_env = {**base, "PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout, **kw)
+    base = {k: v for k, v in os.environ.items() if k not in dist_vars}
+    return {**base, "PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1", **(extra or {})}
+
+
+def run_cli(args: list[str], timeout: int = 240, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    """Run a command from the repo root; output captured as text."""
+    return subprocess.run(args, cwd=REPO, env=cli_env(env), capture_output=True, text=True, timeout=timeout, **kw)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

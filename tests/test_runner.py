@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import REPO, free_port, read_metrics, run_cli, tiny_config, write_config
+from conftest import REPO, cli_env, free_port, read_metrics, run_cli, tiny_config, write_config
 
 from mpp.checkpoint import MARKER, load_encoder_file
 from mpp.models import create_vit
@@ -52,7 +52,7 @@ def test_two_node_loopback_job_equals_one_node(two_rank_runs, tmp_path):
     cmd = lambda r: ["deepspeed", "--hostfile", str(hostfile), "--no_ssh", f"--node_rank={r}",  # noqa: E731
                      "--master_addr", "127.0.0.1", "--master_port", port, "pretrain/run.py",
                      "--config", str(cfg_path), "--output-dir", str(out)]
-    node1 = subprocess.Popen(cmd(1), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    node1 = subprocess.Popen(cmd(1), cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     r0 = run_cli(cmd(0))
     _, err1 = node1.communicate(timeout=240)
     assert r0.returncode == 0, r0.stderr[-3000:]
@@ -60,17 +60,6 @@ def test_two_node_loopback_job_equals_one_node(two_rank_runs, tmp_path):
     assert "nnodes=2" in r0.stdout + r0.stderr
     metrics, _ = check_run(out, 3)
     assert [m["loss"] for m in metrics] == [m["loss"] for m in read_metrics(ref_dir)]
-
-
-def _env():
-    import os
-    import sys
-    from pathlib import Path
-
-    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
-    return env
 
 
 # ---- bad input: one line naming the key and the file, exit 2, no run directory ---------------
@@ -88,6 +77,26 @@ BAD = [
     ({"model": {"img_size": 18}}, "not divisible by patch_size 4"),
     ({"masking": {"strategy": "spiral"}}, "masking: unknown masking strategy 'spiral'"),
     ({"deepspeed": {"train_batch_size": 32}}, "deepspeed.train_batch_size is derived from train.batch_size"),
+    ({"train": {"batch_size": -8}}, "train.batch_size: Input should be greater than 0"),
+    ({"train": {"micro_batch_size": 5}}, "batch_size 16 is not divisible by micro_batch_size 5"),
+    ({"train": {"max_steps": 0}}, "train.max_steps: Input should be greater than 0"),
+    ({"train": {"log_every": 0}}, "train.log_every: Input should be greater than 0"),
+    ({"train": {"precision": "fp8"}}, "train.precision: Input should be"),
+    ({"optim": {"name": "sgd"}}, "optim.name: Input should be 'adam' or 'adamw'"),
+    ({"optim": {"betas": [1.2, 0.9]}}, "betas must be in [0, 1)"),
+    ({"optim": {"blr": 1e-3}}, "set lr or blr, not both"),
+    ({"optim": {"weight_decay": -0.1}}, "optim.weight_decay: Input should be greater than or equal to 0"),
+    ({"data": {"crop_scale": [0.8, 0.2]}}, "crop_scale must satisfy 0 < min <= max <= 1"),
+    ({"data": {"hflip": 1.5}}, "data.hflip: Input should be less than or equal to 1"),
+    ({"data": {"num_workers": -1}}, "data.num_workers: Input should be greater than or equal to 0"),
+    ({"data": {"train_shards": 42}}, "data.train_shards"),
+    ({"model": {"name": "vit_gigantic_patch4_16"}}, "unknown ViT variant 'vit_gigantic_patch4_16'"),
+    ({"model": {"attn_backend": "flash"}}, "model.attn_backend: Input should be"),
+    ({"objective": {"name": "simclr"}}, "objective.name: Input should be 'mpp', 'mae' or 'hpm'"),
+    ({"objective": {"mask_token_prob": 0.5}}, "must sum to 1"),
+    ({"masking": {"strategy": "grid"}, "objective": {"mask_ratio": 0.6}}, "grid"),
+    ({"masking": {"strategy": "units", "unit_size": 3}}, "unit"),
+    ({"deepspeed": {"zero_optimization": {"stage": "two"}}}, "deepspeed.zero_optimization.stage must be 0, 1, 2 or 3"),
 ]
 
 

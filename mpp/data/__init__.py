@@ -5,13 +5,14 @@ Write shards with `write_shards` (or `python -m mpp.data.shards`), stream them w
 """
 
 from .digits import digits_shards
-from .errors import SkipCounter
+from .errors import DataError, SkipCounter
 from .loader import Loader, make_eval_loader, make_train_loader
 from .sources import count_samples, expand_shards, read_sizes
 from .transforms import IMAGENET_MEAN, IMAGENET_STD, normalize
 from .writer import from_arrays, from_flat_folder, from_image_folder, shard_spec, write_shards
 
 __all__ = [
+    "DataError",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "Loader",

@@ -12,6 +12,10 @@ from collections import deque
 log = logging.getLogger("mpp.data")
 
 
+class DataError(RuntimeError):
+    """No usable data: every recent shard or sample failed. Stops the run with the shards named."""
+
+
 class SkipCounter:
     """Per-process count of skipped bad data, with a rate-limited log and a consecutive-failure guard.
 
@@ -56,7 +60,7 @@ class SkipCounter:
     def _check(self) -> None:
         if max(self._read_streak, self._decode_streak) > self.max_consecutive:
             urls = ", ".join(dict.fromkeys(self._recent_urls))
-            raise RuntimeError(
+            raise DataError(
                 f"{self.max_consecutive} consecutive data failures with no good sample "
                 f"({self.skipped} skipped in total); are all shards bad or empty? recent shards: {urls}"
             )

@@ -1,0 +1,164 @@
+"""Kill it, corrupt it, misconfigure it: nothing lost (issue: fault tolerance). Each test goes
+through the real CLI, and the multi-rank ones through the real DeepSpeed launcher."""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from conftest import REPO, cli_env, free_port, read_metrics, run_cli, tiny_config, write_config
+from PIL import Image
+from test_downstream import Payload
+
+
+def last_per_step(metrics: list[dict]) -> dict[int, dict]:
+    """A resumed run appends: the last record of each step is the one that stands."""
+    return {m["step"]: m for m in metrics if "loss" in m}
+
+
+def launch(cfg_path, out, extra=()) -> list[str]:
+    return ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "pretrain/run.py",
+            "--config", str(cfg_path), "--output-dir", str(out), *extra]
+
+
+def test_sigkill_mid_epoch_then_resume_auto_equals_an_uninterrupted_run(tmp_path, digits16):
+    cfg = tiny_config(digits16, train={"max_steps": 16, "ckpt_every": 4, "keep_last": 5}, data={"num_workers": 2})
+    path = write_config(tmp_path / "c.json", cfg)
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    r = run_cli(launch(path, straight))
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    proc = subprocess.Popen(launch(path, killed), cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline:  # kill as soon as step 6 is logged: after the step-4 checkpoint, mid-epoch
+        metrics = killed / "metrics.jsonl"
+        if metrics.exists() and any(json.loads(x)["step"] >= 6 for x in metrics.read_text().splitlines()):
+            break
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "encoder.safetensors").exists(), "the run finished before the kill"
+    killed_at = max(m["step"] for m in read_metrics(killed))
+    assert 6 <= killed_at < 16
+
+    # a save that was cut off: a newer tag, files truncated, no completion marker
+    half = killed / "checkpoints" / "step00000099"
+    half.mkdir()
+    (half / "mp_rank_00_model_states.pt").write_bytes(b"\x80\x02 truncated")
+    r = run_cli(launch(path, killed, ["--resume", "auto"]))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr and "step00000099" not in r.stderr
+
+    a, b = last_per_step(read_metrics(straight)), last_per_step(read_metrics(killed))
+    assert sorted(b) == list(range(1, 17))
+    assert [b[s]["samples"] for s in range(1, 17)] == [16 * s for s in range(1, 17)]  # no gap, no repeat
+    assert [b[s]["loss"] for s in range(1, 17)] == [a[s]["loss"] for s in range(1, 17)]  # the same batches, bitwise
+
+
+def _jpeg(seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8))
+    out = io.BytesIO()
+    img.save(out, format="JPEG")
+    return out.getvalue()
+
+
+def _write_shard(path: Path, samples: list[tuple[str, bytes]]) -> None:
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for key, data in samples:
+            for name, blob in ((f"{key}.jpg", data), (f"{key}.cls", b"0")):
+                info = tarfile.TarInfo(name)
+                info.size = len(blob)
+                tar.addfile(info, io.BytesIO(blob))
+
+
+def test_garbage_jpegs_a_truncated_and_a_missing_shard_are_counted_and_the_run_completes(tmp_path, digits16):
+    shard_dir = tmp_path / "shards"
+    shard_dir.mkdir()
+    n_garbage = 0
+    for s in range(4):
+        samples = []
+        for i in range(40):
+            garbage = (s * 40 + i) % 20 == 7  # 5 %
+            n_garbage += garbage
+            samples.append((f"{s}-{i:03d}", os.urandom(300) if garbage else _jpeg(s * 40 + i)))
+        _write_shard(shard_dir / f"train-{s:06d}.tar", samples)
+    t = shard_dir / "train-000003.tar"
+    t.write_bytes(t.read_bytes()[: t.stat().st_size // 2])  # truncated mid-member
+    spec = str(shard_dir / "train-{000000..000004}.tar")  # 000004 does not exist
+    cfg = tiny_config(digits16, data={"train_shards": spec, "num_samples": 160, "num_workers": 2},
+                      train={"max_steps": 12, "log_every": 4})
+    r = run_cli(["python", "pretrain/run.py", "--config", str(write_config(tmp_path / "c.json", cfg)),
+                 "--output-dir", str(tmp_path / "run")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "1 of 5 shards not found" in r.stderr and "train-000004.tar" in r.stderr
+    last = read_metrics(tmp_path / "run")[-1]
+    assert last["step"] == 12 and last["missing_shards"] == 1
+    assert last["skipped"] >= 1  # garbage decodes and the truncated tail are counted
+    assert (tmp_path / "run" / "encoder.safetensors").is_file()
+
+
+def test_all_bad_shards_stop_the_run_with_their_names_not_a_hang(tmp_path, digits16):
+    shard_dir = tmp_path / "bad"
+    shard_dir.mkdir()
+    for s in range(2):
+        _write_shard(shard_dir / f"bad-{s:06d}.tar", [(f"{s}-{i}", os.urandom(200)) for i in range(30)])
+    cfg = tiny_config(digits16, data={"train_shards": str(shard_dir / "bad-{000000..000001}.tar"),
+                                      "num_samples": 60, "num_workers": 1})
+    t0 = time.time()
+    r = run_cli(["python", "pretrain/run.py", "--config", str(write_config(tmp_path / "c.json", cfg)),
+                 "--output-dir", str(tmp_path / "run")], timeout=120)
+    assert r.returncode == 1 and time.time() - t0 < 120
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, r.stderr[-2000:]
+    err = errors[0]
+    assert "consecutive data failures" in err and "bad-00000" in err
+
+
+def test_a_pickled_payload_in_a_checkpoint_is_refused_on_resume(tmp_path, digits16, monkeypatch):
+    cfg = tiny_config(digits16, train={"max_steps": 2, "ckpt_every": 2})
+    path = write_config(tmp_path / "c.json", cfg)
+    run = tmp_path / "run"
+    assert run_cli(["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(run)]).returncode == 0
+    target = run / "checkpoints" / "step00000002" / "mp_rank_00_model_states.pt"
+    state = torch.load(target, weights_only=True)
+    mark = tmp_path / "pwned"
+    monkeypatch.setenv("PAYLOAD_MARK", str(mark))
+    state["evil"] = Payload()
+    torch.save(state, target)
+    r = run_cli(["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(run), "--resume", "auto",
+                 "--set", "train.max_steps=4"], env={"PAYLOAD_MARK": str(mark), "PYTHONPATH": str(REPO / "tests")})
+    assert r.returncode != 0 and "Weights only load failed" in r.stderr
+    assert not mark.exists()
+
+
+def test_pipe_shards_are_refused_unless_allowed(tmp_path, digits16, capsys):
+    from pretrain.run import main
+
+    cfg = tiny_config(digits16, data={"train_shards": "pipe:cat /etc/hostname", "num_samples": 10})
+    code = main(["--config", str(write_config(tmp_path / "c.json", cfg)), "--output-dir", str(tmp_path / "run")])
+    assert code == 2 and "data.allow_pipe" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_the_run_writes_only_under_its_output_directory(tmp_path, digits16):
+    def listing(root: Path) -> set[str]:
+        return {str(p) for p in root.rglob("*") if "__pycache__" not in p.parts and ".pytest_cache" not in p.parts}
+
+    shard_dir = Path(digits16["train"]).parent
+    watched = [REPO, shard_dir]
+    before = {str(w): listing(w) for w in watched}
+    cfg = tiny_config(digits16, train={"max_steps": 2, "ckpt_every": 1})
+    out = tmp_path / "run"
+    r = run_cli(["python", "pretrain/run.py", "--config", str(write_config(tmp_path / "c.json", cfg)), "--output-dir", str(out)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    for w in watched:
+        new = listing(w) - before[str(w)]
+        assert not new, f"wrote outside the run directory: {sorted(new)[:5]}"
+    assert (out / "metrics.jsonl").is_file()
