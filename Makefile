@@ -7,8 +7,6 @@ TORCH_CPU ?= torch==2.13.0
 STAMP     := $(VENV)/.installed
 
 .PHONY: install test demo lint clean
-# the demo's ranks: one per GPU, or 2 CPU ranks (gloo) on a machine without one
-DEMO_RANKS ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ "$$n" -gt 0 ] && echo $$n || echo 2)
 
 install: $(STAMP)
 
@@ -22,7 +20,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH deepspeed --num_gpus $(DEMO_RANKS) pretrain/run.py --config mpp_demo
+	$(PY) -m mpp.demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mpp pretrain downstream tests
