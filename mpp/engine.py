@@ -364,28 +364,16 @@ def train(
     ``lr_scale_of(name)`` scales a parameter's lr (layer decay); ``loader_kwargs`` go to the
     training loader (e.g. RandAugment); ``on_epoch_end(engine, state)`` runs on every rank after
     each epoch and at the end, and what it returns is logged (evaluation)."""
-    import deepspeed
     from tqdm import tqdm
 
     rank, world = dist.get_rank(), dist.get_world_size()
     seed_everything(cfg.train.seed + rank)  # ranks draw different masks; data has its own seeds
     stop = min(plan.total_steps, cfg.train.stop_at_step or plan.total_steps)
-    optimizer = build_optimizer(cfg, objective, lr_scale_of)
     with_labels = getattr(objective, "needs_labels", False)
-    engine, optimizer, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, config=plan.ds_config)
+    ckpt_root = run_dir / "checkpoints"
+    engine, optimizer, state = start_engine(cfg, objective, plan, ckpt_root, resume, lr_scale_of)
     model = engine.module
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
-    ckpt_root = run_dir / "checkpoints"
-
-    state = RunState()
-    found = ckpt.resolve_resume(resume, ckpt_root)
-    if found:
-        with ckpt.weights_only_loads():  # a checkpoint is untrusted input
-            _, client = engine.load_checkpoint(found[0], tag=found[1])
-        state = RunState(**client["state"])
-        set_rng_state(client["rng"][rank])
-        if rank == 0:
-            log.info("resumed from %s/%s at step %d", found[0], found[1], state.step)
 
     def save() -> None:
         rngs = [None] * world
@@ -452,12 +440,37 @@ def train(
         bar.close()
         metrics_log.close()
 
-    # fp32 encoder for downstream: from the final checkpoint (ZeRO/bf16) or the module (fp32)
-    tag = ckpt.latest_complete(ckpt_root)
-    sd = ckpt.full_state_dict(engine, ckpt_root, tag)
-    if rank == 0:
+    export_final_encoder(engine, cfg, run_dir, model_kwargs or {})
+    return state
+
+
+def start_engine(cfg: RunConfig, objective: torch.nn.Module, plan: Plan, ckpt_root: Path, resume: str | None,
+                 lr_scale_of: Callable[[str], float] | None) -> tuple[Any, torch.optim.Optimizer, RunState]:
+    """``deepspeed.initialize`` with our optimiser, then the resume (weights, optimiser, RNG, position)."""
+    import deepspeed
+
+    optimizer = build_optimizer(cfg, objective, lr_scale_of)
+    engine, optimizer, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, config=plan.ds_config)
+    state = RunState()
+    found = ckpt.resolve_resume(resume, ckpt_root)
+    if found:
+        with ckpt.weights_only_loads():  # a checkpoint is untrusted input
+            _, client = engine.load_checkpoint(found[0], tag=found[1])
+        state = RunState(**client["state"])
+        set_rng_state(client["rng"][dist.get_rank()])
+        if dist.get_rank() == 0:
+            log.info("resumed from %s/%s at step %d", found[0], found[1], state.step)
+    return engine, optimizer, state
+
+
+def export_final_encoder(engine: Any, cfg: RunConfig, run_dir: Path, model_kwargs: dict) -> None:
+    """fp32 ``encoder.safetensors`` for downstream: from the final checkpoint (ZeRO, bf16) or
+    the module itself (fp32, stage 0). Every rank calls it."""
+    ckpt_root = run_dir / "checkpoints"
+    sd = ckpt.full_state_dict(engine, ckpt_root, ckpt.latest_complete(ckpt_root))
+    if dist.get_rank() == 0:
+        model = engine.module
         prefix = next(n for n, m in model.named_modules() if m is model.encoder) + "."  # hpm: base.encoder.
-        ckpt.export_encoder(sd, model_kwargs or {}, run_dir / "encoder.safetensors", prefix=prefix)
+        ckpt.export_encoder(sd, model_kwargs, run_dir / "encoder.safetensors", prefix=prefix)
         save_config(cfg, run_dir / "encoder_config.json")
     dist.barrier()
-    return state
