@@ -5,6 +5,9 @@ VENV      ?= .venv
 PY        := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
 STAMP     := $(VENV)/.installed
+# the venv's tools first: DeepSpeed JIT-builds a comm op with whichever ninja is on PATH, and two
+# ninja versions sharing its build cache rebuild it (30-100 s) each time they alternate
+RUN       := PATH=$(CURDIR)/$(VENV)/bin:$$PATH
 
 .PHONY: install test demo lint clean
 
@@ -17,10 +20,10 @@ $(STAMP): pyproject.toml
 	touch $@
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(RUN) $(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(PY) -m mpp.demo
+	$(RUN) $(PY) -m mpp.demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mpp pretrain downstream tests

@@ -11,33 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def default_ranks() -> int:
-    """One rank per GPU, else 2 CPU ranks (gloo)."""
-    import torch
-
-    return torch.cuda.device_count() or 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launcher(ranks: int) -> list[str]:
-    """``deepspeed --num_gpus N --master_port P`` from this interpreter's environment."""
-    exe = Path(sys.executable).parent / "deepspeed"
-    return [str(exe), "--num_gpus", str(ranks), "--master_port", str(_free_port())]
+from mpp.launch import deepspeed_cmd, default_launcher_args, launch
 
 
 def run_stage(name: str, cmd: list[str], done: Path, log_dir: Path) -> None:
@@ -45,11 +23,10 @@ def run_stage(name: str, cmd: list[str], done: Path, log_dir: Path) -> None:
     if done.exists():
         print(f"[{name}] done already ({done})")
         return
-    log = log_dir / f"{name}.log"
-    print(f"[{name}] {' '.join(cmd[cmd.index('--config') - 1 :]) if '--config' in cmd else ' '.join(cmd)}", flush=True)
+    log = log_dir / f"{name.replace(' ', '_')}.log"
+    print(f"[{name}] {' '.join(cmd[cmd.index('--config') - 1 :])}", flush=True)
     t0 = time.time()
-    with open(log, "w") as f:
-        rc = subprocess.call(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    rc = launch(cmd, log)
     if rc != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
         raise SystemExit(f"[{name}] failed (exit {rc}); log: {log}\n{tail}")
@@ -61,20 +38,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=None, help="processes for the DeepSpeed runs (default: GPUs, or 2 on CPU)")
     p.add_argument("--out", default="runs/demo", help="where the runs go")
     args = p.parse_args(argv)
-    ranks = args.ranks or default_ranks()
+    launcher_args = ["--num_gpus", str(args.ranks)] if args.ranks else default_launcher_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     pre = out / "pretrain"
-    run_stage("pretrain", [*launcher(ranks), "pretrain/run.py", "--config", "mpp_demo", "--output-dir", str(pre)],
+    run_stage("pretrain", deepspeed_cmd(launcher_args, "pretrain/run.py", ["--config", "mpp_demo", "--output-dir", str(pre)]),
               pre / "encoder.safetensors", out)
     inits = {"pretrained": str(pre), "scratch": "scratch"}
     # scratch gets no layer-wise decay: there are no pretrained lower layers to protect
     extra = {"pretrained": [], "scratch": ["--set", "optim.layer_decay=1.0"]}
     for kind, init in inits.items():
         ft = out / f"finetune_{kind}"
-        run_stage(f"finetune {kind}", [*launcher(ranks), "downstream/finetune.py", "--config", "finetune_demo",
-                                       "--set", f"init={init}", *extra[kind], "--output-dir", str(ft)],
+        run_stage(f"finetune {kind}", deepspeed_cmd(launcher_args, "downstream/finetune.py", [
+                      "--config", "finetune_demo", "--set", f"init={init}", *extra[kind], "--output-dir", str(ft)]),
                   ft / "encoder.safetensors", out)
         for tool in ("linear_probe", "knn"):
             d = out / f"{tool}_{kind}"
@@ -84,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                     for col, d in (("fine-tune", "finetune"), ("linear", "linear_probe"), ("k-NN", "knn"))}
              for kind in inits}
     (out / "summary.json").write_text(json.dumps(table, indent=2) + "\n")
-    print(f"\ntop-1 on the digits validation split (300 images), {ranks} rank(s); runs in {out}")
+    print(f"\ntop-1 on the digits validation split (300 images); runs in {out}")
     print(f"{'':<22}{'fine-tune':>10}{'linear':>10}{'k-NN':>10}")
     for kind, row in table.items():
         label = "pretrained (mpp)" if kind == "pretrained" else "from scratch"

@@ -12,7 +12,6 @@ import logging
 import math
 import os
 import random
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -26,17 +25,12 @@ import torch.distributed as dist
 from mpp import checkpoint as ckpt
 from mpp.config import ConfigError, RunConfig, save_config
 from mpp.data import count_samples, digits_shards, expand_shards, make_train_loader, normalize
+from mpp.launch import free_port
 
 log = logging.getLogger("mpp.engine")
 
 
 # ---- distributed -----------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def world_from_env() -> tuple[int, int]:
@@ -53,7 +47,7 @@ def init_distributed() -> torch.device:
     one-process group for ``python pretrain/run.py``. gloo on CPU, NCCL on GPU."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")

@@ -1,14 +1,18 @@
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from mpp.launch import free_port, job_env  # noqa: F401  (free_port: for the tests)
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+# the venv's ninja first, also for DeepSpeed in this process: a second ninja version on PATH
+# invalidates DeepSpeed's JIT-built comm op in the shared cache (a 30-100 s rebuild each time)
+os.environ["PATH"] = f"{BIN}:{os.environ['PATH']}"
 
 
 @pytest.fixture(scope="session")
@@ -42,11 +46,8 @@ def write_config(path: Path, cfg: dict) -> Path:
 
 
 def cli_env(extra: dict | None = None) -> dict:
-    """The environment for a CLI or launcher: the venv's executables first on PATH, and none of
-    this process's distributed variables (a test's own process group must not leak in)."""
-    dist_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE"}
-    base = {k: v for k, v in os.environ.items() if k not in dist_vars}
-    return {**base, "PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1", **(extra or {})}
+    """The environment for a CLI or launcher (the venv first on PATH, no distributed variables)."""
+    return {**job_env(), **(extra or {})}
 
 
 def run_cli(args: list[str], timeout: int = 240, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
@@ -65,12 +66,6 @@ def dist_group():
 
     init_distributed()
     yield
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

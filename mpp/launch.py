@@ -1,0 +1,56 @@
+"""Starting our own CLIs as child jobs (the demo, the ablation runner): the DeepSpeed launcher
+command, a clean environment, a log per job."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# a child job forms its own process group: none of the caller's may leak in
+DIST_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_env() -> dict[str, str]:
+    """This interpreter's bin first on PATH (its ``deepspeed``, and its ninja: DeepSpeed JIT-builds
+    a comm op, and two ninja versions sharing the build cache rebuild it, 30-100 s, each time
+    they alternate), and no distributed variables of the caller."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", PYTHONUNBUFFERED="1")
+    return env
+
+
+def default_launcher_args() -> list[str]:
+    """One rank per GPU; on a machine without one, 2 CPU ranks (gloo)."""
+    import torch
+
+    return ["--num_gpus", str(torch.cuda.device_count() if torch.cuda.is_available() else 2)]
+
+
+def deepspeed_cmd(launcher_args: list[str], script: str, args: list[str]) -> list[str]:
+    """``deepspeed [launcher args] --master_port <free> REPO/script args`` (a given port is kept)."""
+    port = [] if any(a.startswith("--master_port") for a in launcher_args) else ["--master_port", str(free_port())]
+    return ["deepspeed", *launcher_args, *port, str(REPO / script), *args]
+
+
+def launch(cmd: list[str], log: Path) -> int:
+    """Run one job from the repo root, its output appended to ``log``; the exit status."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as f:
+        f.write(f"$ {shlex.join(cmd)}\n")
+        f.flush()
+        try:
+            return subprocess.run(cmd, cwd=REPO, env=job_env(), stdout=f, stderr=subprocess.STDOUT).returncode
+        except OSError as e:  # e.g. no deepspeed on PATH: this job fails, the caller decides
+            f.write(f"error: {e}\n")
+            return 127

@@ -1,0 +1,175 @@
+"""pretrain/ablate.py: a grid of masking settings x seeds through the real deepspeed launcher,
+the table and the plot, reruns that skip finished cells and resume a half-done one, a failed
+cell that does not stop the others, and bad cells refused before anything runs."""
+
+import csv
+import json
+import shutil
+import statistics
+
+import pytest
+from conftest import run_cli, tiny_config, write_config
+from PIL import Image
+
+from mpp.ablation import PALETTE, Cell, split_values
+from pretrain.ablate import main
+
+# The evaluations' own configs name a different (larger) model on purpose: the runner must
+# hand them the pretraining's architecture.
+OTHER_MODEL = {"name": "vit_tiny_patch4_32", "depth": 4, "embed_dim": 128, "num_heads": 4}
+
+
+def probe_config(digits) -> dict:
+    return {"name": "p", "model": OTHER_MODEL,
+            "data": {"train_shards": digits["train"], "val_shards": digits["val"], "num_workers": 1},
+            "probe": {"epochs": 3, "batch_size": 128, "warmup_epochs": 1}}
+
+
+def finetune_config(digits) -> dict:
+    return {"name": "ft", "model": {**OTHER_MODEL, "drop_path_rate": 0.1},
+            "finetune": {"mixup": 0.0, "cutmix": 0.0, "randaug_n": 0, "reprob": 0.0},
+            "data": {"train_shards": digits["train"], "val_shards": digits["val"], "num_workers": 1, "shuffle_buffer": 64},
+            "optim": {"lr": 1e-3, "layer_decay": 0.75},
+            "train": {"batch_size": 16, "max_steps": 2, "log_every": 1, "ckpt_every": 100},
+            "deepspeed": {"zero_optimization": {"stage": 0}}}
+
+
+def read_rows(out):
+    with open(out / "results.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def mtimes(out):
+    return {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and not p.name.startswith("results.")}
+
+
+@pytest.fixture(scope="module")
+def ablation(tmp_path_factory, digits16):
+    """random vs block, 2 seeds, k-NN; default launcher arguments (2 CPU ranks)."""
+    tmp = tmp_path_factory.mktemp("ablation")
+    base = write_config(tmp / "base.json", tiny_config(digits16, train={"max_steps": 3, "ckpt_every": 2}))
+    probe = write_config(tmp / "probe.json", probe_config(digits16))
+    out = tmp / "abl"
+    cmd = ["python", "pretrain/ablate.py", "--base", str(base), "--grid", "masking.strategy=random,block",
+           "--seeds", "2", "--eval", "knn", "--probe-config", str(probe), "--out", str(out)]
+    first = run_cli(cmd, timeout=900)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    return cmd, out, first
+
+
+def test_every_cell_and_seed_is_pretrained_evaluated_and_tabulated(ablation):
+    _, out, _ = ablation
+    rows = read_rows(out)
+    assert [(r["masking.strategy"], r["seed"], r["eval"], r["status"]) for r in rows] == [
+        (s, str(seed), "knn", "ok") for s in ("random", "block") for seed in (0, 1)]
+    for r in rows:
+        run = out / f"masking.strategy={r['masking.strategy']}" / f"seed{r['seed']}"
+        pre = json.loads((run / "pretrain" / "config.json").read_text())
+        assert pre["masking"]["strategy"] == r["masking.strategy"] and pre["train"]["seed"] == int(r["seed"])
+        assert "dist_world_size=2" in (run / "pretrain.log").read_text()  # through the launcher, 2 ranks
+        knn = json.loads((run / "knn" / "config.json").read_text())
+        assert knn["init"] == str(run / "pretrain") and knn["seed"] == int(r["seed"])
+        assert (knn["model"]["name"], knn["model"]["depth"], knn["model"]["embed_dim"]) == ("vit_tiny_patch4_16", 2, 32)
+        assert float(r["top1"]) == json.loads((run / "knn" / "results.json").read_text())["top1"]
+
+    table = (out / "results.md").read_text()
+    for strategy in ("random", "block"):
+        for metric in ("top1", "top5"):
+            values = [float(r[metric]) for r in rows if r["masking.strategy"] == strategy]
+            cell = f"{statistics.fmean(values):.2f} ± {statistics.stdev(values):.2f} (2)"
+            assert f"| {strategy} | {cell} |" in table, (cell, table)
+
+    img = Image.open(out / "results.png")
+    assert img.format == "PNG" and img.width >= 400 and img.height >= 300
+    colours = {c for _, c in img.convert("RGB").getcolors(1 << 20)}
+    assert PALETTE[0] in colours and (0, 0, 0) in colours  # a bar, text and error bars
+
+
+def test_rerun_skips_finished_cells_and_resumes_a_half_done_one(ablation):
+    cmd, out, _ = ablation
+    before = mtimes(out)
+    again = run_cli(cmd, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count(": skip") == 4 and ": pretrain" not in again.stdout, again.stdout
+    assert mtimes(out) == before  # nothing launched, nothing rewritten
+    assert len(read_rows(out)) == 4
+
+    # a run killed after its step-2 checkpoint: no step-3 checkpoint, no encoder, no k-NN result
+    run = out / "masking.strategy=block" / "seed1"
+    top1 = json.loads((run / "knn" / "results.json").read_text())["top1"]
+    shutil.rmtree(run / "pretrain" / "checkpoints" / "step00000003")
+    (run / "pretrain" / "encoder.safetensors").unlink()
+    (run / "knn" / "results.json").unlink()
+    third = run_cli(cmd, timeout=600)
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+    assert third.stdout.count(": skip") == 3
+    assert "masking.strategy=block/seed1: pretrain (resume from step00000002)" in third.stdout
+    log = (run / "pretrain.log").read_text()
+    assert log.count("$ deepspeed") == 2 and "step00000002 at step 2" in log  # resumed, not restarted
+    assert json.loads((run / "knn" / "results.json").read_text())["top1"] == top1  # the same step 3
+
+
+def test_a_failed_cell_is_reported_and_the_others_go_on(tmp_path, digits16):
+    """The first cell's lr diverges at runtime (NaN at step 2, train.max_bad_steps=0): it fails
+    in pretraining, is recorded with its log, and the next cell is still pretrained,
+    fine-tuned and probed."""
+    base = write_config(tmp_path / "base.json", tiny_config(
+        digits16, optim={"warmup_steps": 0}, train={"max_steps": 3, "ckpt_every": 100, "max_bad_steps": 0}))
+    spec = {"base": str(base), "grid": {"optim.lr": [1e30, 1e-3]}, "seeds": 1, "eval": ["finetune", "linear"],
+            "launcher_args": ["--num_gpus", "1"], "out": str(tmp_path / "abl"),
+            "finetune_config": str(write_config(tmp_path / "ft.json", finetune_config(digits16))),
+            "probe_config": str(write_config(tmp_path / "probe.json", probe_config(digits16)))}
+    r = run_cli(["python", "pretrain/ablate.py", "--spec", str(write_config(tmp_path / "spec.json", spec))], timeout=600)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    out = tmp_path / "abl"
+    rows = {(row["optim.lr"], row["eval"]): row for row in read_rows(out)}
+    bad_log = out / "optim.lr=1e+30" / "seed0" / "pretrain.log"
+    for kind in ("finetune", "linear"):
+        assert rows[("1e+30", kind)]["status"] == "failed" and rows[("1e+30", kind)]["path"] == str(bad_log)
+        assert rows[("0.001", kind)]["status"] == "ok" and 0 <= float(rows[("0.001", kind)]["top1"]) <= 100
+    assert "non-finite loss" in bad_log.read_text()
+    assert "optim.lr=1e+30/seed0: pretrain FAILED (exit 1)" in r.stdout
+    assert "| 1e+30 | failed (0) | failed (0) |" in (out / "results.md").read_text()
+    ft = json.loads((out / "optim.lr=0.001" / "seed0" / "finetune" / "config.json").read_text())
+    assert (ft["model"]["name"], ft["model"]["depth"], ft["model"]["embed_dim"]) == ("vit_tiny_patch4_16", 2, 32)
+    assert ft["model"]["drop_path_rate"] == 0.1  # the fine-tuning recipe's own, not the pretraining's 0
+    assert Image.open(out / "results.png").format == "PNG"
+
+
+@pytest.mark.parametrize("grid,bad,good,message", [
+    (["masking.strategy=random,spiral"], "masking.strategy=spiral", "masking.strategy=random",
+     "masking: unknown masking strategy 'spiral'"),
+    (["masking.strategy=random,grid", "objective.mask_ratio=0.6"], "masking.strategy=grid,objective.mask_ratio=0.6",
+     "masking.strategy=random,", "grid masking keeps one patch of every 2x2 cell, so mask_ratio must be 0.75, got 0.6"),
+    (["masking.strategy=units", "masking.unit_size=2,3"], "masking.strategy=units,masking.unit_size=3",
+     "masking.unit_size=2", "unit_size 3 must divide the 4x4 patch grid"),
+], ids=["unknown-strategy", "unreachable-ratio", "unit-size"])
+def test_bad_cells_exit_2_before_any_run_directory(tmp_path, digits16, capsys, grid, bad, good, message):
+    base = write_config(tmp_path / "base.json", tiny_config(digits16))
+    out = tmp_path / "abl"
+    argv = ["--base", str(base), "--seeds", "2", "--eval", "knn", "--out", str(out)]
+    code = main(argv + [a for g in grid for a in ("--grid", g)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "1 of 2 cells have a bad config; nothing was run" in err
+    assert f"  {bad}: {base}: " in err and message in err, err
+    assert good not in err
+    assert not out.exists()
+
+
+def test_bad_spec_is_one_line_naming_the_key(tmp_path, capsys):
+    spec = write_config(tmp_path / "spec.json", {"base": "mpp_demo", "seeds": 2, "evals": ["knn"]})
+    assert main(["--spec", str(spec)]) == 2
+    assert capsys.readouterr().err == f"error: {spec}: evals: unknown key\n"
+    assert main(["--base", "mpp_demo", "--eval", "knn,svm"]) == 2
+    assert "eval.1: Input should be 'finetune', 'linear' or 'knn' (got 'svm')" in capsys.readouterr().err
+
+
+def test_grid_values_split_on_top_level_commas_and_folder_names_stay_distinct():
+    assert split_values("random,block,grid") == ["random", "block", "grid"]
+    assert split_values("[0.2,1.0],[0.5,1.0]") == ["[0.2,1.0]", "[0.5,1.0]"]
+    assert split_values('"a,b",c') == ['"a,b"', "c"]
+    assert Cell((("masking.strategy", "block"), ("objective.mask_ratio", "0.5"))).name == \
+        "masking.strategy=block,objective.mask_ratio=0.5"
+    a, b = Cell((("data.train_shards", "/x/a.tar"),)), Cell((("data.train_shards", "_x_a.tar"),))
+    assert "/" not in a.name and a.name != b.name
