@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mpp.launch import free_port, job_env  # noqa: F401  (free_port: for the tests)
 
@@ -13,6 +14,9 @@ BIN = Path(sys.executable).parent
 # the venv's ninja first, also for DeepSpeed in this process: a second ninja version on PATH
 # invalidates DeepSpeed's JIT-built comm op in the shared cache (a 30-100 s rebuild each time)
 os.environ["PATH"] = f"{BIN}:{os.environ['PATH']}"
+# in-process tests use tiny models: one thread each. With two threads on a shared 2-core
+# machine a small training loop was measured 10-60x slower (thread oversubscription)
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
