@@ -1,0 +1,86 @@
+"""data: the input pipeline's cost over a bare PIL decode, and the workers a step rate needs.
+
+The measurement is ``mpp.data.bench.bench_pipeline`` (one process, so its images/s is what
+one DataLoader worker delivers on one core); this suite adds the sizing:
+workers = ceil(step images/s ÷ pipeline images/s per worker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from mpp.benchmarks.common import format_table
+from mpp.data.bench import bench_pipeline
+
+SETTINGS = {
+    "full": dict(num_images=512, img_size=224, repeats=3),
+    "quick": dict(num_images=64, img_size=224, repeats=1),
+}
+COST_RATIO_GOAL = 1.10  # pipeline time per image ÷ bare decode + resize (mpp.data.bench)
+# a GPU step rate to size the loader for (the issue's figure for ViT-B/16 bf16 on one H100)
+DEFAULT_RATES = {"ViT-B/16 bf16, one H100 (assumed)": 3000.0}
+CPU_STEP_JSON = "runs/benchmarks/cpu-step.json"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--step-ips", action="append", default=[], metavar="LABEL=IPS",
+                   help="a training step rate (images/s) to size the loader for; repeatable")  # fmt: skip
+    p.add_argument("--cpu-step-json", default=CPU_STEP_JSON,
+                   help="a cpu-step result whose measured rates to size for (skipped if missing)")  # fmt: skip
+
+
+def step_rates(step_ips: list[str], cpu_step_json: str | None) -> dict[str, float]:
+    """Rates to size for: the defaults, the cpu-step suite's measured ones, and ``LABEL=IPS`` items."""
+    rates = dict(DEFAULT_RATES)
+    if cpu_step_json and Path(cpu_step_json).is_file():
+        result = json.loads(Path(cpu_step_json).read_text())
+        model = result["setting"]["model"]
+        for row in result["rows"]:
+            rates[f"{row['objective']} {model} fp32, this CPU (cpu-step)"] = row["imgs_per_sec"]
+    for item in step_ips:
+        label, _, ips = item.rpartition("=")
+        if not label:
+            raise ValueError(f"--step-ips {item!r}: expected LABEL=IPS")
+        rates[label] = float(ips)
+    return rates
+
+
+def workers_needed(step_ips: float, per_worker_ips: float) -> int:
+    """DataLoader workers (one core each) to feed ``step_ips`` images/s."""
+    return math.ceil(step_ips / per_worker_ips)
+
+
+def run(quick: bool = False, step_ips: list[str] | None = None, cpu_step_json: str | None = None) -> dict[str, Any]:
+    s = SETTINGS["quick" if quick else "full"]
+    bench = bench_pipeline(**s)
+    per_worker = bench["pipeline_ips"]
+    sizing = [{"step": label, "step_ips": ips, "workers": workers_needed(ips, per_worker)}
+              for label, ips in step_rates(step_ips or [], cpu_step_json).items()]  # fmt: skip
+    return {
+        "setting": s,
+        "pipeline": bench,
+        "per_worker_ips": per_worker,
+        "sizing": sizing,
+        "goal": {"cost_ratio_max": COST_RATIO_GOAL, "cost_ratio": bench["cost_ratio"],
+                 "met": bench["cost_ratio"] <= COST_RATIO_GOAL},
+    }  # fmt: skip
+
+
+def render(result: dict[str, Any]) -> str:
+    b = result["pipeline"]
+    w, h = b["source_size"]
+    rows = [
+        {"what": f"bare PIL decode (draft) + resize to {b['img_size']}", "ips": b["bare_decode_resize_ips"]},
+        {"what": "train pipeline (tar, shuffle, RandomResizedCrop, flip, batch)", "ips": b["pipeline_ips"]},
+        {"what": "train pipeline, crop = whole image", "ips": b["pipeline_full_crop_ips"]},
+    ]
+    table = format_table(rows, [("what", f"{b['num_images']} JPEGs {w}x{h}, one process", ""), ("ips", "img/s", ".1f")])
+    ratios = (f"cost ratio (pipeline ÷ bare, time per image): {b['cost_ratio']:.3f} (goal <= {COST_RATIO_GOAL}); "
+              f"overhead ratio (whole-image crop ÷ bare): {b['overhead_ratio']:.3f}")  # fmt: skip
+    sizing = format_table(result["sizing"], [("step", "step to feed", ""), ("step_ips", "img/s", ".1f"),
+                                             ("workers", "workers needed", "d")])  # fmt: skip
+    return f"{table}\n{ratios}\n\n{sizing}"

@@ -1,0 +1,197 @@
+"""mpp/benchmarks: the FLOP formula against hand and FlopCounterMode counts, the memory
+accounting of the attention suite, and every suite's quick form end to end (no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import run_cli
+from torch.utils.flop_counter import FlopCounterMode
+
+from mpp.benchmarks import SUITES
+from mpp.benchmarks.__main__ import main
+from mpp.benchmarks.attention import saved_bytes
+from mpp.benchmarks.data import step_rates, workers_needed
+from mpp.benchmarks.flops import step_flops, transformer_flops
+from mpp.benchmarks.zero import model_state_mib
+from mpp.models import attention, create_vit
+from mpp.objectives import build_objective
+
+MACHINE_KEYS = ("date_utc", "command", "cpu_model", "cpu_cores", "load_avg_1_5_15", "load_avg_after", "torch")
+
+
+def run_suite(tmp_path, capsys, suite: str, *extra: str) -> dict:
+    out = tmp_path / f"{suite}.json"
+    assert main([suite, "--quick", "--out", str(out), *extra]) == 0
+    printed = capsys.readouterr().out
+    assert "|" in printed and str(out) in printed  # a table, and where the JSON went
+    result = json.loads(out.read_text())
+    assert result["suite"] == suite and result["quick"] is True
+    for key in MACHINE_KEYS:
+        assert key in result["machine"], key
+    assert result["machine"]["command"] == f"python -m mpp.benchmarks {suite} --quick --out {out}" + "".join(
+        f" {e}" for e in extra
+    )
+    return result
+
+
+# ---- the FLOP formula ---------------------------------------------------------------------------
+
+
+def test_transformer_flops_by_hand():
+    # one block, L=5 tokens, D=8, F=32: qkv 2*5*8*24 + QK^T 2*25*8 + AV 2*25*8 + proj 2*5*8*8 + fc1, fc2 2*5*8*32
+    assert transformer_flops(5, 8, 1, 32) == 1920 + 400 + 400 + 640 + 2560 + 2560
+    assert transformer_flops(5, 8, 3, 32) == 3 * 8480
+
+
+def test_plain_vit_step_flops_by_hand():
+    vit = create_vit("vit_tiny_patch4_8", embed_dim=8, depth=1, num_heads=2, num_classes=10)
+    f = step_flops(vit)
+    # patch embed 2 * 4 patches * (3*4*4) * 8 = 3072; block on 1 + 4 tokens = 8480; head 2*8*10 = 160
+    assert f.parts == {"encoder": 3072 + 8480, "head": 160}
+    assert f.forward == 11712 and f.no_grad == 0 and f.step == 3 * 11712
+
+
+def _tiny(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    vit = dict(depth=2, embed_dim=32, num_heads=2, attn_backend="math")  # math: FlopCounterMode sees its bmm
+    small = dict(decoder_dim=16, decoder_depth=1, decoder_heads=2, attn_backend="math")
+    if name == "plain":
+        return create_vit("vit_tiny_patch4_16", num_classes=10, **vit)
+    if name == "mpp":
+        return build_objective("mpp", create_vit("vit_tiny_patch4_16", **vit))
+    base = "mpp" if name == "hpm-mpp" else "mae"
+    encoder = create_vit("vit_tiny_patch4_16", pos_embed="sincos" if base == "mae" else "learned", **vit)
+    if name == "mae":
+        return build_objective("mae", encoder, **small)
+    return build_objective("hpm", encoder, base=base, **small)
+
+
+@pytest.mark.parametrize("name", ["plain", "mpp", "mae", "hpm", "hpm-mpp"])
+def test_step_flops_match_flop_counter(name):
+    model, B = _tiny(name), 3
+    images = torch.randn(B, 3, 16, 16)
+    f = step_flops(model)
+    if name.startswith("hpm"):
+        assert model.num_hard > 0 and f.no_grad > 0, "the teacher runs and is counted forward-only"
+
+    def loss() -> torch.Tensor:
+        out = model(images)
+        return out.sum() if name == "plain" else out[0]
+
+    with FlopCounterMode(display=False) as fwd:
+        loss()
+    assert fwd.get_total_flops() == B * f.forward
+    with FlopCounterMode(display=False) as train:
+        loss().backward()
+    # x3 for what is trained, x1 for the teacher; the one gradient never computed is the
+    # patch embedding's input gradient (images need none)
+    enc = model if name == "plain" else model.encoder
+    embed = 2 * enc.num_patches * 3 * 4 * 4 * enc.embed_dim
+    assert train.get_total_flops() == B * (f.step - embed)
+
+
+# ---- the suites' own helpers --------------------------------------------------------------------
+
+
+def test_attention_memory_is_the_saved_activations():
+    """math keeps q*scale, k, v and the (B, H, N, N) probabilities; SDPA q, k, v, its output
+    and the (B, H, N) log-sum-exp: linear in N."""
+    B, N, H, hd = 1, 64, 2, 8
+    q, k, v = (torch.randn(B, N, H, hd, requires_grad=True) for _ in range(3))
+    act = B * N * H * hd * 4
+    assert saved_bytes(lambda: attention(q, k, v, "math")) == 3 * act + B * H * N * N * 4
+    assert saved_bytes(lambda: attention(q, k, v, "sdpa")) == 4 * act + B * H * N * 4
+
+
+def test_data_sizing():
+    assert workers_needed(3000, 400) == 8 and workers_needed(800, 400) == 2
+    rates = step_rates(["mine=120.5"], None)
+    assert rates["mine"] == 120.5 and any("H100" in k for k in rates)
+    with pytest.raises(ValueError, match="LABEL=IPS"):
+        step_rates(["120"], None)
+
+
+def test_zero_model_states_per_rank():
+    # Psi fp32 params + grads + Adam moments: 16 Psi bytes, partitioned stage by stage (2 ranks)
+    psi = 2**20
+    assert [model_state_mib(psi, s, 2) for s in range(4)] == [16.0, 12.0, 10.0, 8.0]
+
+
+# ---- each suite's quick form, end to end -----------------------------------------------------------
+
+
+def test_cpu_step_quick(tmp_path, capsys):
+    r = run_suite(tmp_path, capsys, "cpu-step")
+    assert [row["objective"] for row in r["rows"]] == ["plain", "mpp", "mae", "hpm"]
+    for row in r["rows"]:
+        for key in ("step_s", "imgs_per_sec", "gflops_per_img", "achieved_gflops_per_s", "ratio_to_matmul", "ratio_to_plain"):
+            assert row[key] > 0, (row["objective"], key)
+    hpm = next(row for row in r["rows"] if row["objective"] == "hpm")
+    assert hpm["teacher_gflops_per_img"] > 0
+    assert r["matmul_gflops_per_s"] > 0
+    assert {p["part"] for p in r["overheads"]["mpp"]} == {"masking", "corruption", "targets"}
+    assert {"teacher forward", "EMA update"} <= {p["part"] for p in r["overheads"]["hpm"]}
+    for name in ("plain", "mpp"):
+        prof = r["profiles"][name]
+        assert prof["top_ops"] and sum(prof["categories_pct"].values()) == pytest.approx(100)
+    assert set(r["goal"]) == {"mpp_ratio_to_matmul_min", "mpp_ratio_to_matmul", "met"}
+
+
+def test_attention_quick(tmp_path, capsys):
+    r = run_suite(tmp_path, capsys, "attention")
+    assert r["default_backend"] == "sdpa"
+    tokens = r["setting"]["tokens"]
+    assert {(row["tokens"], row["backend"]) for row in r["rows"]} == {(n, b) for n in tokens for b in ("math", "sdpa")}
+    mem = {(row["tokens"], row["backend"]): row["mem_mib"] for row in r["rows"]}
+    assert mem[(tokens[-1], "math")] > mem[(tokens[-1], "sdpa")]
+    # saved bytes are exact, not timed: SDPA's grow exactly linearly
+    assert r["memory_growth_exponent"]["sdpa"] == pytest.approx(1.0)
+    assert r["memory_growth_exponent"]["math"] > 1.3
+    assert all(row["ms"] > 0 and row["time_vs_math"] > 0 for row in r["rows"])
+    assert {"default_memory_linear", "default_never_slower_than_math", "met"} <= set(r["goal"])
+
+
+def test_data_quick(tmp_path, capsys):
+    step_json = tmp_path / "cpu-step.json"
+    step_json.write_text(json.dumps({"setting": {"model": "vit_x"}, "rows": [{"objective": "mpp", "imgs_per_sec": 5.0}]}))
+    r = run_suite(tmp_path, capsys, "data", "--cpu-step-json", str(step_json), "--step-ips", "fast=9999")
+    bench = r["pipeline"]
+    for key in ("bare_decode_resize_ips", "pipeline_ips", "cost_ratio", "overhead_ratio"):
+        assert bench[key] > 0, key
+    sizing = {row["step"]: row for row in r["sizing"]}
+    assert sizing["fast"]["workers"] == math.ceil(9999 / r["per_worker_ips"])
+    assert "mpp vit_x fp32, this CPU (cpu-step)" in sizing
+    assert {"cost_ratio_max", "cost_ratio", "met"} <= set(r["goal"])
+
+
+@pytest.mark.slow
+def test_zero_quick(tmp_path, capsys):
+    r = run_suite(tmp_path, capsys, "zero")
+    rows = r["rows"]
+    assert [row["stage"] for row in rows] == r["setting"]["stages"] and len(rows) >= 2
+    for row in rows:
+        assert len(row["rank_peak_mib"]) == 2
+        assert all(p >= b > 0 for p, b in zip(row["rank_peak_mib"], row["rank_baseline_mib"], strict=True))
+        assert row["imgs_per_sec"] > 0 and row["timed_steps"] >= 1
+        assert row["model_state_mib"] == pytest.approx(model_state_mib(r["setting"]["num_params"], row["stage"]))
+    assert rows[0]["step_vs_first"] == 1.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_gpu_step_refuses_cleanly_without_a_gpu(tmp_path):
+    out = tmp_path / "gpu.json"
+    r = run_cli(["python", "-m", "mpp.benchmarks", "gpu-step", "--quick", "--out", str(out)], timeout=120)
+    assert r.returncode == 2
+    assert "gpu-step: needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_cli_lists_every_suite():
+    r = run_cli(["python", "-m", "mpp.benchmarks", "--help"], timeout=120)
+    assert r.returncode == 0
+    for name in SUITES:
+        assert name in r.stdout
