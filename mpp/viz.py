@@ -20,6 +20,7 @@ from einops import rearrange, repeat
 from PIL import Image
 from torch import Tensor
 
+from mpp.checkpoint import weights_only_loads, zero_to_fp32
 from mpp.objectives.hpm import HardPatchesMining, hard_patch_mask
 from mpp.objectives.mae import MaskedAutoencoder
 from mpp.objectives.mpp import gather_tokens, patchify, unnormalize
@@ -177,10 +178,9 @@ def deepspeed_weights(folder: Path) -> dict[str, Tensor]:
     else:
         root, tag = folder.parent, folder.name
     if any((root / tag).glob("zero_pp_rank_*")):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
-    states = torch.load(root / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        return zero_to_fp32(root, tag)  # DeepSpeed's converter, under weights_only loads
+    with weights_only_loads():  # a checkpoint is untrusted input: no arbitrary unpickling
+        states = torch.load(root / tag / "mp_rank_00_model_states.pt", map_location="cpu")
     return states["module"]
 
 
@@ -195,7 +195,8 @@ def load_weights(objective: HardPatchesMining, checkpoint: str) -> None:
 
         state = load_file(str(path))
     else:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        with weights_only_loads():
+            state = torch.load(path, map_location="cpu")
         state = state.get("module", state.get("state_dict", state))  # DeepSpeed's model states
     if "patch_embed.proj.weight" in state:  # an encoder alone: decoders and predictor stay as built
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
