@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 MARKER = "COMPLETE"
 TAG_PREFIX = "step"
+RANK_STATE = "rank_state_{rank:05d}.safetensors"  # an objective's per-rank state (Objective.rank_state)
 
 
 def tag_for(step: int) -> str:
@@ -51,10 +52,17 @@ def latest_complete(ckpt_root: str | Path) -> str | None:
     return tags[-1] if tags else None
 
 
-def save_checkpoint(engine: Any, ckpt_root: str | Path, step: int, client_state: dict, keep_last: int) -> str:
-    """Save on every rank (DeepSpeed requires it), then mark complete and prune on rank 0."""
+def save_checkpoint(
+    engine: Any, ckpt_root: str | Path, step: int, client_state: dict, keep_last: int,
+    rank_state: dict[str, torch.Tensor] | None = None,
+) -> str:  # fmt: skip
+    """Save on every rank (DeepSpeed requires it), then mark complete and prune on rank 0.
+    ``rank_state`` (the objective's, may be empty) goes to the tag's rank_state_RANK.safetensors."""
     tag = tag_for(step)
     engine.save_checkpoint(str(ckpt_root), tag=tag, client_state=client_state)
+    if rank_state:
+        tensors = {k: v.detach().cpu().contiguous() for k, v in rank_state.items()}
+        save_file(tensors, str(Path(ckpt_root) / tag / RANK_STATE.format(rank=dist.get_rank())))
     dist.barrier()  # every rank's shard is on disk before the marker says so
     if dist.get_rank() == 0:
         _write_atomic(Path(ckpt_root) / tag / MARKER, json.dumps({"step": step}) + "\n")
@@ -62,6 +70,15 @@ def save_checkpoint(engine: Any, ckpt_root: str | Path, step: int, client_state:
             shutil.rmtree(Path(ckpt_root) / old, ignore_errors=True)
     dist.barrier()
     return tag
+
+
+def load_rank_state(ckpt_root: str | Path, tag: str) -> dict[str, torch.Tensor]:
+    """This rank's saved ``rank_state``, else rank 0's (state every rank shares is saved once), else {}."""
+    for rank in (dist.get_rank(), 0):
+        path = Path(ckpt_root) / tag / RANK_STATE.format(rank=rank)
+        if path.is_file():
+            return load_file(str(path))
+    return {}
 
 
 def resolve_resume(resume: str | None, ckpt_root: Path) -> tuple[str, str] | None:
@@ -114,11 +131,21 @@ def weights_only_loads() -> Iterator[None]:
 
 
 def zero_to_fp32(ckpt_root: str | Path, tag: str | None = None) -> dict[str, torch.Tensor]:
-    """The fp32 weights of a DeepSpeed checkpoint of any ZeRO stage, read safely."""
+    """The fp32 weights of a DeepSpeed checkpoint of any ZeRO stage, read safely.
+
+    Stage 1-3 through DeepSpeed's zero-to-fp32 (the fp32 master weights). A stage-0 checkpoint
+    has no ZeRO files and no parameter names for its master weights: its module weights,
+    upcast (exact for fp32 runs; bf16/fp16 runs export their exact masters at the end of
+    training instead, see ``full_state_dict``)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    root = Path(ckpt_root)
+    tag = tag or (root / "latest").read_text().strip()
     with weights_only_loads():
-        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_root), tag=tag)
+        if any((root / tag).glob("*optim_states.pt")):
+            return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+        module = torch.load(root / tag / "mp_rank_00_model_states.pt", map_location="cpu")["module"]
+    return {k: v.float() for k, v in module.items()}
 
 
 # ---- encoder export ------------------------------------------------------------------------
@@ -127,15 +154,13 @@ def zero_to_fp32(ckpt_root: str | Path, tag: str | None = None) -> dict[str, tor
 def full_state_dict(engine: Any, ckpt_root: str | Path | None = None, tag: str | None = None) -> dict[str, torch.Tensor] | None:
     """The model's fp32 weights on rank 0 (None elsewhere).
 
-    ZeRO and bf16 runs keep their fp32 master weights in the optimiser: read them through
-    DeepSpeed's zero-to-fp32 converter from the checkpoint just written. A plain fp32 run
-    (stage 0) holds them in the module itself.
+    ZeRO runs keep their fp32 master weights partitioned in the optimiser: read them through
+    DeepSpeed's zero-to-fp32 converter from the checkpoint just written. Stage 0 holds them
+    in memory: the module (fp32) or the bf16/fp16 optimiser's flat master copy.
     """
     stage = engine.zero_optimization_stage()
-    fp32_module = next(engine.module.parameters()).dtype == torch.float32
-    if stage == 0 and fp32_module:
-        sd = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
-        return sd if dist.get_rank() == 0 else None
+    if stage == 0:  # every rank holds everything; rank 0 reads it from memory
+        return _stage0_state_dict(engine) if dist.get_rank() == 0 else None
     dist.barrier()
     sd = None
     if dist.get_rank() == 0:
@@ -145,6 +170,25 @@ def full_state_dict(engine: Any, ckpt_root: str | Path | None = None, tag: str |
             if k not in sd and v.numel() > 0:
                 sd[k] = v.detach().float().cpu().clone()
     dist.barrier()
+    return sd
+
+
+def _stage0_state_dict(engine: Any) -> dict[str, torch.Tensor]:
+    """fp32 weights of a stage-0 engine: the module's, with each trained parameter replaced by
+    its fp32 master copy when DeepSpeed's bf16/fp16 optimiser keeps one (flat, per group)."""
+    from torch._utils import _unflatten_dense_tensors
+
+    module, opt = engine.module, engine.optimizer
+    sd = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+    if next(module.parameters()).dtype != torch.float32:
+        names = {id(p): n for n, p in module.named_parameters()}
+        if hasattr(opt, "fp32_groups_flat"):  # FP16_Optimizer: one flat fp32 copy per group
+            masters = [_unflatten_dense_tensors(f, ps) for f, ps in zip(opt.fp32_groups_flat, opt.fp16_groups, strict=True)]
+        else:  # FP16_UnfusedOptimizer (a torch optimiser): one fp32 copy per parameter
+            masters = opt.fp32_groups
+        for params, copies in zip(opt.fp16_groups, masters, strict=True):
+            for p, master in zip(params, copies, strict=True):
+                sd[names[id(p)]] = master.detach().float().cpu().clone()
     return sd
 
 

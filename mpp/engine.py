@@ -372,7 +372,8 @@ def train(
     def save() -> None:
         rngs = [None] * world
         dist.all_gather_object(rngs, rng_state())
-        ckpt.save_checkpoint(engine, ckpt_root, state.step, {"state": asdict(state), "rng": rngs}, cfg.train.keep_last)
+        ckpt.save_checkpoint(engine, ckpt_root, state.step, {"state": asdict(state), "rng": rngs}, cfg.train.keep_last,
+                             rank_state=objective.rank_state())  # fmt: skip
 
     peak = peak_lr(cfg)
     schedule = dict(peak=peak, total=plan.total_steps, warmup=plan.warmup_steps, min_lr=cfg.optim.min_lr)
@@ -452,6 +453,7 @@ def start_engine(cfg: RunConfig, objective: torch.nn.Module, plan: Plan, ckpt_ro
             _, client = engine.load_checkpoint(found[0], tag=found[1])
         state = RunState(**client["state"])
         set_rng_state(client["rng"][dist.get_rank()])
+        objective.load_rank_state(ckpt.load_rank_state(*found))
         if dist.get_rank() == 0:
             log.info("resumed from %s/%s at step %d", found[0], found[1], state.step)
     return engine, optimizer, state

@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 from conftest import read_metrics, run_cli, tiny_config, write_config
+from safetensors.torch import load_file
 
 from mpp.build import build_objective
-from mpp.checkpoint import load_encoder_file
+from mpp.checkpoint import load_encoder_file, load_pretrained, weights_only_loads
 from mpp.config import validate
 from mpp.engine import build_optimizer, lr_at, param_groups, set_lr
 from mpp.models import create_vit
@@ -83,3 +84,46 @@ def test_exact_resume_equals_straight_run(tmp_path, digits16):
         torch.testing.assert_close(sd_a[k], sd_b[k], rtol=0, atol=0)
     enc = create_vit(kwargs.pop("name"), **kwargs)
     enc.load_state_dict(sd_a, strict=True)  # the export is exactly the encoder
+
+
+def test_bf16_hpm_resume_is_exact_with_its_fp32_ema(tmp_path, digits16):
+    """bf16 (DeepSpeed's bf16 on the CPU): HPM's fp32 EMA rides along with the checkpoint
+    (rank_state_00000.safetensors), so 4 + resume + 4 steps == 8 straight, teacher included.
+    Without it the EMA restarts from the bf16 teacher: measured 65 of 66 tensors differ."""
+    cfg = tiny_config(digits16, train={"max_steps": 8, "ckpt_every": 4, "precision": "bf16"},
+                      objective={"name": "hpm", "base": "mae", "decoder_dim": 32, "decoder_depth": 1,
+                                 "decoder_heads": 2, "momentum_start": 0.99, "momentum_end": 0.999,
+                                 "momentum_epochs": 1, "hard_ratio": 0.5})  # fmt: skip
+    cfg.pop("masking")
+    path = write_config(tmp_path / "c.json", cfg)
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    for out, extra in ((straight, []), (split, ["--set", "train.stop_at_step=4"]), (split, ["--resume", "auto"])):
+        r = run_cli(["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(out), *extra])
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert [m["loss"] for m in read_metrics(split)] == [m["loss"] for m in read_metrics(straight)]
+    ema = [load_file(out / "checkpoints" / "step00000008" / "rank_state_00000.safetensors") for out in (straight, split)]
+    assert len(ema[0]) > 20 and all(v.dtype == torch.float32 for v in ema[0].values())
+    for k in ema[0]:
+        assert torch.equal(ema[0][k], ema[1][k]), k
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_bf16_runs_export_their_fp32_master_weights(tmp_path, digits16, stage):
+    """bf16 params, fp32 masters in DeepSpeed's optimiser: the exported encoder is the masters
+    (finer than bf16), and the module's bf16 weights are those masters rounded."""
+    cfg = tiny_config(digits16, train={"max_steps": 4, "ckpt_every": 4, "precision": "bf16"},
+                      deepspeed={"zero_optimization": {"stage": stage}})  # fmt: skip
+    out = tmp_path / "run"
+    r = run_cli(["python", "pretrain/run.py", "--config", str(write_config(tmp_path / "c.json", cfg)),
+                 "--output-dir", str(out)])  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    enc, _ = load_encoder_file(out / "encoder.safetensors")
+    with weights_only_loads():
+        module = torch.load(out / "checkpoints" / "step00000004" / "mp_rank_00_model_states.pt")["module"]
+    w = "blocks.0.attn.qkv.weight"
+    assert module[f"encoder.{w}"].dtype == torch.bfloat16 and enc[w].dtype == torch.float32
+    assert torch.equal(enc[w].bfloat16(), module[f"encoder.{w}"])
+    assert not torch.equal(enc[w], enc[w].bfloat16().float())  # more than bf16 precision
+    # the checkpoint as a downstream init: ZeRO's masters, or stage 0's module weights upcast
+    sd, _ = load_pretrained(out / "checkpoints")
+    assert torch.equal(sd[w], enc[w] if stage else module[f"encoder.{w}"].float())

@@ -263,6 +263,28 @@ def test_ema_in_bf16_keeps_moving():
     assert moved == pytest.approx(1 - 0.999**100, rel=0.05)  # ~0.095 of the gap, as in fp32
 
 
+def test_fp32_ema_state_round_trips_for_resume(caplog):
+    """Under bf16 the EMA lives in fp32 beside the teacher: rank_state hands it to the
+    checkpoint and load_rank_state puts it back; an fp32 teacher needs none."""
+    assert tiny_hpm().rank_state() == {}  # fp32: the teacher is its own EMA
+    hpm = tiny_hpm().to(torch.bfloat16)
+    hpm.set_progress(0, 10)
+    with torch.no_grad():
+        hpm.predictor.pred.weight.add_(1.0)
+    for _ in range(3):
+        hpm.update_teacher()
+    state = hpm.rank_state()
+    assert len(state) == len(list(hpm.teacher.parameters())) and all(t.dtype == torch.float32 for t in state.values())
+    resumed = tiny_hpm().to(torch.bfloat16)
+    resumed.load_state_dict(hpm.state_dict())
+    resumed.load_rank_state({k: v.clone() for k, v in state.items()})
+    for a, b in zip(resumed.rank_state().values(), state.values(), strict=True):
+        assert torch.equal(a, b)
+    other = tiny_hpm(embed_dim=32).to(torch.bfloat16)  # another shape (as another ZeRO-3 world size)
+    other.load_rank_state(state)
+    assert other._ema_fp32 is None and "does not match" in caplog.text
+
+
 def test_ema_updates_zero3_shards_in_place():
     """Fake ZeRO-3 partitioning: every parameter gets a flat shard ``ds_tensor``; big ones are
     released (empty data), small "persistent" ones stay whole on the rank as well."""

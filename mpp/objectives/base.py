@@ -29,3 +29,12 @@ class Objective(nn.Module):
     def no_weight_decay(self) -> set[str]:
         """Full parameter names exempt from weight decay besides biases and norms."""
         return set()
+
+    def rank_state(self) -> dict[str, Tensor]:
+        """State outside the parameters and buffers that an exact resume needs (HPM: its fp32
+        EMA under bf16). Saved beside each checkpoint, per rank; state every rank holds alike
+        is returned by rank 0 only and read back by every rank. Default: none."""
+        return {}
+
+    def load_rank_state(self, state: dict[str, Tensor]) -> None:
+        """Restore what ``rank_state`` returned; called after the engine loaded the checkpoint."""

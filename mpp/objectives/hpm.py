@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import math
 from contextlib import nullcontext
 
@@ -25,6 +26,8 @@ from mpp.models.vit import VisionTransformer
 from mpp.objectives.base import Objective
 from mpp.objectives.mae import MaskedAutoencoder
 from mpp.objectives.mpp import IMAGENET_MEAN, IMAGENET_STD, MaskedPatchPrediction, gather_tokens
+
+log = logging.getLogger(__name__)
 
 HPM_BASES: dict[str, type[Objective]] = {"mae": MaskedAutoencoder, "mpp": MaskedPatchPrediction}
 SCHEDULES = ("easy_to_hard", "hard_only", "hard_to_easy", "random")
@@ -266,6 +269,28 @@ class HardPatchesMining(Objective):
             self._ema_fp32 = [t.float() for t in teacher]
         torch._foreach_lerp_(self._ema_fp32, [s.float() for s in student], weight)
         torch._foreach_copy_(teacher, self._ema_fp32)
+
+    def rank_state(self) -> dict[str, Tensor]:
+        """The fp32 EMA (bf16/fp16 params only): rounding it to the teacher's bf16 on resume
+        would perturb the teacher once per restart. Under ZeRO-3 each rank's shard; otherwise
+        every rank's copy is the same and rank 0 returns it."""
+        if self._ema_fp32 is None:
+            return {}
+        partitioned = any(hasattr(t, "ds_tensor") for t, _ in self._ema_params or [])
+        if not partitioned and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            return {}
+        return {f"ema_fp32.{i}": t for i, t in enumerate(self._ema_fp32)}
+
+    def load_rank_state(self, state: dict[str, Tensor]) -> None:
+        teacher, _ = self._ema_tensors()
+        if not state or all(t.dtype == torch.float32 for t in teacher):
+            return  # nothing saved, or an fp32 teacher is its own EMA
+        saved = [state.get(f"ema_fp32.{i}") for i in range(len(teacher))]
+        if len(state) != len(teacher) or any(s is None or s.shape != t.shape for s, t in zip(saved, teacher, strict=True)):
+            log.warning("hpm: the checkpoint's fp32 EMA does not match this run's teacher (another world size "
+                        "under ZeRO-3?): the EMA restarts from the teacher's %s weights", teacher[0].dtype)  # fmt: skip
+            return
+        self._ema_fp32 = [s.to(t.device, torch.float32) for s, t in zip(saved, teacher, strict=True)]
 
     def teacher_state(self) -> dict[str, Tensor]:
         """Full fp32 CPU copies of the teacher's parameters, by name. Under ZeRO-3 this gathers
