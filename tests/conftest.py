@@ -76,13 +76,14 @@ def dist_group():
 def two_rank_runs(tmp_path_factory, digits16):
     """ZeRO-2 and ZeRO-3 runs of the same config on 2 ranks: computed once, checked by several tests."""
     tmp = tmp_path_factory.mktemp("zero")
-    runs = {}
+    runs: dict = {"ports": []}
     for stage in (2, 3):
         cfg = tiny_config(digits16, train={"max_steps": 3, "ckpt_every": 2},
                           deepspeed={"zero_optimization": {"stage": stage}})
         path = write_config(tmp / f"z{stage}.json", cfg)
         out = tmp / f"z{stage}"
-        r = run_cli(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "pretrain/run.py",
+        runs["ports"].append(port := free_port())
+        r = run_cli(["deepspeed", "--num_gpus", "2", "--master_port", str(port), "pretrain/run.py",
                      "--config", str(path), "--output-dir", str(out)])
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         runs[stage] = (out, path)
