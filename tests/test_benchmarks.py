@@ -138,7 +138,8 @@ def test_cpu_step_quick(tmp_path, capsys):
     for name in ("plain", "mpp"):
         prof = r["profiles"][name]
         assert prof["top_ops"] and sum(prof["categories_pct"].values()) == pytest.approx(100)
-    assert set(r["goal"]) == {"mpp_ratio_to_matmul_min", "mpp_ratio_to_matmul", "met"}
+    assert {"mpp_ratio_to_matmul_min", "mpp_ratio_to_matmul", "met", "hpm_vs_mae_met"} <= set(r["goal"])
+    assert r["hpm_vs_mae"]["flops"] == pytest.approx(hpm["gflops_per_img"] / r["rows"][2]["gflops_per_img"])
 
 
 def test_attention_quick(tmp_path, capsys):
@@ -165,7 +166,8 @@ def test_data_quick(tmp_path, capsys):
     sizing = {row["step"]: row for row in r["sizing"]}
     assert sizing["fast"]["workers"] == math.ceil(9999 / r["per_worker_ips"])
     assert "mpp vit_x fp32, this CPU (cpu-step)" in sizing
-    assert {"cost_ratio_max", "cost_ratio", "met"} <= set(r["goal"])
+    assert r["bad_data"]["skipped_per_pass"] > 0 and r["bad_data"]["throughput_ratio"] > 0
+    assert {"cost_ratio_max", "cost_ratio", "bad_data_ratio", "met"} <= set(r["goal"])
 
 
 @pytest.mark.slow
@@ -188,6 +190,21 @@ def test_gpu_step_refuses_cleanly_without_a_gpu(tmp_path):
     assert r.returncode == 2
     assert "gpu-step: needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
     assert not out.exists()
+
+
+def test_gpu_step_code_runs_on_the_cpu(tmp_path, capsys):
+    """The suite's own code (contenders, bf16 autocast steps, FLOPs, goals, table) on a tiny
+    model on the CPU, so the first run on a GPU machine does not die on a typo."""
+    out = tmp_path / "gpu.json"
+    assert main(["gpu-step", "--device", "cpu", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["setting"]["device"] == "cpu" and r["setting"]["model"] == "vit_tiny_patch16_64"
+    assert [row["objective"] for row in r["rows"]] == ["mpp", "mae", "hpm"]
+    for row in r["rows"]:
+        assert row["step_s"] > 0 and row["mfu"] > 0 and row["peak_mem_gib"] is None
+    (g,) = r["goals"]
+    assert g["hpm_vs_mae_time"] == pytest.approx(r["rows"][2]["step_s"] / r["rows"][1]["step_s"])
+    assert "HPM ÷ MAE time" in capsys.readouterr().out
 
 
 def test_cli_lists_every_suite():

@@ -145,6 +145,8 @@ def measure(s: dict, dev: torch.device) -> dict[str, Any]:
         r["time_vs_math"] = r["ms"] / next(m["ms"] for m in by["math"] if m["tokens"] == r["tokens"])
     ns = s["tokens"]
     exponents = {b: growth_exponent(ns, [r["mem_mib"] for r in by[b]]) for b in backends}
+    rss_exponents = {b: growth_exponent(ns, [r["rss_peak_mib"] for r in by[b]]) for b in backends
+                     if all(r["rss_peak_mib"] for r in by[b])}  # fmt: skip
     slowest = max(r["time_vs_math"] for r in by[default])
     return {
         "setting": {**s, "device": dev.type, "dtype": str(dtype).removeprefix("torch."),
@@ -152,6 +154,7 @@ def measure(s: dict, dev: torch.device) -> dict[str, Any]:
         "default_backend": default,
         "rows": rows,
         "memory_growth_exponent": exponents,
+        "rss_growth_exponent": rss_exponents,
         "goal": {
             "default_memory_linear": exponents[default] <= 1.1,
             "default_never_slower_than_math": slowest <= 1.0,
@@ -179,4 +182,6 @@ def render(result: dict[str, Any]) -> str:
         ("rss_peak_mib", "RSS peak MiB (fresh process)", ".1f"),
     ])  # fmt: skip
     exps = ", ".join(f"{b} {e:.2f}" for b, e in result["memory_growth_exponent"].items())
-    return f"{head}\n{table}\nmemory growth exponent between the two largest N (1 linear, 2 quadratic): {exps}"
+    rss = ", ".join(f"{b} {e:.2f}" for b, e in result["rss_growth_exponent"].items())
+    return (f"{head}\n{table}\nmemory growth exponent between the two largest N (1 linear, 2 quadratic): "
+            f"{exps}" + (f"; of the RSS peak: {rss}" if rss else ""))  # fmt: skip

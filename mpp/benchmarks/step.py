@@ -18,9 +18,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from mpp.benchmarks.common import format_table, interleaved_times, matmul_fn, median, num_threads
+from mpp.benchmarks.common import (
+    format_table,
+    interleaved_times,
+    matmul_roofline,
+    median,
+    num_threads,
+)
 from mpp.benchmarks.flops import step_flops
-from mpp.engine import PAPER_OPTIMIZER, param_groups
+from mpp.engine import PAPER_OPTIMIZER, adam, param_groups
 from mpp.masking import mask_indices
 from mpp.models import create_vit
 from mpp.objectives import build_objective
@@ -31,7 +37,7 @@ CONTENDERS = ("plain", "mpp", "mae", "hpm")
 # quick: the same code paths on a model that steps in tens of milliseconds.
 CPU_SETTINGS = {
     "full": dict(model="vit_small_patch16_224", overrides={}, batch=8, decoder={},
-                 rounds=5, warmup=1, matmul_n=2048, threads=None),
+                 rounds=7, warmup=1, matmul_n=2048, threads=None),
     "quick": dict(model="vit_tiny_patch16_64", overrides={"depth": 4}, batch=4,
                   decoder=dict(decoder_dim=64, decoder_depth=1, decoder_heads=4),
                   rounds=2, warmup=1, matmul_n=512, threads=1),
@@ -52,11 +58,9 @@ def build_contender(name: str, setting: dict, attn_backend: str = "auto") -> nn.
     return build_objective(name, encoder, attn_backend=attn_backend, **setting["decoder"])
 
 
-def make_optimizer(model: nn.Module, name: str, device: torch.device) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
     """The engine's optimiser for this objective (Adam for MPP, AdamW otherwise), its param groups."""
-    cls = torch.optim.Adam if PAPER_OPTIMIZER.get(name) == "adam" else torch.optim.AdamW
-    fused = {"fused": True} if device.type == "cuda" else {}
-    return cls(param_groups(model, 0.05), lr=1e-4, **fused)
+    return adam(PAPER_OPTIMIZER.get(name, "adamw"), param_groups(model, 0.05), lr=1e-4)
 
 
 def make_step(
@@ -134,12 +138,21 @@ def _category(op: str) -> str:
     return "other (elementwise, optimiser, copies, gather, loss, ...)"
 
 
+def profile_steps(steps: dict[str, Callable[[], None]], repeats: int = 3) -> dict[str, dict[str, Any]]:
+    """``profile_step`` each step ``repeats`` times, interleaved; keep each one's fastest
+    profile: a single profiled step on a shared machine can catch another job's burst."""
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in steps}
+    for _ in range(repeats):
+        for n, step in steps.items():
+            runs[n].append(profile_step(step))
+    return {n: min(r, key=lambda p: p["total_ms"]) for n, r in runs.items()}
+
+
 def profile_step(step: Callable[[], None], top: int = 12) -> dict[str, Any]:
     """torch.profiler over one step: time by phase (forward, backward, optimiser), by op
     category and the top ops by self CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    step()  # warm
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         step()
     averages = prof.key_averages()
@@ -186,9 +199,10 @@ def measure(setting: dict) -> dict[str, Any]:
     models = {n: build_contender(n, setting) for n in CONTENDERS}
     img = models["plain"].patch_embed.img_size
     images = torch.randn(setting["batch"], 3, *img)
-    steps = {n: make_step(n, m, images, make_optimizer(m, n, device)) for n, m in models.items()}
-    mm, mm_flops = matmul_fn(setting["matmul_n"], device)
+    steps = {n: make_step(n, m, images, make_optimizer(m, n)) for n, m in models.items()}
+    mm, mm_best, mm_flops = matmul_roofline(setting["matmul_n"], device)
     times = interleaved_times({"matmul": mm, **steps}, setting["rounds"], setting["warmup"])
+    times["matmul"] = mm_best[-setting["rounds"] :]  # each round's fastest matmul, not the k together
     peak = mm_flops / median(times["matmul"])
     # best-of as well as median: on a shared machine the fastest round is the least disturbed
     peak_best = mm_flops / min(times["matmul"])
@@ -209,11 +223,18 @@ def measure(setting: dict) -> dict[str, Any]:
             with torch.no_grad():  # forward cost only; any backward they cause is in the step
                 ot = interleaved_times(fns, rounds=3, warmup=1)
             overheads[n] = [{"part": k, "ms": 1e3 * median(v), "pct_of_step": 100 * median(v) / t} for k, v in ot.items()]
-    plain_ratio = rows[0]["ratio_to_matmul"]
-    for r in rows:
+    plain_ratio, plain_flops = rows[0]["ratio_to_matmul"], step_flops(models["plain"]).step
+    for r, (n, m) in zip(rows, models.items(), strict=True):
         r["ratio_to_plain"] = r["ratio_to_matmul"] / plain_ratio
-    profiles = {n: profile_step(steps[n]) for n in ("plain", "mpp")}
-    mpp_ratio = next(r["ratio_to_matmul"] for r in rows if r["objective"] == "mpp")
+        # per round against the plain step timed next to it: load bursts that span both cancel
+        paired = [step_flops(m).step / plain_flops * tp / t for t, tp in zip(times[n], times["plain"], strict=True)]
+        r["ratio_to_plain_paired"] = median(paired)
+    profiles = profile_steps({n: steps[n] for n in ("plain", "mpp")})
+    by = {r["objective"]: r for r in rows}
+    mpp_ratio = by["mpp"]["ratio_to_matmul"]
+    # HPM's price over the MAE it wraps (DESIGN.md §4.4: ~2.5x the FLOPs); goal <= 2x the time
+    hpm_vs_mae = {"time": by["hpm"]["step_s"] / by["mae"]["step_s"],
+                  "flops": by["hpm"]["gflops_per_img"] / by["mae"]["gflops_per_img"]}  # fmt: skip
     return {
         "setting": {**setting, "precision": "fp32"},
         "matmul_gflops_per_s": peak / 1e9,
@@ -221,7 +242,9 @@ def measure(setting: dict) -> dict[str, Any]:
         "rows": rows,
         "overheads": overheads,
         "profiles": profiles,
-        "goal": {"mpp_ratio_to_matmul_min": 0.80, "mpp_ratio_to_matmul": mpp_ratio, "met": mpp_ratio >= 0.80},
+        "hpm_vs_mae": hpm_vs_mae,
+        "goal": {"mpp_ratio_to_matmul_min": 0.80, "mpp_ratio_to_matmul": mpp_ratio, "met": mpp_ratio >= 0.80,
+                 "hpm_vs_mae_time_max": 2.0, "hpm_vs_mae_met": hpm_vs_mae["time"] <= 2.0},
         "raw_times_s": times,
     }
 
@@ -230,21 +253,25 @@ def render(result: dict[str, Any]) -> str:
     """The tables the CLI prints (and BENCHMARKS.md copies)."""
     s = result["setting"]
     out = [f"{s['model']} {s['overrides'] or ''} batch {s['batch']}, fp32, {s['threads']} threads; "
-           f"matmul {s['matmul_n']}^3: {result['matmul_gflops_per_s']:.1f} GFLOP/s"]  # fmt: skip
+           f"matmul {s['matmul_n']}^3 (fastest of 5 per round): {result['matmul_gflops_per_s']:.1f} GFLOP/s "
+           f"median, {result['matmul_gflops_per_s_best']:.1f} best"]  # fmt: skip
     out.append(format_table(result["rows"], [
         ("objective", "step", ""), ("step_s", "s/step", ".3f"), ("imgs_per_sec", "img/s", ".2f"),
         ("gflops_per_img", "GFLOP/img", ".2f"), ("teacher_gflops_per_img", "of which teacher", ".2f"),
         ("achieved_gflops_per_s", "GFLOP/s", ".1f"), ("ratio_to_matmul", "÷ matmul", ".3f"),
-        ("ratio_to_plain", "÷ plain", ".3f"), ("best_step_s", "best s/step", ".3f"),
+        ("ratio_to_plain", "÷ plain", ".3f"), ("ratio_to_plain_paired", "÷ plain, per round", ".3f"),
+        ("best_step_s", "best s/step", ".3f"),
         ("ratio_to_matmul_best", "best ÷ best matmul", ".3f"),
     ]))  # fmt: skip
+    h = result["hpm_vs_mae"]
+    out.append(f"HPM ÷ MAE: time {h['time']:.2f} (goal <= 2), model FLOPs {h['flops']:.2f}")
     for name, parts in result["overheads"].items():
         out.append(f"\n{name} overheads (timed alone, no grad)")
         out.append(format_table(parts, [("part", "part", ""), ("ms", "ms", ".1f"), ("pct_of_step", "% of step", ".1f")]))
     for name, prof in result["profiles"].items():
         rate = prof["mm_flops_per_s"]
         phases = ", ".join(f"{k} {v:.0f} ms" for k, v in prof["phases_ms"].items())
-        out.append(f"\nprofile of one {name} step: {prof['total_ms']:.0f} ms self CPU ({phases}); "
+        out.append(f"\nprofile of one {name} step (fastest of 3): {prof['total_ms']:.0f} ms self CPU ({phases}); "
                    f"mm/addmm/bmm run at {rate / 1e9 if rate else 0:.1f} GFLOP/s")  # fmt: skip
         cats = [{"category": k, "pct": v} for k, v in prof["categories_pct"].items()]
         out.append(format_table(cats, [("category", "category", ""), ("pct", "% self CPU", ".1f")]))

@@ -26,7 +26,7 @@ WORLD = 2
 SETTINGS = {
     # ViT-S: 22M parameters, 350 MB of fp32 Adam state at stage 0, what ZeRO partitions;
     # 64 px (16 patches) keeps the step short enough for 4 launcher runs in minutes
-    "full": dict(stages=[0, 1, 2, 3], max_steps=16, log_every=4, batch=16,
+    "full": dict(stages=[0, 1, 2, 3], max_steps=24, log_every=4, batch=16,
                  model={"name": "vit_small_patch16_64"}),
     "quick": dict(stages=[0, 3], max_steps=4, log_every=2, batch=16,
                   model={"name": "vit_tiny_patch4_16", "depth": 2, "embed_dim": 32, "num_heads": 2}),
@@ -99,6 +99,7 @@ def run_stage(config: Path, stage: int, work: Path, timeout: int = 600) -> dict[
         "rank_baseline_mib": [rk["baseline_mib"] for rk in ranks],
         "rank_before_init_mib": [rk["before_init_mib"] for rk in ranks],
         "rank_after_init_mib": [rk["after_init_mib"] for rk in ranks],
+        "rank_after_steps_mib": [rk["after_steps_mib"] for rk in ranks],
         "launcher_wall_s": wall,
     }
 
@@ -126,6 +127,7 @@ def run(quick: bool = False, stages: list[int] | None = None) -> dict[str, Any]:
             row["build_mib"] = row["rank_before_init_mib"][0] - row["rank_baseline_mib"][0]
             row["init_mib"] = row["rank_after_init_mib"][0] - row["rank_before_init_mib"][0]
             row["train_mib"] = row["rank_peak_mib"][0] - row["rank_after_init_mib"][0]
+            row["resident_mib"] = max(row["rank_after_steps_mib"])
             rows.append(row)
     ref = rows[0]
     for r in rows:
@@ -149,6 +151,6 @@ def render(result: dict[str, Any]) -> str:
         ("peak_mib", "peak RSS/rank MiB", ".0f"), ("added_mib", "added by training MiB", ".0f"),
         ("added_vs_first", f"added ÷ stage {first}", ".2f"), ("build_mib", "of which: build", ".0f"),
         ("init_mib", "ds.initialize", ".0f"), ("train_mib", "steps", ".0f"),
-        ("model_state_mib", "model states MiB (theory)", ".0f"),
+        ("resident_mib", "resident after steps MiB", ".0f"), ("model_state_mib", "model states MiB (theory)", ".0f"),
     ])  # fmt: skip
     return f"{head}\n{table}"

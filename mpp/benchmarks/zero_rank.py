@@ -4,9 +4,9 @@
 
 Writes ``$MPP_BENCH_RSS_DIR/rank{RANK}.json``, in MiB: the RSS high-water mark after the
 libraries are imported (baseline); the RSS just before and after ``deepspeed.initialize``
-(the model built on every rank, then the engine's ZeRO buffers); the high-water mark at the
-first checkpoint save (the training peak: the engine saves only at the end when
-ckpt_every > max_steps) and at exit.
+(the model built on every rank, then the engine's ZeRO buffers); the high-water mark and the
+RSS at the first checkpoint save (the training peak, and what stays resident after the steps:
+the engine saves only at the end when ckpt_every > max_steps); the high-water mark at exit.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def main() -> int:
     def save_and_record(*args, **kwargs):
         # the final checkpoint and the fp32 export gather state that training never holds
         record.setdefault("train_peak_mib", peak_rss_mib())
+        record.setdefault("after_steps_mib", current_rss_bytes() / 2**20)  # resident, not peak
         return save(*args, **kwargs)
 
     ckpt.save_checkpoint = save_and_record  # the engine calls ckpt.save_checkpoint
