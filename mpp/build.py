@@ -17,11 +17,24 @@ from mpp.objectives import OBJECTIVES, Objective
 from mpp.objectives import build_objective as build_objective_by_name
 
 
-def build_encoder(cfg: Config) -> VisionTransformer:
+def build_encoder(cfg: Any, **overrides: Any) -> VisionTransformer:
+    """``cfg.model``'s encoder (plus ``overrides``, e.g. a classification head); for downstream
+    configs with an ``init`` other than "scratch", its pretrained weights loaded
+    (``mpp.finetune.load_into``). Errors are ConfigError naming the file and the key."""
+    from mpp.finetune import load_into
+
+    source = getattr(cfg, "_source", "<config>")
     try:
-        return create_vit(cfg.model.name, **cfg.model.vit_kwargs())
+        encoder = create_vit(cfg.model.name, **cfg.model.vit_kwargs(), **overrides)
     except ValueError as e:
-        raise ConfigError(f"model: {e}") from None
+        raise ConfigError(f"{source}: model: {e}") from None
+    init = getattr(cfg, "init", "scratch")
+    if init != "scratch":
+        try:
+            load_into(encoder, init)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"{source}: init: {e}") from None
+    return encoder
 
 
 def build_objective(cfg: Config) -> Objective:
@@ -31,8 +44,8 @@ def build_objective(cfg: Config) -> Objective:
     if name not in OBJECTIVES:
         raise ConfigError(f"{source}: objective.name: unknown objective {name!r} (allowed: {sorted(OBJECTIVES)})")
     cls = OBJECTIVES[name]
+    encoder = build_encoder(cfg)
     try:
-        encoder = build_encoder(cfg)
         extra: dict[str, Any] = {}
         init_params = inspect.signature(cls.__init__).parameters
         if "mask_generator" in init_params:

@@ -195,21 +195,12 @@ def resolve_classes(cfg, train_shards: list[str]) -> int:
 
 def build_classifier(cfg) -> Classifier:
     """The encoder with a fresh head, initialised from ``cfg.init`` (or from scratch)."""
-    from mpp.config import ConfigError
+    from mpp.build import build_encoder
     from mpp.data import digits_shards, expand_shards
-    from mpp.models.vit import create_vit
 
     spec = cfg.data.train_shards or digits_shards(_vit_kwargs(cfg)["img_size"])["train"]
     num_classes = resolve_classes(cfg, expand_shards(spec))
-    try:
-        encoder = create_vit(cfg.model.name, **cfg.model.vit_kwargs(), num_classes=num_classes, global_pool=cfg.finetune.global_pool)
-    except ValueError as e:
-        raise ConfigError(f"{cfg._source}: model: {e}") from None
-    if cfg.init != "scratch":
-        try:
-            load_into(encoder, cfg.init)
-        except (FileNotFoundError, ValueError) as e:
-            raise ConfigError(f"{cfg._source}: init: {e}") from None
+    encoder = build_encoder(cfg, num_classes=num_classes, global_pool=cfg.finetune.global_pool)
     f = cfg.finetune
     return Classifier(encoder, f.label_smoothing, f.mixup, f.cutmix, f.mixup_prob, f.mixup_switch_prob, f.reprob)
 

@@ -117,10 +117,9 @@ def run_probe(kind: str, argv: list[str] | None = None) -> int:
     import sys
     from pathlib import Path
 
+    from mpp.build import build_encoder
     from mpp.config import ConfigError, ProbeConfig, load_config, save_config
     from mpp.data import digits_shards, expand_shards, read_sizes
-    from mpp.finetune import load_into
-    from mpp.models.vit import create_vit
 
     p = argparse.ArgumentParser(description=f"{kind} evaluation of a frozen encoder")
     p.add_argument("--config", required=True, help="a JSON file or a name in configs/ (linear_demo, linear_b16)")
@@ -131,15 +130,7 @@ def run_probe(kind: str, argv: list[str] | None = None) -> int:
         overrides = args.set + ([f"output_dir={args.output_dir}"] if args.output_dir else [])
         cfg = load_config(args.config, overrides, cls=ProbeConfig)
         torch.manual_seed(cfg.seed)
-        try:
-            encoder = create_vit(cfg.model.name, **cfg.model.vit_kwargs())
-        except ValueError as e:
-            raise ConfigError(f"{cfg._source}: model: {e}") from None
-        if cfg.init != "scratch":
-            try:
-                load_into(encoder, cfg.init)
-            except (FileNotFoundError, ValueError) as e:
-                raise ConfigError(f"{cfg._source}: init: {e}") from None
+        encoder = build_encoder(cfg)
         img = encoder.patch_embed.img_size[0]
         d = cfg.data
         train_spec = d.train_shards or digits_shards(img)["train"]

@@ -13,19 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from mpp.models.vit import Block, sincos_pos_embed
-
-
-def init_linear_and_norm(module: nn.Module) -> None:
-    """MAE's initialisation: xavier-uniform linears with zero bias, LayerNorm at (1, 0)."""
-    for m in module.modules():
-        if isinstance(m, nn.Linear):
-            nn.init.xavier_uniform_(m.weight)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
+from mpp.models.vit import Block, init_linear_and_norm, sincos_pos_embed
 
 
 class DecoderEmbed(nn.Module):

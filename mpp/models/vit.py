@@ -158,6 +158,18 @@ def resample_abs_pos_embed(
     return torch.cat([prefix, grid], dim=1)
 
 
+def init_linear_and_norm(module: nn.Module) -> None:
+    """MAE's initialisation: xavier-uniform linears with zero bias, LayerNorm at (1, 0)."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.xavier_uniform_(m.weight)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
 class VisionTransformer(nn.Module):
     """ViT encoder with timm's names: cls_token, pos_embed, patch_embed.proj, blocks.i.{norm1,
     attn.qkv, attn.proj, norm2, mlp.fc1, mlp.fc2}, norm, fc_norm, head."""
@@ -233,14 +245,7 @@ class VisionTransformer(nn.Module):
         w = self.patch_embed.proj.weight.data
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
         nn.init.normal_(self.cls_token, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.xavier_uniform_(m.weight)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        init_linear_and_norm(self)
 
     def no_weight_decay(self) -> set[str]:
         """Parameter names exempt from weight decay beyond biases and norms (timm's hook)."""
