@@ -144,7 +144,7 @@ def zero_to_fp32(ckpt_root: str | Path, tag: str | None = None) -> dict[str, tor
     with weights_only_loads():
         if any((root / tag).glob("*optim_states.pt")):
             return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
-        module = torch.load(root / tag / "mp_rank_00_model_states.pt", map_location="cpu")["module"]
+        module = torch.load(root / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
     return {k: v.float() for k, v in module.items()}
 
 

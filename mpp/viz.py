@@ -171,17 +171,13 @@ def load_images(
 
 def deepspeed_weights(folder: Path) -> dict[str, Tensor]:
     """The module's weights in a DeepSpeed checkpoint folder: the root (``latest`` names the
-    tag) or one tag folder. ZeRO 1-3 keep fp32 weights in the optimiser shards: consolidated
-    with DeepSpeed's zero_to_fp32 (frozen parameters, the teacher's, included)."""
+    tag) or one tag folder, in fp32 (``mpp.checkpoint.zero_to_fp32``: ZeRO 1-3 consolidated
+    from the optimiser shards, frozen parameters such as the teacher's included)."""
     if (folder / "latest").is_file():
         root, tag = folder, (folder / "latest").read_text().strip()
     else:
         root, tag = folder.parent, folder.name
-    if any((root / tag).glob("zero_pp_rank_*")):
-        return zero_to_fp32(root, tag)  # DeepSpeed's converter, under weights_only loads
-    with weights_only_loads():  # a checkpoint is untrusted input: no arbitrary unpickling
-        states = torch.load(root / tag / "mp_rank_00_model_states.pt", map_location="cpu")
-    return states["module"]
+    return zero_to_fp32(root, tag)  # any stage, under weights_only loads
 
 
 def load_weights(objective: HardPatchesMining, checkpoint: str) -> None:
@@ -195,8 +191,8 @@ def load_weights(objective: HardPatchesMining, checkpoint: str) -> None:
 
         state = load_file(str(path))
     else:
-        with weights_only_loads():
-            state = torch.load(path, map_location="cpu")
+        with weights_only_loads():  # a checkpoint is untrusted input: no arbitrary unpickling
+            state = torch.load(path, map_location="cpu", weights_only=True)
         state = state.get("module", state.get("state_dict", state))  # DeepSpeed's model states
     if "patch_embed.proj.weight" in state:  # an encoder alone: decoders and predictor stay as built
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
