@@ -150,10 +150,14 @@ class StreamConfig:
     resampled: bool = True
 
 
-class _TrainStream(IterableDataset):
+class _Stream(IterableDataset):
+    """Shards + settings; each DataLoader worker iterates its own part."""
+
     def __init__(self, shards: list[str], cfg: StreamConfig):
         self.shards, self.cfg = shards, cfg
 
+
+class _TrainStream(_Stream):
     def __iter__(self) -> Iterator[dict]:
         c = self.cfg
         worker, num_workers = _worker_info()
@@ -201,10 +205,7 @@ class _TrainStream(IterableDataset):
         yield {"_worker": worker, "_skipped": errors.skipped, "_end": True}
 
 
-class _EvalStream(IterableDataset):
-    def __init__(self, shards: list[str], cfg: StreamConfig):
-        self.shards, self.cfg = shards, cfg
-
+class _EvalStream(_Stream):
     def __iter__(self) -> Iterator[dict]:
         c = self.cfg
         worker, num_workers = _worker_info()
