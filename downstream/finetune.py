@@ -12,8 +12,10 @@ import sys
 
 from mpp.cli import config_from_args, open_run_dir, run_parser
 from mpp.config import ConfigError, FinetuneConfig
-from mpp.engine import device_type, init_distributed, plan_run, seed_everything, world_from_env
+from mpp.distributed import device_type, from_rank0, init_distributed, world_from_env
 from mpp.finetune import build_classifier, run_finetune
+from mpp.plan import plan_run
+from mpp.rng import seed_everything
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,11 +26,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args, FinetuneConfig)
         seed_everything(cfg.train.seed)
         model = build_classifier(cfg)
-        plan = plan_run(cfg, world, device_type(), model.encoder.patch_embed.img_size[0])
+        plan = plan_run(cfg, world, device_type(), model.encoder.patch_embed.img_size[0], num_classes=model.num_classes)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     device = init_distributed()
+    plan = from_rank0(plan)  # rank 0's view of the shards and the epoch length, on every rank
     run_dir = open_run_dir(cfg, rank)
     results = run_finetune(cfg, model, plan, run_dir, device, resume=args.resume)
     if rank == 0:

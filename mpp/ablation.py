@@ -1,8 +1,11 @@
 """Masking ablations (DESIGN.md §4.5): a grid of ``--set`` overrides on a base pretraining
 config, a few seeds per cell, each cell a real pretraining run through the ``deepspeed``
-launcher followed by the chosen evaluations, summarised as a table and a plot.
+launcher followed by the chosen evaluations, summarised as a table and a plot. The spec's
+``set`` overrides (``--set KEY=VALUE``) apply to every cell, before the cell's own grid values
+(so a grid axis wins for the same key), and are validated with each cell.
 
-Layout under the output folder, one folder per cell and seed, named from its overrides::
+Layout under the output folder (``output_dir``, alias ``out``), one folder per cell and seed,
+named from its grid overrides only (the shared ``set`` ones are not in the names)::
 
     masking.strategy=block,objective.mask_ratio=0.5/seed0/
         pretrain/   finetune/   linear/   knn/     the runs (each eval writes results.json)
@@ -16,19 +19,17 @@ resumes from its last checkpoint, and a failed run is recorded and does not stop
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import itertools
 import json
 import re
 import shlex
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from mpp.checkpoint import latest_complete
 from mpp.config import (
@@ -59,12 +60,15 @@ class AblationSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     base: str  # the pretraining config: a path or a name in configs/
     grid: dict[str, list[Any]] = Field(default_factory=dict)  # dotted key -> values (JSON)
+    # "KEY=VALUE" for every cell's pretraining, as the training CLIs' --set; the grid wins
+    set: list[str] = Field(default_factory=list)
     seeds: int | list[int] = 1  # n: seeds 0..n-1
     eval: list[EvalKind] = ["finetune", "linear", "knn"]
     launcher_args: list[str] | None = None  # None: --num_gpus <GPU count>, or 2 CPU ranks
     finetune_config: str = "finetune_demo"
     probe_config: str = "linear_demo"  # linear probe and k-NN
-    out: str | None = None  # default runs/ablation-<base name>
+    # default runs/ablation-<base name>; "out" is the older name of the key
+    output_dir: str | None = Field(default=None, validation_alias=AliasChoices("output_dir", "out"))
 
     @model_validator(mode="after")
     def _check(self) -> AblationSpec:
@@ -73,6 +77,9 @@ class AblationSpec(BaseModel):
                 raise ValueError(f"grid key {key!r}: expected section.key, e.g. masking.strategy")
             if not values:
                 raise ValueError(f"grid.{key}: no values")
+        for item in self.set:
+            if "=" not in item or not item.split("=", 1)[0].strip():
+                raise ValueError(f"set: expected KEY=VALUE, got {item!r}")
         if isinstance(self.seeds, int) and self.seeds < 1 or self.seeds == []:
             raise ValueError(f"seeds must be >= 1 (or a non-empty list of seeds), got {self.seeds!r}")
         if not self.eval or len(set(self.eval)) != len(self.eval):
@@ -85,7 +92,7 @@ class AblationSpec(BaseModel):
 
     @property
     def out_dir(self) -> Path:
-        return Path(self.out or f"runs/ablation-{Path(self.base).stem}")
+        return Path(self.output_dir or f"runs/ablation-{Path(self.base).stem}")
 
 
 def split_values(text: str) -> list[str]:
@@ -122,7 +129,13 @@ def load_spec(path: str | None, cli: dict[str, Any]) -> AblationSpec:
             raise ConfigError(f"{path}: not valid JSON: {e}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a JSON object at the top level")
-    raw.update({k: v for k, v in cli.items() if v is not None})
+    if "out" in raw and "output_dir" in raw:
+        raise ConfigError(f"{source}: out: the older name of output_dir; set one of them")
+    cli = {k: v for k, v in cli.items() if v is not None}
+    if "output_dir" in cli or "out" in cli:  # the command line's replaces the file's, by either name
+        raw.pop("out", None)
+        raw.pop("output_dir", None)
+    raw.update(cli)
     if isinstance(raw.get("launcher_args"), str):
         raw["launcher_args"] = shlex.split(raw["launcher_args"])
     if "base" not in raw:
@@ -183,16 +196,29 @@ def eval_overrides(kind: str, model_sets: list[str], init: str | Path, seed: int
     return [f"init={json.dumps(str(init))}", *model_sets, f"{seed_key}={seed}"]
 
 
+def pretrain_overrides(spec: AblationSpec, cell: Cell, seed: int) -> list[str]:
+    """A cell's pretraining overrides, in the order applied: the spec's ``set`` for every cell,
+    the cell's grid values (which win for the same key), then the seed."""
+    return [*spec.set, *cell.overrides, f"train.seed={seed}"]
+
+
+def pretrain_args(spec: AblationSpec, job: Job) -> list[str]:
+    """The arguments of one job's ``pretrain/run.py`` (after the launcher's)."""
+    sets = [a for o in pretrain_overrides(spec, job.cell, job.seed) for a in ("--set", o)]
+    return ["--config", str(spec.base), *sets, "--output-dir", str(job.dir / "pretrain"), "--resume", "auto"]
+
+
 def check_cells(spec: AblationSpec, cells: list[Cell]) -> dict[Cell, list[str]]:
-    """Validate every cell in-process, before any launch: its config, its objective (mask
-    strategy, ratio, unit size) and its evaluations' configs with its model. Returns each
-    cell's ``model.*`` overrides for the evaluations; AblationError lists every bad cell."""
+    """Validate every cell in-process, before any launch: its config (the spec's ``set`` and the
+    cell's grid values), its objective (mask strategy, ratio, unit size) and its evaluations'
+    configs with its model. Returns each cell's ``model.*`` overrides for the evaluations (from
+    the resolved config, so ``set`` model keys are in them); ConfigError lists every bad cell."""
     from mpp.build import build_objective
 
     model_sets, bad = {}, []
     for cell in cells:
         try:
-            cfg = load_config(spec.base, [*cell.overrides, f"train.seed={spec.seed_list[0]}"])
+            cfg = load_config(spec.base, pretrain_overrides(spec, cell, spec.seed_list[0]))
             build_objective(cfg)
             model = cfg.model.model_dump(mode="json")
             sets = [f"model.{k}={json.dumps(v)}" for k, v in model.items() if k not in EVAL_OWN_MODEL_KEYS]
@@ -203,7 +229,10 @@ def check_cells(spec: AblationSpec, cells: list[Cell]) -> dict[Cell, list[str]]:
         except ConfigError as e:
             bad.append(f"  {cell.name}: {e}")
     if bad:
-        raise ConfigError(f"{len(bad)} of {len(cells)} cells have a bad config; nothing was run:\n" + "\n".join(bad))
+        head = f"{len(bad)} of {len(cells)} cells have a bad config; nothing was run:"
+        if spec.set:
+            bad.append(f"  (every cell's config has --set {shlex.join(spec.set)} before its grid values)")
+        raise ConfigError("\n".join([head, *bad]))
     return model_sets
 
 
@@ -227,9 +256,8 @@ def run_job(spec: AblationSpec, job: Job, model_overrides: list[str], launcher_a
     if not is_done("pretrain", pre):
         resume_from = latest_complete(pre / "checkpoints")
         print(f"{tag} {job.label}: pretrain{f' (resume from {resume_from})' if resume_from else ''}", flush=True)
-        args = ["--config", str(spec.base), *[a for o in job.cell.overrides for a in ("--set", o)],
-                "--set", f"train.seed={job.seed}", "--output-dir", str(pre), "--resume", "auto"]
-        code = launch(deepspeed_cmd(launcher_args, SCRIPTS["pretrain"], args), job.dir / "pretrain.log")
+        cmd = deepspeed_cmd(launcher_args, SCRIPTS["pretrain"], pretrain_args(spec, job))
+        code = launch(cmd, job.dir / "pretrain.log")
         if code:
             print(f"{tag} {job.label}: pretrain FAILED (exit {code}), log: {job.dir / 'pretrain.log'}", flush=True)
             return [result_row(job, kind, "failed", job.dir / "pretrain.log") for kind in spec.eval]
@@ -273,119 +301,3 @@ def run_ablation(spec: AblationSpec) -> tuple[list[dict], int]:
     for i, job in enumerate(jobs, 1):
         rows += run_job(spec, job, model_sets[job.cell], launcher_args, f"[{i}/{len(jobs)}]")
     return rows, sum(r["status"] != "ok" for r in rows)
-
-
-# ---- report: results.csv, results.md, results.png ------------------------------------------
-
-
-def write_csv(rows: list[dict], keys: list[str], path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, [*keys, "seed", "eval", "top1", "top5", "status", "path"])
-        w.writeheader()
-        w.writerows(rows)
-
-
-def summarize(rows: list[dict], keys: list[str], metric: str) -> dict[tuple, tuple[float, float, int]]:
-    """(cell values..., eval) -> (mean, sample std over seeds (0 for one), seeds that finished)."""
-    groups: dict[tuple, list[float]] = {}
-    for r in rows:
-        values = groups.setdefault((*[r[k] for k in keys], r["eval"]), [])
-        if r["status"] == "ok":
-            values.append(float(r[metric]))
-    return {g: (statistics.fmean(v) if v else float("nan"), statistics.stdev(v) if len(v) > 1 else 0.0, len(v))
-            for g, v in groups.items()}
-
-
-def write_markdown(rows: list[dict], keys: list[str], evals: list[str], path: Path, title: str) -> None:
-    cells = list(dict.fromkeys(tuple(r[k] for k in keys) for r in rows))
-    lines = [f"# {title}", "", "mean ± std (n) over seeds; std is the sample standard deviation, n the seeds that finished."]
-    for metric in ("top1", "top5"):
-        stats = summarize(rows, keys, metric)
-        lines += ["", f"## {metric} (%)", "", "| " + " | ".join([*keys, *evals]) + " |", "|" + "---|" * (len(keys) + len(evals))]
-        for cell in cells:
-            entries = []
-            for kind in evals:
-                mean, std, n = stats[(*cell, kind)]
-                entries.append(f"{mean:.2f} ± {std:.2f} ({n})" if n else "failed (0)")
-            lines.append("| " + " | ".join([*cell, *entries]) + " |")
-    failed = [r for r in rows if r["status"] != "ok"]
-    if failed:
-        lines += ["", "## Failed", ""]
-        lines += [f"- {', '.join(r[k] for k in keys) or 'base'}, seed {r['seed']}, {r['eval']}: `{r['path']}`" for r in failed]
-    path.write_text("\n".join(lines) + "\n")
-
-
-PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
-           (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]
-
-
-def plot(rows: list[dict], keys: list[str], evals: list[str], path: Path, group_key: str = "masking.strategy") -> None:
-    """Top-1 per cell as bars with ± std error bars (PIL only): one panel per evaluation, bars
-    grouped by ``group_key`` (the strategy; else the first grid key) and coloured by the others."""
-    from PIL import Image, ImageDraw, ImageFont
-
-    font, small = ImageFont.load_default(size=15), ImageFont.load_default(size=12)
-    gkey = group_key if group_key in keys else (keys[0] if keys else None)
-    others = [k for k in keys if k != gkey]
-    stats = summarize(rows, keys, "top1")
-    groups = list(dict.fromkeys(r[gkey] for r in rows)) if gkey else ["base"]
-    series = list(dict.fromkeys(tuple(r[k] for k in others) for r in rows))
-    cell_of = lambda g, s: tuple(g if k == gkey else s[others.index(k)] for k in keys)  # noqa: E731
-    bar, left, plot_h, panel_h = 26, 80, 200, 275
-    width = max(460, left + len(groups) * max(len(series) * bar + 30, 90) + 20)
-    group_w = (width - left - 20) / len(groups)
-    labels = [", ".join(f"{k}={v}" for k, v in zip(others, s, strict=True)) or "mean top-1" for s in series]
-    labels.append("± std over seeds (n finished)")
-    per_row = max(1, (width - left) // 200)
-    legend_h = 24 * -(-len(labels) // per_row) + 12
-    img = Image.new("RGB", (width, 40 + legend_h + panel_h * len(evals)), "white")
-    d = ImageDraw.Draw(img)
-    d.text((left, 10), "top-1 (%) per cell, mean ± std over seeds", fill="black", font=font)
-    for j, label in enumerate(labels):  # legend: a colour per setting of the other grid keys, then the error bar
-        x, y = left + (j % per_row) * 200, 38 + 24 * (j // per_row)
-        if j < len(series):
-            d.rectangle([x, y, x + 14, y + 14], fill=PALETTE[j % len(PALETTE)])
-        else:
-            d.line([x + 7, y, x + 7, y + 14], fill="black", width=2)
-            d.line([x + 2, y, x + 12, y], fill="black", width=2)
-            d.line([x + 2, y + 14, x + 12, y + 14], fill="black", width=2)
-        d.text((x + 20, y), label, fill="black", font=small)
-    ylabel = Image.new("RGB", (plot_h, 16), "white")
-    ImageDraw.Draw(ylabel).text((plot_h // 2, 0), "top-1 (%)", fill="black", font=small, anchor="ma")
-    ylabel = ylabel.rotate(90, expand=True)
-    for p, kind in enumerate(evals):
-        y0 = 40 + legend_h + p * panel_h + 24  # top of this panel's plot area
-        found = [m + sd for (*_, k), (m, sd, n) in stats.items() if k == kind and n]
-        ymax = max(10.0, -(-max(found, default=10.0) // 10) * 10)
-        y_of = lambda v, y0=y0, ymax=ymax: y0 + plot_h - min(v, ymax) / ymax * plot_h  # noqa: E731
-        d.text((left, y0 - 22), kind, fill="black", font=font)
-        for t in range(0, int(ymax) + 1, 10 if ymax <= 50 else 20):
-            d.line([left, y_of(t), width - 20, y_of(t)], fill=(225, 225, 225))
-            d.text((left - 8, y_of(t)), f"{t}", fill="black", font=small, anchor="rm")
-        img.paste(ylabel, (14, y0))
-        d.line([left, y0, left, y0 + plot_h, width - 20, y0 + plot_h], fill="black")
-        for gi, g in enumerate(groups):
-            gx = left + gi * group_w + (group_w - len(series) * bar) / 2
-            for j, s in enumerate(series):
-                mean, std, n = stats[(*cell_of(g, s), kind)]
-                x, cx = gx + j * bar, gx + j * bar + bar / 2
-                if not n:
-                    d.text((cx, y0 + plot_h - 4), "failed", fill=(200, 0, 0), font=small, anchor="mb")
-                    continue
-                d.rectangle([x + 2, y_of(mean), x + bar - 2, y0 + plot_h], fill=PALETTE[j % len(PALETTE)])
-                lo, hi = y_of(max(0.0, mean - std)), y_of(mean + std)
-                for line in ([cx, lo, cx, hi], [cx - 5, lo, cx + 5, lo], [cx - 5, hi, cx + 5, hi]):
-                    d.line(line, fill="black", width=2)
-            d.text((left + (gi + 0.5) * group_w, y0 + plot_h + 6), str(g), fill="black", font=small, anchor="mt")
-        d.text(((left + width) / 2, y0 + plot_h + 24), gkey or "", fill="black", font=small, anchor="mt")
-    img.save(path)
-
-
-def write_report(spec: AblationSpec, rows: list[dict]) -> list[Path]:
-    keys, out = list(spec.grid), spec.out_dir
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "results.csv", out / "results.md", out / "results.png"]
-    write_csv(rows, keys, paths[0])
-    write_markdown(rows, keys, spec.eval, paths[1], f"Ablation of {Path(spec.base).name}")
-    plot(rows, keys, spec.eval, paths[2])
-    return paths

@@ -15,14 +15,13 @@ from mpp.masking import build_mask_generator
 from mpp.models.vit import VisionTransformer, create_vit
 from mpp.objectives import OBJECTIVES, Objective
 from mpp.objectives import build_objective as build_objective_by_name
+from mpp.pretrained import load_into
 
 
 def build_encoder(cfg: Any, **overrides: Any) -> VisionTransformer:
     """``cfg.model``'s encoder (plus ``overrides``, e.g. a classification head); for downstream
     configs with an ``init`` other than "scratch", its pretrained weights loaded
-    (``mpp.finetune.load_into``). Errors are ConfigError naming the file and the key."""
-    from mpp.finetune import load_into
-
+    (``mpp.pretrained.load_into``). Errors are ConfigError naming the file and the key."""
     source = getattr(cfg, "_source", "<config>")
     try:
         encoder = create_vit(cfg.model.name, **cfg.model.vit_kwargs(), **overrides)

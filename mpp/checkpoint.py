@@ -1,6 +1,6 @@
 """The one checkpoint format: DeepSpeed checkpoints under ``RUN/checkpoints/step########``,
 each made complete by a ``COMPLETE`` marker written last; and the fp32 encoder export
-``encoder.safetensors`` that downstream modules take.
+``encoder.safetensors`` that downstream modules take (read back by ``mpp.pretrained``).
 
 A kill during a save leaves a tag directory without its marker: ``latest_complete`` skips
 it, so ``--resume auto`` always resumes from a checkpoint that was written whole.
@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+
+from mpp.distributed import from_rank0
 
 MARKER = "COMPLETE"
 TAG_PREFIX = "step"
@@ -64,12 +66,34 @@ def save_checkpoint(
         tensors = {k: v.detach().cpu().contiguous() for k, v in rank_state.items()}
         save_file(tensors, str(Path(ckpt_root) / tag / RANK_STATE.format(rank=dist.get_rank())))
     dist.barrier()  # every rank's shard is on disk before the marker says so
+    problem = None
     if dist.get_rank() == 0:
-        _write_atomic(Path(ckpt_root) / tag / MARKER, json.dumps({"step": step}) + "\n")
-        for old in complete_tags(ckpt_root)[:-keep_last]:
-            shutil.rmtree(Path(ckpt_root) / old, ignore_errors=True)
-    dist.barrier()
+        problem = missing_rank_files(Path(ckpt_root) / tag, dist.get_world_size(), engine.zero_optimization_stage())
+        if problem is None:
+            _write_atomic(Path(ckpt_root) / tag / MARKER, json.dumps({"step": step}) + "\n")
+            for old in complete_tags(ckpt_root)[:-keep_last]:
+                shutil.rmtree(Path(ckpt_root) / old, ignore_errors=True)
+    problem = from_rank0(problem)  # every rank learns it (and waits for the marker)
+    if problem:
+        raise CheckpointError(problem)
     return tag
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be made complete (e.g. ranks writing to storage rank 0 cannot see)."""
+
+
+def missing_rank_files(tag_dir: Path, world_size: int, stage: int) -> str | None:
+    """Why rank 0 cannot vouch for the checkpoint in ``tag_dir``, or None. Under ZeRO every rank
+    writes its own optimiser shard; rank 0 must see all of them before it writes the marker."""
+    if stage == 0:
+        return None  # rank 0 writes the whole checkpoint itself
+    seen = {p.name for p in tag_dir.glob("*optim_states.pt")}
+    missing = [r for r in range(world_size) if not any(f"zero_pp_rank_{r}_" in name for name in seen)]
+    if not missing:
+        return None
+    return (f"checkpoint {tag_dir}: rank 0 sees no optimiser shard of rank(s) {missing[:8]} (of {world_size}); "
+            f"the output directory must be on storage every node shares (not node-local disk)")  # fmt: skip
 
 
 def load_rank_state(ckpt_root: str | Path, tag: str) -> dict[str, torch.Tensor]:
@@ -81,21 +105,34 @@ def load_rank_state(ckpt_root: str | Path, tag: str) -> dict[str, torch.Tensor]:
     return {}
 
 
+def find_checkpoint(path: str | Path, complete_only: bool = False) -> tuple[Path, str | None] | None:
+    """The one path resolver: (checkpoint root, tag) for a tag folder, a checkpoint root (its
+    newest complete tag, else the tag DeepSpeed's ``latest`` names: None here) or a run
+    directory (its ``checkpoints/``); None when ``path`` is none of these. ``complete_only``:
+    only tags with the COMPLETE marker count (resuming)."""
+    path = Path(path)
+    if (path / MARKER).is_file() or (not complete_only and any(path.glob("*model_states.pt"))):
+        return path.parent, path.name
+    for root in (path, path / "checkpoints"):
+        if tag := latest_complete(root):
+            return root, tag
+        if not complete_only and (root / "latest").is_file():
+            return root, None
+    return None
+
+
 def resolve_resume(resume: str | None, ckpt_root: Path) -> tuple[str, str] | None:
-    """``auto`` -> the newest complete tag in this run (None on a fresh run); a path -> that tag."""
+    """``auto`` -> the newest complete tag in this run (None on a fresh run); a path -> its
+    newest complete checkpoint (``find_checkpoint``)."""
     if resume is None:
         return None
     if resume == "auto":
         tag = latest_complete(ckpt_root)
         return (str(ckpt_root), tag) if tag else None
-    path = Path(resume)
-    if (path / MARKER).is_file():
-        return str(path.parent), path.name
-    if path.is_dir() and latest_complete(path):
-        return str(path), latest_complete(path)
-    if path.is_dir() and (path / "checkpoints").is_dir() and latest_complete(path / "checkpoints"):
-        return str(path / "checkpoints"), latest_complete(path / "checkpoints")
-    raise FileNotFoundError(f"--resume {resume}: no complete checkpoint there")
+    found = find_checkpoint(resume, complete_only=True)
+    if found is None:
+        raise FileNotFoundError(f"--resume {resume}: no complete checkpoint there")
+    return str(found[0]), found[1]
 
 
 # ---- reading checkpoints without unpickling arbitrary objects ---------------------------------
@@ -209,48 +246,7 @@ def load_encoder_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     return load_file(str(path)), json.loads(meta.get("model", "{}"))
 
 
-# ---- pretrained weights for downstream -----------------------------------------------------
-
-
-def _ds_checkpoint(path: Path) -> tuple[Path, str | None] | None:
-    """(root, tag) when ``path`` is a DeepSpeed checkpoint root, a tag dir, or a run dir."""
-    for root in (path, path / "checkpoints"):
-        if root.is_dir() and (latest_complete(root) or (root / "latest").is_file()):
-            return root, latest_complete(root)
-    if path.is_dir() and any(path.glob("*model_states.pt")):
-        return path.parent, path.name
-    return None
-
-
-def load_pretrained(init: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(encoder state dict with timm names, model kwargs if known) from ``init``: an exported
-    ``.safetensors``, a pretrain run directory, or a DeepSpeed checkpoint (root or tag) of any
-    ZeRO stage. Never unpickles arbitrary objects."""
-    path = Path(init)
-    if not path.exists():
-        raise FileNotFoundError(f"{init}: no such file or directory")
-    if path.is_file():
-        if path.suffix != ".safetensors":
-            raise ValueError(f"{init}: unknown kind (expected .safetensors, a run directory or a DeepSpeed checkpoint)")
-        return load_encoder_file(path)
-    if (path / "encoder.safetensors").is_file():
-        return load_encoder_file(path / "encoder.safetensors")
-    found = _ds_checkpoint(path)
-    if found is None:
-        raise ValueError(f"{init}: neither encoder.safetensors nor a DeepSpeed checkpoint found there")
-    sd = zero_to_fp32(*found)
-    # the encoder inside any objective: keys ending in a ViT parameter, under '...encoder.'
-    prefixes = sorted({k[: k.index("encoder.") + len("encoder.")] for k in sd if "encoder." in k}, key=len)
-    prefixes = [p for p in prefixes if not p.startswith("teacher")]
-    if not prefixes:
-        raise ValueError(f"{init}: the checkpoint holds no encoder weights")
-    prefix = prefixes[0]
-    kwargs: dict = {}
-    cfg_file = found[0].parent / "config.json"
-    if cfg_file.is_file():
-        model = json.loads(cfg_file.read_text()).get("model", {})
-        kwargs = {k: v for k, v in model.items() if v is not None}
-    return {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}, kwargs
+# ---- weights for evaluation snapshots -------------------------------------------------------
 
 
 def gathered_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:

@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # DeepSpeed keys that the train/optim sections own; setting them twice would let them disagree.
@@ -88,8 +90,8 @@ class DataConfig(_Section):
     crop_scale: tuple[float, float] = (0.2, 1.0)
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
     hflip: float = Field(0.5, ge=0.0, le=1.0)
-    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
-    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
     allow_pipe: bool = False  # `pipe:` URLs run shell commands: only when asked for
 
     @model_validator(mode="after")
@@ -179,6 +181,12 @@ class RunConfig(_Section):
             raise ValueError("data.train_shards is not set (give shards, or data.builtin='digits')")
         return self
 
+    def stream_settings(self) -> dict[str, Any]:
+        """The training stream's settings from the data section (``mpp.data.StreamConfig`` fields)."""
+        d = self.data
+        return dict(crop_scale=d.crop_scale, crop_ratio=d.crop_ratio, hflip=d.hflip, shuffle_buffer=d.shuffle_buffer,
+                    allow_pipe=d.allow_pipe)  # fmt: skip
+
     @property
     def zero_stage(self) -> Any:
         return (self.deepspeed.get("zero_optimization") or {}).get("stage", 0)
@@ -257,6 +265,10 @@ class FinetuneConfig(RunConfig):
 
     init: str = "scratch"
     finetune: FinetuneSection = FinetuneSection()
+
+    def stream_settings(self) -> dict[str, Any]:
+        f = self.finetune
+        return {**super().stream_settings(), "randaug": (f.randaug_n, f.randaug_m) if f.randaug_n > 0 else None}
 
 
 class ProbeSection(_Section):

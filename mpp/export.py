@@ -17,8 +17,10 @@ import json
 import sys
 from pathlib import Path
 
-from mpp.checkpoint import load_pretrained, save_weights
+from mpp.checkpoint import save_weights
 from mpp.models.vit import vit_config
+from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
+from mpp.pretrained import load_pretrained
 
 # model kwargs of ours that are timm VisionTransformer constructor arguments
 _TIMM_ARGS = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias", "drop_path_rate")
@@ -57,8 +59,8 @@ def export(source: str | Path, fmt: str, out: str | Path | None = None) -> Path:
             "input_size": [args.get("in_chans", 3), args["img_size"], args["img_size"]],
             "interpolation": "bicubic",
             "crop_pct": 0.875,
-            "mean": [0.485, 0.456, 0.406],
-            "std": [0.229, 0.224, 0.225],
+            "mean": list(IMAGENET_MEAN),
+            "std": list(IMAGENET_STD),
             "num_classes": 0,
             "first_conv": "patch_embed.proj",
             "classifier": "head",

@@ -22,6 +22,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from mpp.ops import to_2tuple
+
 
 def num_masked(num_patches: int, ratio: float) -> int:
     """round(ratio * N), halves rounded up (Python's round() rounds halves to even)."""
@@ -49,18 +51,11 @@ def topk_mask(scores: Tensor, k: int) -> Tensor:
     return mask
 
 
-def _pair(size: int | tuple[int, int], name: str) -> tuple[int, int]:
-    pair = (size, size) if isinstance(size, int) else tuple(size)
-    if len(pair) != 2 or not all(isinstance(s, int) and s > 0 for s in pair):
-        raise ValueError(f"{name} must be a positive int or a pair of them, got {size!r}")
-    return pair
-
-
 class MaskGenerator(ABC):
     """Makes (B, N) bool masks over a (H, W) patch grid with an exact masked count."""
 
     def __init__(self, grid_size: tuple[int, int], mask_ratio: float) -> None:
-        self.grid_size = _pair(grid_size, "grid_size")
+        self.grid_size = to_2tuple(grid_size, "grid_size")
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         self.mask_ratio = mask_ratio
         self.num_masked = num_masked(self.num_patches, mask_ratio)
@@ -275,7 +270,7 @@ class UnitMask(MaskGenerator):
 
     def __init__(self, grid_size: tuple[int, int], mask_ratio: float, unit_size: int | tuple[int, int] = 2) -> None:
         super().__init__(grid_size, mask_ratio)
-        (H, W), (uh, uw) = self.grid_size, _pair(unit_size, "unit_size")
+        (H, W), (uh, uw) = self.grid_size, to_2tuple(unit_size, "unit_size")
         if H % uh or W % uw:
             raise ValueError(f"units masking: unit_size {unit_size} must divide the {H}x{W} patch grid")
         area, n_units = uh * uw, (H // uh) * (W // uw)
@@ -296,10 +291,51 @@ class UnitMask(MaskGenerator):
         return units.expand(-1, -1, uh, -1, uw).reshape(batch_size, self.num_patches)
 
 
+# ---- HPM's mask policy (DESIGN.md §4.4): the teacher's hardest patches, easy to hard ------
+
+SCHEDULES = ("easy_to_hard", "hard_only", "hard_to_easy", "random")
+
+
+def hard_ratio_at(
+    schedule: str, epoch: float, total_epochs: float, hard_ratio: float = 0.5
+) -> float:
+    """alpha, the share of the mask chosen as the hardest patches, at (integer part of) ``epoch``.
+
+    easy_to_hard: alpha_T (e+1)/T (the paper); hard_to_easy: alpha_T (T-e)/T, its reverse;
+    hard_only: alpha_T always; random: 0 (plain MAE masking)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown HPM schedule {schedule!r}; allowed: {SCHEDULES}")
+    e, T = math.floor(epoch), float(total_epochs)
+    if schedule == "easy_to_hard":
+        return hard_ratio * min((e + 1) / T, 1.0)
+    if schedule == "hard_to_easy":
+        return hard_ratio * max((T - e) / T, 0.0)
+    return hard_ratio if schedule == "hard_only" else 0.0
+
+
+def hard_patch_mask(
+    scores: Tensor, num_masked: int, k: int, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
+    """HPM's mask: the k highest-scoring patches always masked, ``num_masked - k`` more drawn
+    uniformly from the rest. scores (B, N) -> mask (B, N) bool with exactly ``num_masked``
+    True per row, and hard (B, N) bool, the top-k part of it. k = 0 is plain random masking.
+
+    Batched: hard patches get noise 2 (above any U[0, 1) draw), then the top ``num_masked``
+    of the noise are masked; the official code loops over samples on the CPU."""
+    B, N = scores.shape
+    if not 0 <= k <= num_masked <= N:
+        raise ValueError(
+            f"need 0 <= k <= num_masked <= N, got k={k}, num_masked={num_masked}, N={N}"
+        )
+    hard = topk_mask(scores, k)  # (B, N)
+    noise = torch.rand(B, N, device=scores.device, generator=generator).masked_fill_(hard, 2.0)
+    return topk_mask(noise, num_masked), hard
+
+
 class HardPatchMask(MaskGenerator):
     """HPM's easy-to-hard mask: the ``int(num_masked * hard_ratio)`` patches with the highest
     predicted loss (``scores``, (B, N), e.g. from the teacher's loss predictor) are masked,
-    the rest of the budget at random (``mpp.objectives.hpm.hard_patch_mask``). ``hard_ratio``
+    the rest of the budget at random (``hard_patch_mask``). ``hard_ratio``
     0 is MAE's random mask; a schedule (α_e, §4.4) sets it per call or on the attribute."""
 
     def __init__(self, grid_size: tuple[int, int], mask_ratio: float, hard_ratio: float = 0.0) -> None:
@@ -335,9 +371,6 @@ class HardPatchMask(MaskGenerator):
             scores = torch.zeros(batch_size, self.num_patches, device=device)
         if tuple(scores.shape) != (batch_size, self.num_patches):
             raise ValueError(f"hpm masking: scores must be ({batch_size}, {self.num_patches}), got {tuple(scores.shape)}")
-        # the policy lives with the HPM objective; imported lazily: mpp.objectives imports this module
-        from mpp.objectives.hpm import hard_patch_mask
-
         mask, hard = hard_patch_mask(scores.detach().float(), self.num_masked, k, generator=generator)
         return (mask, hard) if return_hard else mask
 

@@ -20,7 +20,8 @@ def extract_features(
     num_workers: int = 1, allow_pipe: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(features (N, D), labels (N,)) over one exact pass of ``shards`` (eval transform)."""
-    from mpp.data import make_eval_loader, normalize
+    from mpp.data import make_eval_loader
+    from mpp.ops import normalize
 
     encoder.eval()
     device = next(encoder.parameters()).device
@@ -112,23 +113,17 @@ def linear_probe(
 def run_probe(kind: str, argv: list[str] | None = None) -> int:
     """``kind`` = "linear" or "knn": parse, load the encoder from ``init``, extract features,
     evaluate, write results.json. Exit status 2 on a bad config or init."""
-    import argparse
     import json
     import sys
-    from pathlib import Path
 
     from mpp.build import build_encoder
-    from mpp.config import ConfigError, ProbeConfig, load_config, save_config
+    from mpp.cli import config_from_args, open_run_dir, run_parser
+    from mpp.config import ConfigError, ProbeConfig
     from mpp.data import digits_shards, expand_shards, read_sizes
 
-    p = argparse.ArgumentParser(description=f"{kind} evaluation of a frozen encoder")
-    p.add_argument("--config", required=True, help="a JSON file or a name in configs/ (linear_demo, linear_b16)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--output-dir")
-    args = p.parse_args(argv)
+    args = run_parser(f"{kind} evaluation of a frozen encoder", "linear_demo, linear_b16", resume=False).parse_args(argv)
     try:
-        overrides = args.set + ([f"output_dir={args.output_dir}"] if args.output_dir else [])
-        cfg = load_config(args.config, overrides, cls=ProbeConfig)
+        cfg = config_from_args(args, ProbeConfig)
         torch.manual_seed(cfg.seed)
         encoder = build_encoder(cfg)
         img = encoder.patch_embed.img_size[0]
@@ -144,7 +139,7 @@ def run_probe(kind: str, argv: list[str] | None = None) -> int:
         return 2
     pr = cfg.probe
     common = dict(img_size=img, batch_size=pr.batch_size, mean=d.mean, std=d.std, pool=pr.pool,
-                  num_workers=d.num_workers, allow_pipe=d.allow_pipe)
+                  num_workers=d.num_workers, allow_pipe=d.allow_pipe)  # fmt: skip
     train_x, train_y = extract_features(encoder, train_spec, **common)
     val_x, val_y = extract_features(encoder, val_spec, **common)
     if kind == "knn":
@@ -152,10 +147,8 @@ def run_probe(kind: str, argv: list[str] | None = None) -> int:
     else:
         res = linear_probe(train_x, train_y, val_x, val_y, num_classes, epochs=pr.epochs, batch_size=pr.batch_size,
                            blr=pr.blr, momentum=pr.momentum, weight_decay=pr.weight_decay,
-                           warmup_epochs=pr.warmup_epochs, seed=cfg.seed)
-    out_dir = Path(cfg.output_dir.format(name=cfg.name))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out_dir / "config.json")
+                           warmup_epochs=pr.warmup_epochs, seed=cfg.seed)  # fmt: skip
+    out_dir = open_run_dir(cfg, rank=0)
     results = {**res, "eval": kind, "init": cfg.init, "num_train": len(train_y), "num_val": len(val_y)}
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results))

@@ -20,21 +20,15 @@ from einops import rearrange, repeat
 from PIL import Image
 from torch import Tensor
 
-from mpp.checkpoint import weights_only_loads, zero_to_fp32
-from mpp.objectives.hpm import HardPatchesMining, hard_patch_mask
+from mpp.checkpoint import find_checkpoint, weights_only_loads, zero_to_fp32
+from mpp.masking import hard_patch_mask
+from mpp.objectives.hpm import HardPatchesMining
 from mpp.objectives.mae import MaskedAutoencoder
-from mpp.objectives.mpp import gather_tokens, patchify, unnormalize
+from mpp.ops import gather_tokens, patchify, unnormalize, unpatchify
 
 RANDOM_COLOR = (0.5, 0.5, 0.5)
 HARD_COLOR = (1.0, 0.15, 0.1)
 GAP = 2  # pixels between panels
-
-
-def unpatchify(patches: Tensor, grid_size: tuple[int, int], patch_size: int) -> Tensor:
-    """(B, N, P*P*C) in MAE's (p, q, c) order -> (B, C, H, W); the inverse of ``patchify``."""
-    return rearrange(
-        patches, "b (h w) (p q c) -> b c (h p) (w q)", h=grid_size[0], p=patch_size, q=patch_size
-    )
 
 
 def _patch_colors(classes: Tensor, bits: int) -> Tensor:
@@ -173,11 +167,10 @@ def deepspeed_weights(folder: Path) -> dict[str, Tensor]:
     """The module's weights in a DeepSpeed checkpoint folder: the root (``latest`` names the
     tag) or one tag folder, in fp32 (``mpp.checkpoint.zero_to_fp32``: ZeRO 1-3 consolidated
     from the optimiser shards, frozen parameters such as the teacher's included)."""
-    if (folder / "latest").is_file():
-        root, tag = folder, (folder / "latest").read_text().strip()
-    else:
-        root, tag = folder.parent, folder.name
-    return zero_to_fp32(root, tag)  # any stage, under weights_only loads
+    found = find_checkpoint(folder)
+    if found is None:
+        raise FileNotFoundError(f"{folder}: no DeepSpeed checkpoint there")
+    return zero_to_fp32(*found)  # any stage, under weights_only loads
 
 
 def load_weights(objective: HardPatchesMining, checkpoint: str) -> None:

@@ -13,15 +13,10 @@ from mpp.build import build_objective
 from mpp.cli import config_from_args, open_run_dir, run_parser
 from mpp.config import ConfigError
 from mpp.data import DataError
-from mpp.engine import (
-    NonFiniteLossError,
-    device_type,
-    init_distributed,
-    plan_run,
-    seed_everything,
-    train,
-    world_from_env,
-)
+from mpp.distributed import device_type, from_rank0, init_distributed, world_from_env
+from mpp.engine import NonFiniteLossError, train
+from mpp.plan import plan_run
+from mpp.rng import seed_everything
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,10 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     device = init_distributed()
+    plan = from_rank0(plan)  # rank 0's view of the shards and the epoch length, on every rank
     run_dir = open_run_dir(cfg, rank)
-    model_kwargs = {"name": cfg.model.name, **cfg.model.vit_kwargs()}
     try:
-        state = train(cfg, objective, plan, run_dir, device, resume=args.resume, model_kwargs=model_kwargs)
+        state = train(cfg, objective, plan, run_dir, device, resume=args.resume)
     except (NonFiniteLossError, DataError) as e:  # DataLoader workers wrap the message in a traceback
         print(f"error: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
         return 1

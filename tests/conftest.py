@@ -66,7 +66,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="session")
 def dist_group():
     """A one-process gloo group, as ``python pretrain/run.py`` makes, for in-process DeepSpeed."""
-    from mpp.engine import init_distributed
+    from mpp.distributed import init_distributed
 
     init_distributed()
     yield

@@ -6,13 +6,17 @@ import csv
 import json
 import shutil
 import statistics
+from pathlib import Path
 
 import pytest
 from conftest import run_cli, tiny_config, write_config
 from PIL import Image
 
-from mpp.ablation import PALETTE, Cell, split_values
-from pretrain.ablate import main
+import mpp.ablation
+from mpp.ablation import AblationSpec, Cell, Job, load_spec, pretrain_args, split_values
+from mpp.ablation_report import PALETTE
+from mpp.config import ConfigError
+from pretrain.ablate import main, parse_args
 
 # The evaluations' own configs name a different (larger) model on purpose: the runner must
 # hand them the pretraining's architecture.
@@ -51,7 +55,7 @@ def ablation(tmp_path_factory, digits16):
     probe = write_config(tmp / "probe.json", probe_config(digits16))
     out = tmp / "abl"
     cmd = ["python", "pretrain/ablate.py", "--base", str(base), "--grid", "masking.strategy=random,block",
-           "--seeds", "2", "--eval", "knn", "--probe-config", str(probe), "--out", str(out)]
+           "--seeds", "2", "--eval", "knn", "--probe-config", str(probe), "--output-dir", str(out)]
     first = run_cli(cmd, timeout=900)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     return cmd, out, first
@@ -116,7 +120,7 @@ def test_a_failed_cell_is_reported_and_the_others_go_on(tmp_path, digits16):
     base = write_config(tmp_path / "base.json", tiny_config(
         digits16, optim={"warmup_steps": 0}, train={"max_steps": 3, "ckpt_every": 100, "max_bad_steps": 0}))
     spec = {"base": str(base), "grid": {"optim.lr": [1e30, 1e-3]}, "seeds": 1, "eval": ["finetune", "linear"],
-            "launcher_args": ["--num_gpus", "1"], "out": str(tmp_path / "abl"),
+            "launcher_args": ["--num_gpus", "1"], "output_dir": str(tmp_path / "abl"),
             "finetune_config": str(write_config(tmp_path / "ft.json", finetune_config(digits16))),
             "probe_config": str(write_config(tmp_path / "probe.json", probe_config(digits16)))}
     r = run_cli(["python", "pretrain/ablate.py", "--spec", str(write_config(tmp_path / "spec.json", spec))], timeout=600)
@@ -147,7 +151,7 @@ def test_a_failed_cell_is_reported_and_the_others_go_on(tmp_path, digits16):
 def test_bad_cells_exit_2_before_any_run_directory(tmp_path, digits16, capsys, grid, bad, good, message):
     base = write_config(tmp_path / "base.json", tiny_config(digits16))
     out = tmp_path / "abl"
-    argv = ["--base", str(base), "--seeds", "2", "--eval", "knn", "--out", str(out)]
+    argv = ["--base", str(base), "--seeds", "2", "--eval", "knn", "--output-dir", str(out)]
     code = main(argv + [a for g in grid for a in ("--grid", g)])
     err = capsys.readouterr().err
     assert code == 2
@@ -173,3 +177,74 @@ def test_grid_values_split_on_top_level_commas_and_folder_names_stay_distinct():
         "masking.strategy=block,objective.mask_ratio=0.5"
     a, b = Cell((("data.train_shards", "/x/a.tar"),)), Cell((("data.train_shards", "_x_a.tar"),))
     assert "/" not in a.name and a.name != b.name
+
+
+def test_output_dir_and_its_older_name_out_are_the_same_option(tmp_path):
+    assert parse_args(["--output-dir", "d"]).output_dir == parse_args(["--out", "d"]).output_dir == "d"
+    assert load_spec(None, {"base": "mpp_demo", "output_dir": "d"}).out_dir == Path("d")
+    assert load_spec(None, {"base": "mpp_demo"}).out_dir == Path("runs/ablation-mpp_demo")
+    for key in ("output_dir", "out"):
+        spec = write_config(tmp_path / f"{key}.json", {"base": "mpp_demo", key: "from-file"})
+        assert load_spec(str(spec), {}).out_dir == Path("from-file")
+        assert load_spec(str(spec), {"output_dir": "from-cli"}).out_dir == Path("from-cli")  # either name
+    both = write_config(tmp_path / "both.json", {"base": "mpp_demo", "out": "a", "output_dir": "b"})
+    with pytest.raises(ConfigError, match="out: the older name of output_dir"):
+        load_spec(str(both), {})
+
+
+def test_a_bad_set_key_exits_2_naming_it_before_any_run_directory(tmp_path, digits16, capsys):
+    base = write_config(tmp_path / "base.json", tiny_config(digits16))
+    out = tmp_path / "abl"
+    argv = ["--base", str(base), "--grid", "masking.strategy=random,block", "--eval", "knn", "--output-dir", str(out)]
+    assert main([*argv, "--set", "train.max_steps=5", "--set", "train.nope=1"]) == 2
+    err = capsys.readouterr().err
+    assert "2 of 2 cells have a bad config; nothing was run" in err
+    assert f"  masking.strategy=block: {base}: train.nope: unknown key" in err, err
+    assert "every cell's config has --set train.max_steps=5 train.nope=1" in err
+    assert main([*argv, "--set", "train.max_steps"]) == 2
+    assert "set: expected KEY=VALUE, got 'train.max_steps'" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_set_reaches_every_pretraining_before_the_grid_and_its_model_keys_the_evaluations(
+        tmp_path, digits16, monkeypatch, capsys):
+    """No real launches: the launcher is replaced by one that records each command (a probe
+    writes its results.json)."""
+    commands = []
+
+    def fake_launch(cmd, log):
+        commands.append(cmd)
+        if cmd[1].endswith("knn.py"):
+            run = Path(cmd[cmd.index("--output-dir") + 1])
+            run.mkdir(parents=True)
+            (run / "results.json").write_text(json.dumps({"top1": 50.0, "top5": 90.0}))
+        return 0
+
+    monkeypatch.setattr(mpp.ablation, "launch", fake_launch)
+    base = write_config(tmp_path / "base.json", tiny_config(digits16))
+    probe = write_config(tmp_path / "probe.json", probe_config(digits16))
+    out = tmp_path / "abl"
+    shared = ["train.max_steps=7", "masking.strategy=grid", "model.depth=3"]  # the grid's strategy wins
+    code = main(["--base", str(base), "--grid", "masking.strategy=random,block", "--eval", "knn", "--seeds", "2",
+                 "--probe-config", str(probe), "--output-dir", str(out), *[a for s in shared for a in ("--set", s)]])
+    assert code == 0, capsys.readouterr().err
+    pretrains = [c for c in commands if any(a.endswith("pretrain/run.py") for a in c)]
+    knns = [c for c in commands if c[1].endswith("knn.py")]
+    assert len(pretrains) == len(knns) == 4
+    for cmd, (strategy, seed) in zip(pretrains, [(s, n) for s in ("random", "block") for n in (0, 1)], strict=True):
+        sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
+        assert sets == [*shared, f"masking.strategy={strategy}", f"train.seed={seed}"]
+        run = out / f"masking.strategy={strategy}" / f"seed{seed}"
+        assert cmd[cmd.index("--output-dir") + 1] == str(run / "pretrain")
+    for cmd in knns:
+        assert "model.depth=3" in cmd and "model.embed_dim=32" in cmd  # the pretraining's model, --set included
+    assert sorted(p.name for p in out.iterdir()) == [
+        "masking.strategy=block", "masking.strategy=random", "results.csv", "results.md", "results.png"]
+    table = (out / "results.md").read_text()
+    assert "Every cell: `train.max_steps=7`, `masking.strategy=grid`, `model.depth=3`" in table
+
+    spec = AblationSpec(base="b.json", set=["train.max_steps=7"], output_dir="o")
+    job = Job(Cell((("masking.strategy", "block"),)), 1, Path("o/masking.strategy=block/seed1"))
+    assert pretrain_args(spec, job) == [
+        "--config", "b.json", "--set", "train.max_steps=7", "--set", "masking.strategy=block", "--set", "train.seed=1",
+        "--output-dir", "o/masking.strategy=block/seed1/pretrain", "--resume", "auto"]

@@ -196,8 +196,14 @@ def test_start_checks_name_the_problem(tmp_path):
     paths, _ = make_shards(tmp_path, [2, 2, 2])
     with pytest.raises(ValueError, match=r"3 shard\(s\) for 2 rank\(s\) x 2 worker\(s\)"):
         make_train_loader(
-            paths, batch_size=2, num_batches=1, img_size=16, world_size=2, num_workers=2
+            paths, batch_size=2, num_batches=1, img_size=16, world_size=2, num_workers=2, resampled=False
         )
+    # resampled workers draw from every shard: 3 shards feed 2 ranks x 2 workers
+    resampled = make_train_loader(paths, batch_size=2, num_batches=3, img_size=16, rank=1, world_size=2, num_workers=2)
+    assert len(list(resampled)) == 3
+    # an evaluation pass lets a worker (or a rank) go without a shard: rank 2 of 4 on 3 shards reads one
+    assert sum(len(b["label"]) for b in make_eval_loader(paths, batch_size=2, img_size=16, rank=2, world_size=4)) == 2
+    assert list(make_eval_loader(paths, batch_size=2, img_size=16, rank=3, world_size=4)) == []
     with pytest.raises(ValueError, match="allow_pipe"):
         make_eval_loader([f"pipe:cat {paths[0]}"], batch_size=2, img_size=16, num_workers=0)
     piped = make_eval_loader(

@@ -9,7 +9,6 @@ import pytest
 import torch
 from PIL import Image
 
-from mpp.data import IMAGENET_MEAN, IMAGENET_STD, normalize
 from mpp.data.transforms import (
     center_crop_box,
     collate,
@@ -18,6 +17,7 @@ from mpp.data.transforms import (
     random_resized_crop_box,
     train_transform,
 )
+from mpp.ops import IMAGENET_MEAN, IMAGENET_STD, normalize
 
 
 def smooth_image(w: int, h: int, seed: int = 0) -> Image.Image:

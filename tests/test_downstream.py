@@ -11,19 +11,14 @@ import torch
 from conftest import free_port, run_cli, tiny_config, write_config
 from test_vit import timm_vit_keys
 
-from mpp.checkpoint import load_pretrained, save_weights
+from mpp.augment import mixup_cutmix, random_erasing, soft_targets
+from mpp.checkpoint import save_weights
 from mpp.config import ConfigError, FinetuneConfig, validate
-from mpp.engine import build_optimizer, lr_at, set_lr
 from mpp.export import export
-from mpp.finetune import (
-    Classifier,
-    layer_decay_scale,
-    load_into,
-    mixup_cutmix,
-    random_erasing,
-    soft_targets,
-)
 from mpp.models import create_vit, resample_abs_pos_embed
+from mpp.objectives.classifier import Classifier
+from mpp.optim import build_optimizer, lr_at, set_lr
+from mpp.pretrained import load_into, load_pretrained
 from mpp.probe import knn_classify
 
 
@@ -44,7 +39,7 @@ def test_layer_decay_lr_of_block_i_is_base_times_decay_to_depth_minus_i():
                     "data": {"builtin": "digits"}}, cls=FinetuneConfig)
     depth = 4
     model = Classifier(create_vit("vit_tiny_patch4_16", depth=depth, embed_dim=32, num_heads=2, num_classes=10))
-    opt = build_optimizer(cfg, model, layer_decay_scale(depth, 0.65))
+    opt = build_optimizer(cfg, model)  # optim.layer_decay over model.encoder.blocks
     assert isinstance(opt, torch.optim.AdamW)
     base = lr_at(5, peak=1e-3, total=10, warmup=2)
     set_lr(opt, base)
@@ -194,3 +189,25 @@ def test_finetune_and_probes_through_the_clis(two_rank_runs, digits16, tmp_path)
         assert res["num_train"] == 1497 and res["num_val"] == 300 and 0 <= res["top1"] <= 100
     r = run_cli(["python", "downstream/knn.py", "--config", str(ppath), "--set", "init=/missing", "--output-dir", str(tmp_path / "x")])
     assert r.returncode == 2 and "init: /missing: no such file" in r.stderr and not (tmp_path / "x").exists()
+
+
+def test_a_fresh_head_is_initialised_as_in_maes_fine_tuning():
+    """MAE's main_finetune: trunc_normal_(head.weight, std=2e-5), zero bias (not xavier)."""
+    torch.manual_seed(0)
+    model = Classifier(create_vit("vit_tiny_patch4_16", depth=1, embed_dim=64, num_heads=2, num_classes=1000))
+    w, b = model.encoder.head.weight, model.encoder.head.bias
+    assert w.std().item() == pytest.approx(2e-5, rel=0.02)  # 64,000 draws
+    assert w.mean().abs().item() < 1e-6 and torch.count_nonzero(b) == 0
+
+
+def test_hpm_recipes_match_the_official_scripts():
+    """HPM's released pretraining trains without norm_pix_loss; its fine-tuning uses layer decay 0.8."""
+    from mpp.build import build_objective
+    from mpp.config import load_config
+
+    pre = load_config("hpm_b16", ["model.depth=1", "model.img_size=32", "objective.decoder_depth=1", "data.builtin=digits"])
+    assert pre.objective.kwargs()["norm_pix_loss"] is False
+    assert build_objective(pre).base.norm_pix_loss is False
+    digits = ["data.builtin=digits"]
+    assert load_config("finetune_hpm_b16", digits, cls=FinetuneConfig).optim.layer_decay == 0.8
+    assert load_config("finetune_b16", digits, cls=FinetuneConfig).optim.layer_decay == 0.65  # MAE's

@@ -8,10 +8,11 @@ from conftest import read_metrics, run_cli, tiny_config, write_config
 from safetensors.torch import load_file
 
 from mpp.build import build_objective
-from mpp.checkpoint import load_encoder_file, load_pretrained, weights_only_loads
+from mpp.checkpoint import load_encoder_file, weights_only_loads
 from mpp.config import validate
-from mpp.engine import build_optimizer, lr_at, param_groups, set_lr
 from mpp.models import create_vit
+from mpp.optim import build_optimizer, lr_at, param_groups, set_lr
+from mpp.pretrained import load_pretrained
 
 
 def test_lr_schedule_warmup_then_cosine():
@@ -127,3 +128,29 @@ def test_bf16_runs_export_their_fp32_master_weights(tmp_path, digits16, stage):
     # the checkpoint as a downstream init: ZeRO's masters, or stage 0's module weights upcast
     sd, _ = load_pretrained(out / "checkpoints")
     assert torch.equal(sd[w], enc[w] if stage else module[f"encoder.{w}"].float())
+
+
+@pytest.mark.parametrize("name", ["mpp", "mae"])
+def test_bf16_objectives_take_their_targets_from_the_exact_pixels(name):
+    """The engine hands objectives fp32 images whatever the precision; a bf16 model casts at its
+    patch embedding, so MPP's colour classes and MAE's norm-pix targets equal fp32's bitwise."""
+    import copy
+
+    from mpp.engine import to_device
+    from mpp.objectives import build_objective as build_by_name
+    from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
+
+    g = torch.Generator().manual_seed(0)
+    ramp = torch.linspace(0, 255, 64).view(1, 1, 1, 64) + 40 * torch.rand(8, 3, 64, 1, generator=g)
+    pixels = ramp.clamp(0, 255).round().to(torch.uint8)  # smooth: many patch means near a bin edge
+    images = to_device({"image": pixels}, torch.device("cpu"), IMAGENET_MEAN, IMAGENET_STD)["image"]
+    assert images.dtype == torch.float32
+    torch.manual_seed(0)
+    fp32 = build_by_name(name, create_vit("vit_tiny_patch8_64", depth=1, embed_dim=32, num_heads=2),
+                         **({"decoder_dim": 32, "decoder_depth": 1, "decoder_heads": 2} if name == "mae" else {}))
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    assert torch.equal(bf16.targets(images), fp32.targets(images))
+    loss, _ = bf16(images)  # runs: the patch embedding casts the fp32 images to the model's dtype
+    assert torch.isfinite(loss)
+    # what the engine used to do (cast the images to bf16 first) moves the targets
+    assert not torch.equal(fp32.targets(images.to(torch.bfloat16)).float(), fp32.targets(images).float())

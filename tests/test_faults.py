@@ -56,6 +56,8 @@ def test_sigkill_mid_epoch_then_resume_auto_equals_an_uninterrupted_run(tmp_path
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stderr and "step00000099" not in r.stderr
 
+    steps = [m["step"] for m in read_metrics(killed)]
+    assert steps == sorted(set(steps)), steps  # the replayed steps are logged once, not twice
     a, b = last_per_step(read_metrics(straight)), last_per_step(read_metrics(killed))
     assert sorted(b) == list(range(1, 17))
     assert [b[s]["samples"] for s in range(1, 17)] == [16 * s for s in range(1, 17)]  # no gap, no repeat

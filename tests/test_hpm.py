@@ -10,19 +10,17 @@ import torch.nn.functional as F
 from PIL import Image
 from scipy.stats import spearmanr
 
-from mpp.masking import topk_mask
+from mpp.masking import hard_patch_mask, hard_ratio_at, topk_mask
 from mpp.models.vit import create_vit
 from mpp.objectives import build_objective
 from mpp.objectives.hpm import (
     HardPatchesMining,
-    hard_patch_mask,
-    hard_ratio_at,
     momentum_at,
     rank_correlation,
     ranking_loss,
     zscore_mse_loss,
 )
-from mpp.objectives.mpp import IMAGENET_MEAN, IMAGENET_STD
+from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
 from mpp.viz import hpm_panels, hpm_picture, picture_size
 
 SMALL = dict(decoder_dim=32, decoder_depth=1, decoder_heads=4)
@@ -209,6 +207,42 @@ def test_momentum_schedule():
     assert hpm.teacher_momentum == pytest.approx(0.9945)
 
 
+def test_teacher_momentum_changes_once_per_epoch_like_alpha():
+    """The official code sets the momentum (and alpha) once per epoch: every step of epoch e
+    uses momentum_at(e), however far into the epoch it is."""
+    hpm = tiny_hpm(momentum_start=0.99, momentum_end=0.999, momentum_epochs=4)
+    for within in (2.0, 2.25, 2.5, 2.999):
+        hpm.set_progress(within, 10)
+        assert hpm.teacher_momentum == pytest.approx(0.9945)  # momentum_at(2), not momentum_at(2.5)
+    hpm.set_progress(3.0, 10)
+    assert hpm.teacher_momentum == pytest.approx(0.99675)
+
+
+def test_ranking_loss_differs_from_the_official_form_only_where_documented():
+    """Official: -pos*log(sigmoid(d) + 1e-6) - neg*log(1 - sigmoid(d) + 1e-6), / valid pairs.
+    Ours equals it to ~1e-6 on ordinary scores, is not capped at -log(1e-6) ~ 13.8 per pair
+    for a badly wrong pair, and gives 0 (not NaN) when every pair is tied."""
+
+    def official(pred, target):
+        d = pred.unsqueeze(1) - pred.unsqueeze(2)
+        pos = (target.unsqueeze(1) > target.unsqueeze(2)).float()
+        neg = (target.unsqueeze(1) < target.unsqueeze(2)).float()
+        s = torch.sigmoid(d)
+        loss = -pos * torch.log(s + 1e-6) - neg * torch.log(1 - s + 1e-6)
+        return loss.sum() / (pos + neg).sum()
+
+    g = torch.Generator().manual_seed(0)
+    pred, target = torch.randn(4, 12, generator=g, dtype=torch.float64), torch.rand(4, 12, generator=g, dtype=torch.float64)
+    assert ranking_loss(pred, target).item() == pytest.approx(official(pred, target).item(), abs=1e-5)
+    wrong = torch.tensor([[40.0, 0.0]], dtype=torch.float64)  # patch 0 scored far harder, but is easier
+    easy_first = torch.tensor([[0.1, 0.9]], dtype=torch.float64)
+    assert official(wrong, easy_first).item() == pytest.approx(-math.log(1e-6), rel=1e-3)  # the cap, ~13.8
+    assert ranking_loss(wrong, easy_first).item() == pytest.approx(40.0, rel=1e-6)  # -log sigmoid(-40)
+    tied = torch.ones(2, 3)
+    assert torch.isnan(official(torch.randn(2, 3), tied))
+    assert ranking_loss(torch.randn(2, 3), tied).item() == 0.0
+
+
 def test_teacher_is_an_ema_of_the_student():
     hpm = tiny_hpm(momentum_start=0.9, momentum_end=0.99, momentum_epochs=10)
     trainable = [p for p in hpm.parameters() if p.requires_grad]
@@ -282,7 +316,7 @@ def test_fp32_ema_state_round_trips_for_resume(caplog):
         assert torch.equal(a, b)
     other = tiny_hpm(embed_dim=32).to(torch.bfloat16)  # another shape (as another ZeRO-3 world size)
     other.load_rank_state(state)
-    assert other._ema_fp32 is None and "does not match" in caplog.text
+    assert other.ema.fp32 is None and "does not match" in caplog.text
 
 
 def test_ema_updates_zero3_shards_in_place():

@@ -36,7 +36,9 @@ def test_teacher_is_the_ema_of_the_student_after_a_step(hpm_runs, stage):
     teacher_keys = [k for k in after if k.startswith("teacher.")]
     assert len(teacher_keys) > 20  # the whole student: encoder, pixel decoder, loss predictor
     steps_per_epoch = 1497 // 16
-    m = momentum_at(2 / steps_per_epoch, 0.99, 0.999, 1)  # progress set before step 3's micro-step
+    epoch = (2 * 16) // 1497  # before step 3's micro-step: epoch 0; the momentum changes once per epoch
+    assert epoch == 0 and 2 < steps_per_epoch
+    m = momentum_at(epoch, 0.99, 0.999, 1)
     assert hpm_runs[stage]["metrics"][2]["teacher_momentum"] == pytest.approx(m, abs=1e-6)
     for k in teacher_keys:
         student = k.removeprefix("teacher.")

@@ -16,11 +16,11 @@ from mpp.masking import (
     RandomMask,
     UnitMask,
     build_mask_generator,
+    hard_patch_mask,
     mask_indices,
     num_masked,
     topk_mask,
 )
-from mpp.objectives.hpm import hard_patch_mask
 
 
 @pytest.fixture(autouse=True, scope="module")

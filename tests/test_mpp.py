@@ -3,12 +3,11 @@ import torch
 
 from mpp.models import create_vit
 from mpp.objectives.mpp import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
     MaskedPatchPrediction,
     color_classes,
     mean_color_targets,
 )
+from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
 
 
 def tiny_encoder(img=16, patch=4, depth=1, **kw):

@@ -26,11 +26,11 @@ from mpp.benchmarks.common import (
     num_threads,
 )
 from mpp.benchmarks.flops import step_flops
-from mpp.engine import PAPER_OPTIMIZER, adam, param_groups
-from mpp.masking import mask_indices
+from mpp.masking import hard_patch_mask, mask_indices
 from mpp.models import create_vit
 from mpp.objectives import build_objective
-from mpp.objectives.hpm import hard_patch_mask, ranking_loss
+from mpp.objectives.hpm import ranking_loss
+from mpp.optim import PAPER_OPTIMIZER, adam, param_groups
 
 CONTENDERS = ("plain", "mpp", "mae", "hpm")
 # full: ViT-S/16 at 224 with the library's default decoders (8 x 512, as MAE/HPM's ViT-B/L);

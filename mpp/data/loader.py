@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -128,6 +128,8 @@ def take(src: Iterator, n: int) -> Iterator:
 
 @dataclass(frozen=True)
 class StreamConfig:
+    """Everything a stream's workers need, in one place (the loaders' keyword arguments)."""
+
     batch_size: int
     img_size: int
     rank: int = 0
@@ -271,13 +273,15 @@ class Loader:
             raise RuntimeError(f"training loader gave {count} batches, expected {self.num_batches}")
 
 
-def _validate(shards, allow_pipe: bool, rank: int, world_size: int, num_workers: int) -> list[str]:
+def _validate(shards, allow_pipe: bool, rank: int, world_size: int, num_workers: int, split: bool) -> list[str]:
     shards = expand_shards(shards)
     check_shards(shards, allow_pipe=allow_pipe)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside [0, world_size={world_size})")
     workers = max(1, num_workers)
-    if len(shards) < world_size * workers:
+    # only a training stream that splits its shards (not resampled) needs one for every worker:
+    # resampled workers draw from all of them, and an evaluation pass lets a worker go empty
+    if split and len(shards) < world_size * workers:
         raise ValueError(
             f"{len(shards)} shard(s) for {world_size} rank(s) x {workers} worker(s): every worker needs "
             f"at least one shard; write at least {world_size * workers} shards or use fewer workers"
@@ -286,74 +290,34 @@ def _validate(shards, allow_pipe: bool, rank: int, world_size: int, num_workers:
 
 
 def make_train_loader(
-    shards: str | list[str],
-    *,
-    batch_size: int,
-    num_batches: int,
-    img_size: int,
-    crop_scale: tuple[float, float] = (0.2, 1.0),
-    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3),
-    hflip: float = 0.5,
-    randaug: tuple[int, int] | None = None,
-    seed: int = 0,
-    epoch: int = 0,
-    rank: int = 0,
-    world_size: int = 1,
-    num_workers: int = 2,
-    start_batch: int = 0,
-    with_labels: bool = False,
-    shuffle_buffer: int = 1000,
-    allow_pipe: bool = False,
-    max_consecutive_errors: int = 100,
-    resampled: bool = True,
-    num_classes: int | None = None,
-    with_keys: bool = False,
+    shards: str | list[str], stream: StreamConfig | None = None, *, num_workers: int = 2, **settings
 ) -> Loader:
-    """Exactly `num_batches - start_batch` uint8 batches for this rank of this epoch.
+    """Exactly ``num_batches - start_batch`` uint8 batches for this rank of this epoch.
 
+    ``stream``'s settings (or a fresh ``StreamConfig``) with ``settings`` replacing fields of it:
+    ``make_train_loader(shards, batch_size=64, num_batches=100, img_size=224)``, or
+    ``make_train_loader(shards, plan.stream, epoch=e, rank=r)``.
     Batches are {"image": (B,3,H,W) uint8, "label": (B,) int64 if with_labels, "skipped": int}.
     Order and augmentation depend only on (seed, epoch, rank, num_workers, shards): with clean
     data, start_batch=k gives exactly the batches after the first k of a straight run.
     """
-    shards = _validate(shards, allow_pipe, rank, world_size, num_workers)
-    if batch_size < 1 or not 0 <= start_batch <= num_batches:
+    cfg = replace(stream, **settings) if stream is not None else StreamConfig(**settings)
+    shards = _validate(shards, cfg.allow_pipe, cfg.rank, cfg.world_size, num_workers, split=not cfg.resampled)
+    if cfg.batch_size < 1 or not 0 <= cfg.start_batch <= cfg.num_batches:
         raise ValueError(
-            f"need batch_size >= 1 and 0 <= start_batch <= num_batches ({batch_size=}, {start_batch=}, {num_batches=})"
+            f"need batch_size >= 1 and 0 <= start_batch <= num_batches (batch_size={cfg.batch_size}, "
+            f"start_batch={cfg.start_batch}, num_batches={cfg.num_batches})"
         )
-    cfg = StreamConfig(
-        batch_size=batch_size, img_size=img_size, rank=rank, world_size=world_size, with_labels=with_labels,
-        num_classes=num_classes, with_keys=with_keys, allow_pipe=allow_pipe,
-        max_consecutive_errors=max_consecutive_errors, num_batches=num_batches, start_batch=start_batch,
-        seed=seed, epoch=epoch, crop_scale=crop_scale, crop_ratio=crop_ratio, hflip=hflip,
-        randaug=randaug, shuffle_buffer=shuffle_buffer, resampled=resampled,
-    )  # fmt: skip
-    dataset = _TrainStream(shards, cfg)
-    return Loader(dataset, num_workers, num_batches - start_batch)
+    return Loader(_TrainStream(shards, cfg), num_workers, cfg.num_batches - cfg.start_batch)
 
 
-def make_eval_loader(
-    shards: str | list[str],
-    *,
-    batch_size: int,
-    img_size: int,
-    rank: int = 0,
-    world_size: int = 1,
-    num_workers: int = 2,
-    with_labels: bool = True,
-    allow_pipe: bool = False,
-    max_consecutive_errors: int = 100,
-    num_classes: int | None = None,
-    with_keys: bool = False,
-) -> Loader:
-    """One exact pass over this rank's shards (split by rank, then by worker); the last batch may be short.
+def make_eval_loader(shards: str | list[str], *, num_workers: int = 2, with_labels: bool = True, **settings) -> Loader:
+    """One exact pass over this rank's shards (split by rank, then by worker); the last batch may
+    be short. ``settings``: the ``StreamConfig`` fields that apply (batch_size, img_size, rank,
+    world_size, num_classes, with_keys, allow_pipe, max_consecutive_errors).
 
     Ranks may get different batch counts: reduce metrics after the loop, not per batch.
     """
-    shards = _validate(shards, allow_pipe, rank, world_size, num_workers)
-    cfg = StreamConfig(
-        batch_size=batch_size, img_size=img_size, rank=rank, world_size=world_size, with_labels=with_labels,
-        num_classes=num_classes, with_keys=with_keys, allow_pipe=allow_pipe,
-        max_consecutive_errors=max_consecutive_errors,
-    )  # fmt: skip
-    dataset = _EvalStream(shards, cfg)
-    return Loader(dataset, num_workers, None)
+    cfg = StreamConfig(with_labels=with_labels, **settings)
+    shards = _validate(shards, cfg.allow_pipe, cfg.rank, cfg.world_size, num_workers, split=False)
+    return Loader(_EvalStream(shards, cfg), num_workers, None)

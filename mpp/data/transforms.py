@@ -1,5 +1,5 @@
 """CPU image transforms in PIL (no torchvision): decode with JPEG draft, RandomResizedCrop, flip,
-eval resize + center crop; uint8 collation; the device-side normalise.
+eval resize + center crop; uint8 collation (normalised on the device: ``mpp.ops.normalize``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
 EVAL_CROP_PCT = (
     0.875  # resize the short side to img_size / 0.875, then center crop (timm's default)
@@ -126,14 +124,3 @@ def collate(samples: list[tuple[np.ndarray, int | None, str]], with_keys: bool =
     if with_keys:
         batch["key"] = [s[2] for s in samples]
     return batch
-
-
-def normalize(
-    images: torch.Tensor, mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """uint8 (B,3,H,W) -> `dtype` (x/255 - mean)/std, computed on the tensor's own device."""
-    mean_t = torch.tensor(mean, device=images.device, dtype=torch.float32).view(1, -1, 1, 1) * 255
-    std_t = torch.tensor(std, device=images.device, dtype=torch.float32).view(1, -1, 1, 1) * 255
-    return (
-        (images.float() - mean_t).div_(std_t).to(dtype)
-    )  # out of place: a float input stays intact

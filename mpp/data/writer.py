@@ -134,6 +134,16 @@ def _update_sizes(
     os.replace(tmp, path)
 
 
+def _clear_old_shards(out_dir: Path, prefix: str, overwrite: bool) -> None:
+    """Make ``out_dir``; its old ``prefix-*.tar`` shards are an error unless ``overwrite``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    old = sorted(out_dir.glob(f"{prefix}-[0-9][0-9][0-9][0-9][0-9][0-9].tar"))
+    if old and not overwrite:
+        raise FileExistsError(f"{out_dir} already holds {prefix}-*.tar shards; pass overwrite=True to replace them")
+    for path in old:
+        path.unlink()
+
+
 def write_shards(
     samples: Iterable[Sample],
     out_dir: str | os.PathLike,
@@ -155,14 +165,7 @@ def write_shards(
     order (None keeps it). `resize` sets the short side and re-encodes (format kept unless `reencode`).
     """
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    old = sorted(out_dir.glob(f"{prefix}-[0-9][0-9][0-9][0-9][0-9][0-9].tar"))
-    if old and not overwrite:
-        raise FileExistsError(
-            f"{out_dir} already holds {prefix}-*.tar shards; pass overwrite=True to replace them"
-        )
-    for path in old:
-        path.unlink()
+    _clear_old_shards(out_dir, prefix, overwrite)
     samples = list(samples)
     if seed is not None:
         random.Random(seed).shuffle(samples)  # cheap: paths and arrays move, bytes are read later
@@ -181,9 +184,7 @@ def write_shards(
         tqdm(samples, desc=f"{prefix} shards", unit="img", disable=not progress)
     ):
         data, ext = encode_image(image, resize, reencode, quality)
-        members = [
-            (f"{index:09d}.{ext}", data)
-        ]  # the image first: a cut inside it loses one sample only
+        members = [(f"{index:09d}.{ext}", data)]  # the image first: a cut inside it loses one sample only
         if label is not None:
             members.append((f"{index:09d}.cls", str(int(label)).encode()))
         needed = sum(_member_bytes(d) for _, d in members)
@@ -191,9 +192,7 @@ def write_shards(
             close()
             tar = None
         if tar is None:
-            tar = tarfile.open(
-                out_dir / f".{prefix}-{len(paths):06d}.tar.tmp", "w", format=tarfile.USTAR_FORMAT
-            )
+            tar = tarfile.open(out_dir / f".{prefix}-{len(paths):06d}.tar.tmp", "w", format=tarfile.USTAR_FORMAT)
             count, size = 0, _TAR_END
         for name, blob in members:
             _add_member(tar, name, blob)

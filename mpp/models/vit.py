@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mpp.models.attention import Attention
+from mpp.ops import to_2tuple
 
 # name: (embed_dim, depth, num_heads); MLP is 4x wide everywhere.
 VIT_SIZES = {
@@ -30,16 +31,12 @@ POS_EMBEDS = ("learned", "sincos")
 GLOBAL_POOLS = ("token", "avg", "")
 
 
-def _pair(x: int | tuple[int, int]) -> tuple[int, int]:
-    return (x, x) if isinstance(x, int) else tuple(x)
-
-
 class PatchEmbed(nn.Module):
     """Image (B, C, H, W) -> patch embeddings (B, N, D) by a stride-P convolution."""
 
     def __init__(self, img_size: int | tuple[int, int], patch_size: int, in_chans: int, embed_dim: int) -> None:
         super().__init__()
-        self.img_size = _pair(img_size)
+        self.img_size = to_2tuple(img_size, "img_size")
         self.patch_size = patch_size
         for side in self.img_size:
             if side % patch_size:
@@ -57,7 +54,9 @@ class PatchEmbed(nn.Module):
             raise ValueError(f"expected images (B, {self.in_chans}, H, W), got shape {tuple(x.shape)}")
         if tuple(x.shape[-2:]) != self.img_size:
             raise ValueError(f"expected {self.img_size} images, got {tuple(x.shape[-2:])}")
-        return self.proj(x).flatten(2).transpose(1, 2)  # (B, N, D)
+        # fp32 images in, the model's own dtype from here: the objectives compute their targets
+        # from the exact fp32 pixels (a bf16 image flips MPP's colour bins, shifts MAE's targets)
+        return self.proj(x.to(self.proj.weight.dtype)).flatten(2).transpose(1, 2)  # (B, N, D)
 
 
 class Mlp(nn.Module):
@@ -147,7 +146,7 @@ def resample_abs_pos_embed(
         if side * side != num_patches:
             raise ValueError(f"cannot infer the grid of {num_patches} position embeddings; pass old_size")
         old_size = (side, side)
-    new_size = _pair(new_size)
+    new_size = to_2tuple(new_size, "new_size")
     if tuple(old_size) == new_size:
         return pos_embed
     prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]

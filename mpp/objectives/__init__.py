@@ -4,7 +4,7 @@ import inspect
 
 from mpp.models.vit import VisionTransformer
 from mpp.objectives.base import Objective
-from mpp.objectives.hpm import HPM_BASES, PRED_LOSSES, SCHEDULES, HardPatchesMining, hard_patch_mask
+from mpp.objectives.hpm import HPM_BASES, PRED_LOSSES, HardPatchesMining
 from mpp.objectives.mae import MaskedAutoencoder
 from mpp.objectives.mpp import MPP_TARGETS, MaskedPatchPrediction
 
@@ -38,11 +38,9 @@ __all__ = [
     "MPP_TARGETS",
     "OBJECTIVES",
     "PRED_LOSSES",
-    "SCHEDULES",
     "HardPatchesMining",
     "MaskedAutoencoder",
     "MaskedPatchPrediction",
     "Objective",
     "build_objective",
-    "hard_patch_mask",
 ]

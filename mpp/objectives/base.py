@@ -17,6 +17,11 @@ class Objective(nn.Module):
     def forward(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:  # pragma: no cover
         raise NotImplementedError
 
+    def inputs(self, batch: dict[str, Tensor]) -> tuple[Tensor, ...]:
+        """What ``forward`` takes from a batch on the device (``image``: normalised (B, C, H, W),
+        ``label`` (B,) where the stream has labels). Self-supervised objectives: the images."""
+        return (batch["image"],)
+
     def set_progress(self, epoch: float, total_epochs: float) -> None:
         """Called by the engine before every micro-step: ``epoch`` counts completed epochs
         fractionally (step / steps_per_epoch). Schedules (HPM's easy-to-hard alpha, the

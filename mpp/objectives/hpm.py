@@ -12,45 +12,25 @@ from __future__ import annotations
 
 import copy
 import inspect
-import logging
 import math
-from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mpp.masking import topk_mask
+from mpp.ema import EMA, full_state
+from mpp.masking import SCHEDULES, hard_patch_mask, hard_ratio_at
 from mpp.models.decoder import Decoder
 from mpp.models.vit import VisionTransformer
 from mpp.objectives.base import Objective
 from mpp.objectives.mae import MaskedAutoencoder
-from mpp.objectives.mpp import IMAGENET_MEAN, IMAGENET_STD, MaskedPatchPrediction, gather_tokens
-
-log = logging.getLogger(__name__)
+from mpp.objectives.mpp import MaskedPatchPrediction
+from mpp.ops import IMAGENET_MEAN, IMAGENET_STD, gather_tokens
 
 HPM_BASES: dict[str, type[Objective]] = {"mae": MaskedAutoencoder, "mpp": MaskedPatchPrediction}
-SCHEDULES = ("easy_to_hard", "hard_only", "hard_to_easy", "random")
 PRED_LOSSES = ("ranking", "mse")
 
 # ---- schedules ------------------------------------------------------------------------------
-
-
-def hard_ratio_at(
-    schedule: str, epoch: float, total_epochs: float, hard_ratio: float = 0.5
-) -> float:
-    """alpha, the share of the mask chosen as the hardest patches, at (integer part of) ``epoch``.
-
-    easy_to_hard: alpha_T (e+1)/T (the paper); hard_to_easy: alpha_T (T-e)/T, its reverse;
-    hard_only: alpha_T always; random: 0 (plain MAE masking)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown HPM schedule {schedule!r}; allowed: {SCHEDULES}")
-    e, T = math.floor(epoch), float(total_epochs)
-    if schedule == "easy_to_hard":
-        return hard_ratio * min((e + 1) / T, 1.0)
-    if schedule == "hard_to_easy":
-        return hard_ratio * max((T - e) / T, 0.0)
-    return hard_ratio if schedule == "hard_only" else 0.0
 
 
 def momentum_at(
@@ -62,39 +42,23 @@ def momentum_at(
     return start + (end - start) * min(max(epoch, 0.0) / ramp_epochs, 1.0)
 
 
-# ---- the mask policy --------------------------------------------------------------------------
-
-
-def hard_patch_mask(
-    scores: Tensor, num_masked: int, k: int, generator: torch.Generator | None = None
-) -> tuple[Tensor, Tensor]:
-    """HPM's mask: the k highest-scoring patches always masked, ``num_masked - k`` more drawn
-    uniformly from the rest. scores (B, N) -> mask (B, N) bool with exactly ``num_masked``
-    True per row, and hard (B, N) bool, the top-k part of it. k = 0 is plain random masking.
-
-    Batched: hard patches get noise 2 (above any U[0, 1) draw), then the top ``num_masked``
-    of the noise are masked; the official code loops over samples on the CPU."""
-    B, N = scores.shape
-    if not 0 <= k <= num_masked <= N:
-        raise ValueError(
-            f"need 0 <= k <= num_masked <= N, got k={k}, num_masked={num_masked}, N={N}"
-        )
-    hard = topk_mask(scores, k)  # (B, N)
-    noise = torch.rand(B, N, device=scores.device, generator=generator).masked_fill_(hard, 2.0)
-    return topk_mask(noise, num_masked), hard
-
-
 # ---- the loss predictor's objective -----------------------------------------------------------
 
 
 def ranking_loss(pred: Tensor, target: Tensor) -> Tensor:
     """HPM's relative loss: BCE on every ordered pair (i, j) of one image's patches that
     pred_j > pred_i iff target_j > target_i. pred, target (B, n); ties and i = j excluded,
-    normalised by the number of untied ordered pairs in the batch."""
+    normalised by the number of untied ordered pairs in the batch.
+
+    Where it differs from the official ``-pos*log(sigmoid(d) + 1e-6) - neg*log(1 - sigmoid(d) + 1e-6)``
+    (deliberately): ``logsigmoid`` has no 1e-6 floor, so a badly wrong pair costs its true
+    -log sigmoid(d) instead of being capped at -log(1e-6) ~ 13.8, and its gradient does not
+    vanish there; and a batch whose pairs are all tied gives 0 (the count is clamped to 1)
+    where the official division by zero valid pairs gives NaN. Equal elsewhere to ~1e-6."""
     diff = pred.unsqueeze(1) - pred.unsqueeze(2)  # (B, n, n): [b, i, j] = p_j - p_i
     harder = target.unsqueeze(1) > target.unsqueeze(2)  # l_j > l_i
     easier = target.unsqueeze(1) < target.unsqueeze(2)
-    # log(1 - sigmoid(x)) = logsigmoid(-x): stable where the official code adds 1e-6 inside log
+    # log(1 - sigmoid(x)) = logsigmoid(-x)
     loss = -(harder * F.logsigmoid(diff) + easier * F.logsigmoid(-diff))
     return loss.sum() / (harder | easier).sum().clamp(min=1)
 
@@ -193,18 +157,14 @@ class HardPatchesMining(Objective):
             {"base": copy.deepcopy(self.base), "predictor": copy.deepcopy(self.predictor)}
         )
         teacher.requires_grad_(False).eval()
-        # (teacher name, student name), paired once; the Parameter objects are looked up at
-        # the first update (after the engine has wrapped the module) and again after a load
-        self.ema_pairs = [(f"teacher.{n}", n) for n, _ in teacher.named_parameters()]
-        self._ema_params: list[tuple[nn.Parameter, nn.Parameter]] | None = None
-        self._ema_fp32: list[Tensor] | None = None  # fp32 EMA state when the params are bf16/fp16
-        self.register_load_state_dict_post_hook(HardPatchesMining._forget_ema_state)
+        # paired by name once; the EMA looks the Parameters up after the engine has wrapped them
+        self.ema = EMA(self, [(f"teacher.{n}", n) for n, _ in teacher.named_parameters()])
+        self.register_load_state_dict_post_hook(HardPatchesMining._reset_ema)
         return teacher
 
     @staticmethod
-    def _forget_ema_state(module: HardPatchesMining, incompatible_keys) -> None:
-        # a load may assign new Parameters, and the loaded teacher replaces the fp32 EMA state
-        module._ema_params = module._ema_fp32 = None
+    def _reset_ema(module: HardPatchesMining, incompatible_keys) -> None:
+        module.ema.reset()  # a load may assign new Parameters and replaces the averaged weights
 
     @property
     def encoder(self) -> VisionTransformer:
@@ -225,84 +185,27 @@ class HardPatchesMining(Objective):
             raise ValueError(f"total_epochs must be > 0, got {total_epochs}")
         self.alpha = hard_ratio_at(self.schedule, epoch, total_epochs, self.hard_ratio)
         self.num_hard = int(self.num_masked * self.alpha)  # k
+        # once per epoch, like alpha and like the official code (its momentum is set per epoch)
         self.teacher_momentum = momentum_at(
-            epoch, self.momentum_start, self.momentum_end, self.momentum_epochs
+            math.floor(epoch), self.momentum_start, self.momentum_end, self.momentum_epochs
         )
 
     def after_optimizer_step(self) -> None:
         self.update_teacher()
 
-    def _ema_tensors(self) -> tuple[list[Tensor], list[Tensor]]:
-        """(teacher, student) tensors to update: the full data, or under ZeRO-3 this rank's
-        flat shard ``ds_tensor`` (same shapes, so the same partitioning), never gathered."""
-        if self._ema_params is None:
-            self._ema_params = [
-                (self.get_parameter(t), self.get_parameter(s)) for t, s in self.ema_pairs
-            ]
-        teacher, student = [], []
-        for t, s in self._ema_params:
-            if not hasattr(t, "ds_tensor"):
-                teacher.append(t.data)
-                student.append(s.data)
-                continue
-            teacher.append(t.ds_tensor)
-            student.append(s.ds_tensor)
-            # ZeRO-3 keeps small ("persistent") parameters whole on every rank as well, and the
-            # forward reads that copy: it is refreshed from the shards only after the *next*
-            # optimiser step, so update it too (measured: else the teacher lags a step)
-            if t.data.numel() == t.ds_numel and s.data.numel() == s.ds_numel:
-                teacher.append(t.data)
-                student.append(s.data)
-        return teacher, student
-
-    @torch.no_grad()
     def update_teacher(self) -> None:
-        """theta_t <- m theta_t + (1 - m) theta_s, one batched lerp over all (local) tensors."""
-        teacher, student = self._ema_tensors()
-        weight = 1.0 - self.teacher_momentum
-        if all(t.dtype == torch.float32 for t in teacher):
-            torch._foreach_lerp_(teacher, student, weight)
-            return
-        # In bf16 a step of (1 - m) = 1e-4 of the difference is below the rounding unit (2^-8):
-        # a bf16 EMA never moves. Keep the EMA in fp32 and copy it into the params.
-        if self._ema_fp32 is None or len(self._ema_fp32) != len(teacher):
-            self._ema_fp32 = [t.float() for t in teacher]
-        torch._foreach_lerp_(self._ema_fp32, [s.float() for s in student], weight)
-        torch._foreach_copy_(teacher, self._ema_fp32)
+        """theta_t <- m theta_t + (1 - m) theta_s over the whole student (``mpp.ema``)."""
+        self.ema.update(self.teacher_momentum)
 
     def rank_state(self) -> dict[str, Tensor]:
-        """The fp32 EMA (bf16/fp16 params only): rounding it to the teacher's bf16 on resume
-        would perturb the teacher once per restart. Under ZeRO-3 each rank's shard; otherwise
-        every rank's copy is the same and rank 0 returns it."""
-        if self._ema_fp32 is None:
-            return {}
-        partitioned = any(hasattr(t, "ds_tensor") for t, _ in self._ema_params or [])
-        if not partitioned and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
-            return {}
-        return {f"ema_fp32.{i}": t for i, t in enumerate(self._ema_fp32)}
+        return self.ema.rank_state()  # the fp32 EMA under bf16, per rank
 
     def load_rank_state(self, state: dict[str, Tensor]) -> None:
-        teacher, _ = self._ema_tensors()
-        if not state or all(t.dtype == torch.float32 for t in teacher):
-            return  # nothing saved, or an fp32 teacher is its own EMA
-        saved = [state.get(f"ema_fp32.{i}") for i in range(len(teacher))]
-        if len(state) != len(teacher) or any(s is None or s.shape != t.shape for s, t in zip(saved, teacher, strict=True)):
-            log.warning("hpm: the checkpoint's fp32 EMA does not match this run's teacher (another world size "
-                        "under ZeRO-3?): the EMA restarts from the teacher's %s weights", teacher[0].dtype)  # fmt: skip
-            return
-        self._ema_fp32 = [s.to(t.device, torch.float32) for s, t in zip(saved, teacher, strict=True)]
+        self.ema.load_rank_state(state)
 
     def teacher_state(self) -> dict[str, Tensor]:
-        """Full fp32 CPU copies of the teacher's parameters, by name. Under ZeRO-3 this gathers
-        them: a collective, call it on every rank."""
-        params = dict(self.teacher.named_parameters())
-        gather = nullcontext()
-        if any(hasattr(p, "ds_tensor") for p in params.values()):
-            import deepspeed
-
-            gather = deepspeed.zero.GatheredParameters(list(params.values()))
-        with gather:
-            return {n: p.detach().float().cpu().clone() for n, p in params.items()}
+        """Full fp32 CPU copies of the teacher's parameters, by name (a collective under ZeRO-3)."""
+        return full_state(self.teacher)
 
     # ---- the algorithm, one step a method -----------------------------------------------------
 

@@ -14,7 +14,7 @@ from mpp.masking import MaskGenerator, RandomMask, mask_indices
 from mpp.models.decoder import Decoder, DecoderEmbed
 from mpp.models.vit import VisionTransformer
 from mpp.objectives.base import Objective
-from mpp.objectives.mpp import gather_tokens, patchify
+from mpp.ops import gather_tokens, patchify
 
 
 def normalize_patches(patches: Tensor, eps: float = 1e-6) -> Tensor:

@@ -16,23 +16,9 @@ from torch import Tensor, nn
 from mpp.masking import MaskGenerator, RandomMask, mask_indices
 from mpp.models.vit import VisionTransformer
 from mpp.objectives.base import Objective
+from mpp.ops import IMAGENET_MEAN, IMAGENET_STD, gather_tokens, patchify, unnormalize
 
 MPP_TARGETS = ("mean_color", "downsampled", "pixel")
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-def unnormalize(images: Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> Tensor:
-    """Normalised (B, C, H, W) -> raw pixels in [0, 1], snapped back to the uint8 grid.
-
-    The inputs come from uint8 images; snapping to k/255 makes the normalise round trip
-    exact, so it cannot flip a colour bin at a boundary (a patch mean of exactly 2/8 is
-    reachable with 256-pixel patches). A public implementation skipped this step entirely
-    and put every normalised patch into one class.
-    """
-    m = images.new_tensor(mean).view(1, -1, 1, 1)
-    s = images.new_tensor(std).view(1, -1, 1, 1)
-    return ((images * s + m).clamp(0.0, 1.0) * 255.0).round() / 255.0
 
 
 def color_classes(rgb_means: Tensor, bits: int = 3) -> Tensor:
@@ -51,16 +37,6 @@ def mean_color_targets(raw: Tensor, patch_size: int, bits: int = 3, cells: int =
     means = rearrange(means, "b c (h i) (w j) -> b (h w) (i j) c", i=cells, j=cells)
     classes = color_classes(means, bits)  # (B, N, cells^2)
     return classes[..., 0] if cells == 1 else classes
-
-
-def patchify(images: Tensor, patch_size: int) -> Tensor:
-    """(B, C, H, W) -> (B, N, P*P*C), MAE's patch-pixel order (p, q, c)."""
-    return rearrange(images, "b c (h p) (w q) -> b (h w) (p q c)", p=patch_size, q=patch_size)
-
-
-def gather_tokens(x: Tensor, idx: Tensor) -> Tensor:
-    """x (B, N, ...) at per-sample indices idx (B, n) -> (B, n, ...)."""
-    return torch.gather(x, 1, idx.view(*idx.shape, *([1] * (x.ndim - 2))).expand(-1, -1, *x.shape[2:]))
 
 
 class MaskedPatchPrediction(Objective):

@@ -1,0 +1,131 @@
+"""The masking ablation's report (``mpp.ablation`` runs the grid): results.csv, results.md
+(mean ± std over seeds per cell and evaluation) and results.png (top-1 per cell, error bars),
+drawn with PIL alone."""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mpp.ablation import AblationSpec
+
+
+def write_csv(rows: list[dict], keys: list[str], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, [*keys, "seed", "eval", "top1", "top5", "status", "path"])
+        w.writeheader()
+        w.writerows(rows)
+
+
+def summarize(rows: list[dict], keys: list[str], metric: str) -> dict[tuple, tuple[float, float, int]]:
+    """(cell values..., eval) -> (mean, sample std over seeds (0 for one), seeds that finished)."""
+    groups: dict[tuple, list[float]] = {}
+    for r in rows:
+        values = groups.setdefault((*[r[k] for k in keys], r["eval"]), [])
+        if r["status"] == "ok":
+            values.append(float(r[metric]))
+    return {g: (statistics.fmean(v) if v else float("nan"), statistics.stdev(v) if len(v) > 1 else 0.0, len(v))
+            for g, v in groups.items()}
+
+
+def write_markdown(rows: list[dict], keys: list[str], evals: list[str], path: Path, title: str,
+                   shared: list[str] = ()) -> None:
+    """The tables; ``shared`` (the spec's ``set``) is listed under the title."""
+    cells = list(dict.fromkeys(tuple(r[k] for k in keys) for r in rows))
+    lines = [f"# {title}", ""]
+    if shared:
+        lines += ["Every cell: " + ", ".join(f"`{s}`" for s in shared), ""]
+    lines += ["mean ± std (n) over seeds; std is the sample standard deviation, n the seeds that finished."]
+    for metric in ("top1", "top5"):
+        stats = summarize(rows, keys, metric)
+        lines += ["", f"## {metric} (%)", "", "| " + " | ".join([*keys, *evals]) + " |", "|" + "---|" * (len(keys) + len(evals))]
+        for cell in cells:
+            entries = []
+            for kind in evals:
+                mean, std, n = stats[(*cell, kind)]
+                entries.append(f"{mean:.2f} ± {std:.2f} ({n})" if n else "failed (0)")
+            lines.append("| " + " | ".join([*cell, *entries]) + " |")
+    failed = [r for r in rows if r["status"] != "ok"]
+    if failed:
+        lines += ["", "## Failed", ""]
+        lines += [f"- {', '.join(r[k] for k in keys) or 'base'}, seed {r['seed']}, {r['eval']}: `{r['path']}`" for r in failed]
+    path.write_text("\n".join(lines) + "\n")
+
+
+PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
+           (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]
+
+
+def plot(rows: list[dict], keys: list[str], evals: list[str], path: Path, group_key: str = "masking.strategy") -> None:
+    """Top-1 per cell as bars with ± std error bars (PIL only): one panel per evaluation, bars
+    grouped by ``group_key`` (the strategy; else the first grid key) and coloured by the others."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    font, small = ImageFont.load_default(size=15), ImageFont.load_default(size=12)
+    gkey = group_key if group_key in keys else (keys[0] if keys else None)
+    others = [k for k in keys if k != gkey]
+    stats = summarize(rows, keys, "top1")
+    groups = list(dict.fromkeys(r[gkey] for r in rows)) if gkey else ["base"]
+    series = list(dict.fromkeys(tuple(r[k] for k in others) for r in rows))
+    cell_of = lambda g, s: tuple(g if k == gkey else s[others.index(k)] for k in keys)  # noqa: E731
+    bar, left, plot_h, panel_h = 26, 80, 200, 275
+    width = max(460, left + len(groups) * max(len(series) * bar + 30, 90) + 20)
+    group_w = (width - left - 20) / len(groups)
+    labels = [", ".join(f"{k}={v}" for k, v in zip(others, s, strict=True)) or "mean top-1" for s in series]
+    labels.append("± std over seeds (n finished)")
+    per_row = max(1, (width - left) // 200)
+    legend_h = 24 * -(-len(labels) // per_row) + 12
+    img = Image.new("RGB", (width, 40 + legend_h + panel_h * len(evals)), "white")
+    d = ImageDraw.Draw(img)
+    d.text((left, 10), "top-1 (%) per cell, mean ± std over seeds", fill="black", font=font)
+    for j, label in enumerate(labels):  # legend: a colour per setting of the other grid keys, then the error bar
+        x, y = left + (j % per_row) * 200, 38 + 24 * (j // per_row)
+        if j < len(series):
+            d.rectangle([x, y, x + 14, y + 14], fill=PALETTE[j % len(PALETTE)])
+        else:
+            d.line([x + 7, y, x + 7, y + 14], fill="black", width=2)
+            d.line([x + 2, y, x + 12, y], fill="black", width=2)
+            d.line([x + 2, y + 14, x + 12, y + 14], fill="black", width=2)
+        d.text((x + 20, y), label, fill="black", font=small)
+    ylabel = Image.new("RGB", (plot_h, 16), "white")
+    ImageDraw.Draw(ylabel).text((plot_h // 2, 0), "top-1 (%)", fill="black", font=small, anchor="ma")
+    ylabel = ylabel.rotate(90, expand=True)
+    for p, kind in enumerate(evals):
+        y0 = 40 + legend_h + p * panel_h + 24  # top of this panel's plot area
+        found = [m + sd for (*_, k), (m, sd, n) in stats.items() if k == kind and n]
+        ymax = max(10.0, -(-max(found, default=10.0) // 10) * 10)
+        y_of = lambda v, y0=y0, ymax=ymax: y0 + plot_h - min(v, ymax) / ymax * plot_h  # noqa: E731
+        d.text((left, y0 - 22), kind, fill="black", font=font)
+        for t in range(0, int(ymax) + 1, 10 if ymax <= 50 else 20):
+            d.line([left, y_of(t), width - 20, y_of(t)], fill=(225, 225, 225))
+            d.text((left - 8, y_of(t)), f"{t}", fill="black", font=small, anchor="rm")
+        img.paste(ylabel, (14, y0))
+        d.line([left, y0, left, y0 + plot_h, width - 20, y0 + plot_h], fill="black")
+        for gi, g in enumerate(groups):
+            gx = left + gi * group_w + (group_w - len(series) * bar) / 2
+            for j, s in enumerate(series):
+                mean, std, n = stats[(*cell_of(g, s), kind)]
+                x, cx = gx + j * bar, gx + j * bar + bar / 2
+                if not n:
+                    d.text((cx, y0 + plot_h - 4), "failed", fill=(200, 0, 0), font=small, anchor="mb")
+                    continue
+                d.rectangle([x + 2, y_of(mean), x + bar - 2, y0 + plot_h], fill=PALETTE[j % len(PALETTE)])
+                lo, hi = y_of(max(0.0, mean - std)), y_of(mean + std)
+                for line in ([cx, lo, cx, hi], [cx - 5, lo, cx + 5, lo], [cx - 5, hi, cx + 5, hi]):
+                    d.line(line, fill="black", width=2)
+            d.text((left + (gi + 0.5) * group_w, y0 + plot_h + 6), str(g), fill="black", font=small, anchor="mt")
+        d.text(((left + width) / 2, y0 + plot_h + 24), gkey or "", fill="black", font=small, anchor="mt")
+    img.save(path)
+
+
+def write_report(spec: AblationSpec, rows: list[dict]) -> list[Path]:
+    keys, out = list(spec.grid), spec.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.csv", out / "results.md", out / "results.png"]
+    write_csv(rows, keys, paths[0])
+    write_markdown(rows, keys, spec.eval, paths[1], f"Ablation of {Path(spec.base).name}", spec.set)
+    plot(rows, keys, spec.eval, paths[2])
+    return paths

@@ -1,0 +1,111 @@
+"""The plan of a run, resolved before anything is created (data, batch, schedule, DeepSpeed's
+config; any problem a ConfigError naming the key), and the run's position in it."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpp.config import ConfigError, RunConfig
+from mpp.data import StreamConfig, count_samples, digits_shards, expand_shards
+
+log = logging.getLogger("mpp.plan")
+
+
+@dataclass
+class Plan:
+    train_shards: list[str]
+    samples_per_epoch: int
+    steps_per_epoch: int  # optimiser steps
+    total_steps: int
+    warmup_steps: int
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+    img_size: int
+    ds_config: dict
+    stream: StreamConfig  # the training stream's settings; the engine adds rank, epoch and position
+    missing_shards: int = 0
+
+    @property
+    def micro_per_epoch(self) -> int:  # micro-batches per rank per epoch
+        return self.steps_per_epoch * self.grad_accum
+
+    @property
+    def total_epochs(self) -> float:
+        return self.total_steps / self.steps_per_epoch
+
+
+def plan_run(cfg: RunConfig, world_size: int, dev_type: str, img_size: int, num_classes: int | None = None) -> Plan:
+    """Resolve data, batch and schedule; any problem is a ConfigError naming the key.
+    ``num_classes`` (supervised runs): the stream yields labels, and drops those outside it."""
+    fail = _failer(cfg)
+    try:
+        micro, accum = cfg.micro_batch(world_size)
+    except ValueError as e:
+        raise fail("train.batch_size", str(e)) from None
+    try:
+        ds_config = cfg.deepspeed_config(world_size, dev_type)
+    except ValueError as e:
+        raise fail("train.precision", str(e)) from None
+    shards, missing = train_shards(cfg, img_size)
+    d = cfg.data
+    if d.num_samples is not None:
+        samples = d.num_samples
+    else:
+        try:
+            samples = count_samples(shards)
+        except ValueError as e:
+            raise fail("data.num_samples", f"{e} (set data.num_samples for shards without sizes.json)") from None
+    steps_per_epoch = samples // cfg.train.batch_size
+    if steps_per_epoch < 1:
+        raise fail("train.batch_size", f"{cfg.train.batch_size} exceeds the {samples} samples of an epoch")
+    t, o = cfg.train, cfg.optim
+    total = t.max_steps if t.max_steps is not None else math.ceil(t.epochs * steps_per_epoch)
+    warmup = o.warmup_steps if o.warmup_steps is not None else round((o.warmup_epochs or 0.0) * steps_per_epoch)
+    stream = StreamConfig(
+        batch_size=micro, img_size=img_size, world_size=world_size, num_batches=steps_per_epoch * accum,
+        with_labels=num_classes is not None, num_classes=num_classes, seed=t.seed, **cfg.stream_settings(),
+    )  # fmt: skip
+    return Plan(shards, samples, steps_per_epoch, total, warmup, micro, accum, world_size, img_size, ds_config,
+                stream, len(missing))  # fmt: skip
+
+
+def train_shards(cfg: RunConfig, img_size: int) -> tuple[list[str], list[str]]:
+    """(the training shards that exist, the local ones that do not); ConfigError when none is left."""
+    fail, d = _failer(cfg), cfg.data
+    if d.train_shards is None:
+        spec, key = digits_shards(img_size)["train"], "data.builtin"
+    else:
+        spec, key = d.train_shards, "data.train_shards"
+    try:
+        shards = expand_shards(spec)
+    except ValueError as e:
+        raise fail(key, str(e)) from None
+    missing = [s for s in shards if "://" not in s and not s.startswith("pipe:") and not Path(s).is_file()]
+    if len(missing) == len(shards):
+        raise fail(key, f"{len(missing)} shard(s) not found, first: {missing[0]}")
+    if missing:  # a lost shard costs its samples, not the run; named once, counted in metrics
+        log.warning("%d of %d shards not found, training without them: %s", len(missing), len(shards),
+                    ", ".join(missing[:10]))  # fmt: skip
+        shards = [s for s in shards if s not in set(missing)]
+    if any(s.startswith("pipe:") for s in shards) and not d.allow_pipe:
+        raise fail(key, "pipe: shards run shell commands; set data.allow_pipe=true to allow them")
+    return shards, missing
+
+
+def _failer(cfg: RunConfig):
+    src = getattr(cfg, "_source", "<config>")
+    return lambda key, msg: ConfigError(f"{src}: {key}: {msg}")
+
+
+@dataclass
+class RunState:
+    step: int = 0  # optimiser steps done
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches this rank consumed in the current epoch
+    samples: int = 0  # images seen, all ranks
+    bad_steps: int = 0
+    overflow_steps: int = 0  # fp16 steps DeepSpeed skipped on a gradient overflow

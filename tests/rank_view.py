@@ -1,0 +1,30 @@
+"""Launched by tests/test_scale.py under ``deepspeed --num_gpus 2``: rank 1 is made to see other
+files than rank 0 (a sizes.json with more samples, a checkpoint folder whose newest tag it cannot
+see yet, as NFS attribute caching can show), then the CLIs' own steps run and each rank prints
+what it decided. Usage: rank_view.py CONFIG CKPT_ROOT"""
+
+import json
+import os
+import sys
+
+import mpp.checkpoint as ckpt
+import mpp.plan as plan_module
+from mpp.config import load_config
+from mpp.distributed import from_rank0, init_distributed, world_from_env
+from mpp.engine import _resolve_on_rank0
+
+config_path, ckpt_root = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+rank, world = world_from_env()
+if rank == 1:  # rank 1's view of the shared storage
+    real_count = plan_module.count_samples
+    plan_module.count_samples = lambda shards: real_count(shards) + 160
+    newest = ckpt.latest_complete(ckpt_root)
+    ckpt.latest_complete = lambda root: "step00000004" if newest else None
+cfg = load_config(config_path)
+plan = plan_module.plan_run(cfg, world, "cpu", 16)  # each rank plans alone (errors before anything exists)
+own = plan.steps_per_epoch
+init_distributed()
+plan = from_rank0(plan)  # as pretrain/run.py and downstream/finetune.py do
+found = from_rank0(_resolve_on_rank0("auto", ckpt_root))  # as the engine's resume does
+print(json.dumps({"rank": rank, "own": own, "steps_per_epoch": plan.steps_per_epoch, "tag": found[1]}), flush=True)
+os._exit(0)
