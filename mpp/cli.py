@@ -13,14 +13,14 @@ from mpp.config import Config, ConfigError, load_config, save_config
 
 
 def run_parser(doc: str, configs: str, resume: bool = True) -> argparse.ArgumentParser:
-    """--config, --set, --output-dir, and for training runs --resume and the launcher's --local_rank."""
+    """--config, --set, --output-dir, the launcher's --local_rank, and for training runs --resume."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help=f"a JSON file, or a name in configs/ ({configs})")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key, value as JSON")
     p.add_argument("--output-dir", help="the run directory (default: the config's output_dir)")
     if resume:
         p.add_argument("--resume", help="'auto' (newest complete checkpoint of this run) or a checkpoint path")
-        p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)  # the launcher's
+    p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)  # the launcher's
     return p
 
 

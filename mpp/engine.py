@@ -55,10 +55,11 @@ def train(cfg: RunConfig, objective: torch.nn.Module, plan: Plan, run_dir: Path,
     metrics_log = MetricLog(run_dir, rank, state)
     bar = tqdm(total=plan.total_steps, initial=state.step, disable=rank != 0, dynamic_ncols=True, desc=cfg.name)
     skipped_before = 0  # bad samples this rank skipped in finished epochs
+    # one loader, its workers kept across epochs (MAE's 1600 epochs would restart them 1600 times)
+    loader = make_train_loader(plan.train_shards, plan.stream, rank=rank, num_workers=cfg.data.num_workers, persistent=True)
     try:
         while state.step < stop:
-            loader = make_train_loader(plan.train_shards, plan.stream, rank=rank, epoch=state.epoch,
-                                       start_batch=state.batch_in_epoch, num_workers=cfg.data.num_workers)  # fmt: skip
+            loader.set_epoch(state.epoch, state.batch_in_epoch)
             t_wait = time.perf_counter()
             for batch in loader:
                 data_wait = time.perf_counter() - t_wait
@@ -91,7 +92,8 @@ def train(cfg: RunConfig, objective: torch.nn.Module, plan: Plan, run_dir: Path,
                     break
                 t_wait = time.perf_counter()
             skipped_before += loader.skipped
-    finally:  # a stopped run still leaves a closed log and a clean terminal
+    finally:  # a stopped run still leaves a closed log, no workers and a clean terminal
+        loader.close()
         bar.close()
         metrics_log.close()
     export_final_encoder(engine, cfg, run_dir)

@@ -119,6 +119,29 @@ def test_seed_epoch_and_resume_determinism(tmp_path):
     assert len({tuple(img.flatten()[:64].tolist()) for batch in images for img in batch}) == 21
 
 
+def test_persistent_workers_give_every_epoch_and_resume_point_of_a_fresh_loader(tmp_path):
+    """One loader whose workers live across epochs (set_epoch) yields, batch for batch, what a new
+    loader per epoch yields, from the start or from a resume point; the worker processes stay."""
+    paths, _ = make_shards(tmp_path, [5, 7, 4, 6])
+    kw = dict(batch_size=3, num_batches=6, img_size=16, seed=5, num_workers=2, shuffle_buffer=10, with_keys=True)
+
+    def keys_and_pixels(loader):
+        return [(b["key"], b["image"]) for b in loader]
+
+    kept = make_train_loader(paths, persistent=True, **kw)
+    pids = set()
+    for epoch, start in ((0, 0), (1, 0), (1, 3), (2, 1)):
+        kept.set_epoch(epoch, start)
+        assert len(kept) == 6 - start
+        got = keys_and_pixels(kept)
+        fresh = keys_and_pixels(make_train_loader(paths, epoch=epoch, start_batch=start, **kw))
+        assert [k for k, _ in got] == [k for k, _ in fresh]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, fresh, strict=True))
+        pids.add(tuple(w.pid for w in kept._loader._iterator._workers))
+    assert len(pids) == 1  # the same two worker processes served every epoch
+    kept.close()
+
+
 def test_bad_data_is_skipped_and_counted_exactly(tmp_path, caplog):
     good, _ = make_shards(tmp_path, [4, 3])
     jpeg = encode(99)

@@ -75,3 +75,41 @@ def test_rank_0_does_not_mark_a_checkpoint_complete_without_every_ranks_shard(tm
     assert missing_rank_files(tmp_path, 3, stage=0) is None  # rank 0 writes a stage-0 checkpoint alone
     (tmp_path / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"")
     assert missing_rank_files(tmp_path, 3, stage=2) is None
+
+
+def test_probes_on_two_ranks_equal_one(tmp_path, digits16):
+    """Features are extracted by every rank on its share and gathered in key order: k-NN and the
+    linear probe on 2 ranks give what one process gives."""
+    probe = {"name": "p", "init": "scratch", "model": {"name": "vit_tiny_patch4_16", "depth": 2, "embed_dim": 32, "num_heads": 2},
+             "data": {"train_shards": digits16["train"], "val_shards": digits16["val"], "num_workers": 1},
+             "probe": {"epochs": 3, "batch_size": 128}}  # fmt: skip
+    path = write_config(tmp_path / "probe.json", probe)
+    results = {}
+    for tool in ("knn", "linear_probe"):
+        for ranks in (1, 2):
+            out = tmp_path / f"{tool}{ranks}"
+            launcher = ["python"] if ranks == 1 else ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port())]
+            r = run_cli([*launcher, f"downstream/{tool}.py", "--config", str(path), "--output-dir", str(out)])
+            assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+            results[tool, ranks] = json.loads((out / "results.json").read_text())
+    for tool in ("knn", "linear_probe"):
+        one, two = results[tool, 1], results[tool, 2]
+        assert one["ranks"] == 1 and two["ranks"] == 2
+        assert one["num_train"] == two["num_train"] == 1497 and one["num_val"] == two["num_val"] == 300
+        assert two["top1"] == pytest.approx(one["top1"], abs=1e-9) and two["top5"] == pytest.approx(one["top5"], abs=1e-9)
+
+
+def test_seven_train_shards_feed_four_ranks_times_two_workers(tmp_path, digits16):
+    """Fewer shards than ranks x workers: the training stream is resampled (every worker draws
+    from every shard), so the run needs no shard per worker and runs, every rank in step."""
+    from mpp.data import expand_shards
+
+    seven = expand_shards(digits16["train"])[:7]
+    cfg = tiny_config(digits16, train={"max_steps": 3, "ckpt_every": 100}, data={"train_shards": seven, "num_workers": 2})
+    path = write_config(tmp_path / "c.json", cfg)
+    out = tmp_path / "run"
+    r = run_cli(["deepspeed", "--num_gpus", "4", "--master_port", str(free_port()), "pretrain/run.py",
+                 "--config", str(path), "--output-dir", str(out)], timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    last = read_metrics(out)[-1]
+    assert last["step"] == 3 and last["samples"] == 3 * 16

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mpp.benchmarks.common import format_table
-from mpp.data.bench import bench_bad_data, bench_pipeline
+from mpp.data.bench import bench_bad_data, bench_epoch_start, bench_pipeline
 
 SETTINGS = {
     "full": dict(num_images=512, img_size=224, repeats=3),
@@ -52,6 +52,11 @@ def step_rates(step_ips: list[str], cpu_step_json: str | None) -> dict[str, floa
     return rates
 
 
+def node_buffer_gib(mean_bytes: float, ranks: int = 8, workers: int = 10, buffers=(1000, 5000)) -> dict[int, float]:
+    """Encoded images the shuffle buffers of one node hold: buffer x image size x workers x ranks."""
+    return {b: b * mean_bytes * workers * ranks / 2**30 for b in buffers}
+
+
 def workers_needed(step_ips: float, per_worker_ips: float) -> int:
     """DataLoader workers (one core each) to feed ``step_ips`` images/s."""
     return math.ceil(step_ips / per_worker_ips)
@@ -61,6 +66,7 @@ def run(quick: bool = False, step_ips: list[str] | None = None, cpu_step_json: s
     s = SETTINGS["quick" if quick else "full"]
     bench = bench_pipeline(**s)
     bad = bench_bad_data(**s)
+    start = bench_epoch_start(**s)
     per_worker = bench["pipeline_ips"]
     sizing = [{"step": label, "step_ips": ips, "workers": workers_needed(ips, per_worker)}
               for label, ips in step_rates(step_ips or [], cpu_step_json).items()]  # fmt: skip
@@ -68,6 +74,8 @@ def run(quick: bool = False, step_ips: list[str] | None = None, cpu_step_json: s
         "setting": s,
         "pipeline": bench,
         "bad_data": bad,
+        "epoch_start": start,
+        "node_buffer_gib": node_buffer_gib(start["mean_encoded_bytes"]),
         "per_worker_ips": per_worker,
         "sizing": sizing,
         "goal": {"cost_ratio_max": COST_RATIO_GOAL, "cost_ratio": bench["cost_ratio"],
@@ -91,6 +99,11 @@ def render(result: dict[str, Any]) -> str:
     bad = (f"bad data: {d['bad_fraction']:.0%} garbage JPEGs, {d['skipped_per_pass']} skipped per pass; "
            f"clean {d['clean_ips']:.1f} img/s, bad {d['bad_data_ips']:.1f} img/s delivered: "
            f"ratio {d['throughput_ratio']:.3f} (goal >= {BAD_DATA_GOAL})")  # fmt: skip
+    e = result["epoch_start"]
+    start = (f"epoch start (first batch, {e['num_workers']} workers): new workers {e['first_batch_s_new_workers']:.3f} s, "
+             f"persistent {e['first_batch_s_persistent']:.3f} s (x{e['restart_ratio']:.1f}); shuffle buffers per node "
+             f"(8 ranks x 10 workers, {e['mean_encoded_bytes'] / 1e3:.0f} kB images): "
+             + ", ".join(f"{k} samples {v:.1f} GiB" for k, v in result["node_buffer_gib"].items()))  # fmt: skip
     sizing = format_table(result["sizing"], [("step", "step to feed", ""), ("step_ips", "img/s", ".1f"),
                                              ("workers", "workers needed", "d")])  # fmt: skip
-    return f"{table}\n{ratios}\n{bad}\n\n{sizing}"
+    return f"{table}\n{ratios}\n{bad}\n{start}\n\n{sizing}"

@@ -156,6 +156,40 @@ def bench_bad_data(
     }
 
 
+def bench_epoch_start(
+    num_images: int = 256, img_size: int = 224, epochs: int = 4, num_workers: int = 2, batch_size: int = 16,
+    shuffle_buffer: int = 64, **_,
+) -> dict:
+    """Seconds from the start of an epoch to its first batch, for a new loader every epoch (new
+    worker processes) and for one persistent loader (``set_epoch``), the median over epochs 2..;
+    and the bytes one worker's shuffle buffer holds (encoded images: mean size x buffer)."""
+    images = synthetic_jpegs(num_images)
+    mean_bytes = sum(len(d) for d in images) / len(images)
+    num_batches = num_images // batch_size
+    with tempfile.TemporaryDirectory() as tmp:
+        shards = write_shards([(d, None) for d in images], tmp, "e", max_count=max(1, num_images // 8), progress=False)
+        kw = dict(batch_size=batch_size, num_batches=num_batches, img_size=img_size, num_workers=num_workers,
+                  shuffle_buffer=shuffle_buffer)  # fmt: skip
+        fresh, kept = [], []
+        persistent = make_train_loader(shards, persistent=True, **kw)
+        for epoch in range(epochs):
+            for times, loader in ((fresh, make_train_loader(shards, epoch=epoch, **kw)), (kept, persistent)):
+                loader.set_epoch(epoch)
+                t0 = time.perf_counter()
+                for _ in loader:
+                    times.append(time.perf_counter() - t0)
+                    t0 = None
+                    break  # the first batch is what an epoch start costs; the rest is the pipeline
+        persistent.close()
+    median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    return {
+        "epochs": epochs, "num_workers": num_workers, "shuffle_buffer": shuffle_buffer,
+        "first_batch_s_new_workers": median(fresh[1:]), "first_batch_s_persistent": median(kept[1:]),
+        "restart_ratio": median(fresh[1:]) / median(kept[1:]),
+        "mean_encoded_bytes": mean_bytes,
+    }  # fmt: skip
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(
         prog="python -m mpp.data.bench", description=__doc__.splitlines()[0]

@@ -160,8 +160,17 @@ class _Stream(IterableDataset):
 
 
 class _TrainStream(_Stream):
+    """The training stream of one epoch at a time. (epoch, start_batch) live in shared memory:
+    persistent workers keep their copy of this object across epochs and read the position the
+    main process set (``Loader.set_epoch``) when the next pass starts."""
+
+    def __init__(self, shards: list[str], cfg: StreamConfig):
+        super().__init__(shards, cfg)
+        self.position = torch.tensor([cfg.epoch, cfg.start_batch], dtype=torch.int64).share_memory_()
+
     def __iter__(self) -> Iterator[dict]:
-        c = self.cfg
+        epoch, start_batch = self.position.tolist()
+        c = replace(self.cfg, epoch=epoch, start_batch=start_batch)
         worker, num_workers = _worker_info()
         errors = SkipCounter(c.max_consecutive_errors)
         # The DataLoader takes batches from workers 0, 1, ... in turn. Resuming at start_batch=k,
@@ -233,11 +242,28 @@ class _EvalStream(_Stream):
 
 
 class Loader:
-    """Iterable of batch dicts; `skipped` sums the bad-data counts reported by every worker."""
+    """Iterable of batch dicts; `skipped` sums the bad-data counts reported by every worker.
 
-    def __init__(self, dataset: IterableDataset, num_workers: int, num_batches: int | None):
+    ``persistent``: one DataLoader, its workers kept across passes (a training run's epochs:
+    ``set_epoch`` before each), instead of new worker processes every epoch."""
+
+    def __init__(self, dataset: IterableDataset, num_workers: int, num_batches: int | None, persistent: bool = False):
         self.dataset, self.num_workers, self.num_batches = dataset, num_workers, num_batches
+        self.persistent = persistent and num_workers > 0
+        self._loader: DataLoader | None = None
         self._skipped: dict[int, int] = {}
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """The next pass is ``epoch`` from its batch ``start_batch`` (a training stream)."""
+        total = self.dataset.cfg.num_batches
+        if not 0 <= start_batch <= total:
+            raise ValueError(f"start_batch {start_batch} outside [0, num_batches={total}]")
+        self.dataset.position.copy_(torch.tensor([epoch, start_batch]))
+        self.num_batches = total - start_batch
+
+    def close(self) -> None:
+        """Stop persistent workers now (they also stop when the loader is garbage collected)."""
+        self._loader = None
 
     @property
     def skipped(self) -> int:
@@ -249,16 +275,18 @@ class Loader:
         return self.num_batches
 
     def __iter__(self) -> Iterator[dict]:
-        loader = DataLoader(
+        loader = self._loader if self._loader is not None else DataLoader(
             self.dataset,
             batch_size=None,  # batches are built inside the workers
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
-            persistent_workers=False,
+            persistent_workers=self.persistent,
             # its own generator: DataLoader otherwise draws worker seeds from the global torch
             # RNG, and re-creating a loader on resume would shift every later mask draw
             generator=torch.Generator().manual_seed(0),
         )
+        if self.persistent:
+            self._loader = loader
         self._skipped = {}
         count = 0
         for batch in loader:
@@ -290,13 +318,15 @@ def _validate(shards, allow_pipe: bool, rank: int, world_size: int, num_workers:
 
 
 def make_train_loader(
-    shards: str | list[str], stream: StreamConfig | None = None, *, num_workers: int = 2, **settings
+    shards: str | list[str], stream: StreamConfig | None = None, *, num_workers: int = 2, persistent: bool = False,
+    **settings,
 ) -> Loader:
     """Exactly ``num_batches - start_batch`` uint8 batches for this rank of this epoch.
 
     ``stream``'s settings (or a fresh ``StreamConfig``) with ``settings`` replacing fields of it:
     ``make_train_loader(shards, batch_size=64, num_batches=100, img_size=224)``, or
-    ``make_train_loader(shards, plan.stream, epoch=e, rank=r)``.
+    ``make_train_loader(shards, plan.stream, epoch=e, rank=r)``. ``persistent``: keep the workers
+    across passes, each pass set with ``Loader.set_epoch(epoch, start_batch)``.
     Batches are {"image": (B,3,H,W) uint8, "label": (B,) int64 if with_labels, "skipped": int}.
     Order and augmentation depend only on (seed, epoch, rank, num_workers, shards): with clean
     data, start_batch=k gives exactly the batches after the first k of a straight run.
@@ -308,7 +338,7 @@ def make_train_loader(
             f"need batch_size >= 1 and 0 <= start_batch <= num_batches (batch_size={cfg.batch_size}, "
             f"start_batch={cfg.start_batch}, num_batches={cfg.num_batches})"
         )
-    return Loader(_TrainStream(shards, cfg), num_workers, cfg.num_batches - cfg.start_batch)
+    return Loader(_TrainStream(shards, cfg), num_workers, cfg.num_batches - cfg.start_batch, persistent)
 
 
 def make_eval_loader(shards: str | list[str], *, num_workers: int = 2, with_labels: bool = True, **settings) -> Loader:
