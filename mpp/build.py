@@ -15,7 +15,7 @@ from mpp.masking import build_mask_generator
 from mpp.models.vit import VisionTransformer, create_vit
 from mpp.objectives import OBJECTIVES, Objective
 from mpp.objectives import build_objective as build_objective_by_name
-from mpp.pretrained import load_into
+from mpp.pretrained import init_objective, load_into
 
 
 def build_encoder(cfg: Any, **overrides: Any) -> VisionTransformer:
@@ -28,6 +28,8 @@ def build_encoder(cfg: Any, **overrides: Any) -> VisionTransformer:
     except ValueError as e:
         raise ConfigError(f"{source}: model: {e}") from None
     init = getattr(cfg, "init", "scratch")
+    if hasattr(cfg, "init") and cfg.model.init:
+        raise ConfigError(f"{source}: model.init: pretraining's key; a downstream run starts from `init`")
     if init != "scratch":
         try:
             load_into(encoder, init)
@@ -61,8 +63,14 @@ def build_objective(cfg: Config) -> Objective:
             extra.update(mean=cfg.data.mean, std=cfg.data.std)
         if clash := sorted(set(kwargs) & set(extra)):
             raise ConfigError(f"objective.{clash[0]}: set by the builder (masking / data sections), not here")
-        return build_objective_by_name(name, encoder, **extra, **kwargs)
+        objective = build_objective_by_name(name, encoder, **extra, **kwargs)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{source}: objective: {e}") from None
+    if cfg.model.init:
+        try:
+            init_objective(objective, cfg.model.init)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"{source}: model.init: {e}") from None
+    return objective

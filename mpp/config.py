@@ -53,10 +53,13 @@ class ModelConfig(_Section):
     pos_embed: Literal["learned", "sincos"] = "learned"
     attn_backend: Literal["auto", "xformers", "sdpa", "math"] = "auto"
     drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
+    # pretraining only: continue from published weights (an encoder file, a Hugging Face ViT
+    # folder, MAE's / HPM's release .pth whose decoder also initialises an MAE decoder, a run)
+    init: str | None = None
 
     def vit_kwargs(self) -> dict[str, Any]:
         """Overrides for ``create_vit(self.name, **overrides)``: only what was set."""
-        return self.model_dump(exclude={"name"}, exclude_none=True)
+        return self.model_dump(exclude={"name", "init"}, exclude_none=True)
 
 
 class ObjectiveConfig(BaseModel):
@@ -146,6 +149,7 @@ class TrainConfig(_Section):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     max_bad_steps: int = Field(10, ge=0)  # non-finite losses skipped before the run stops
     skip_nonfinite: bool = True  # check every micro-step's loss (one host sync) and skip NaN/Inf steps
+    report_to: list[Literal["tensorboard", "wandb"]] = ["tensorboard"]  # besides metrics.jsonl; wandb is optional
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

@@ -52,7 +52,7 @@ def train(cfg: RunConfig, objective: torch.nn.Module, plan: Plan, run_dir: Path,
     model = engine.module
     schedule = dict(peak=peak_lr(cfg), total=plan.total_steps, warmup=plan.warmup_steps, min_lr=cfg.optim.min_lr)
     set_lr(optimizer, lr := lr_at(state.step, **schedule))
-    metrics_log = MetricLog(run_dir, rank, state)
+    metrics_log = MetricLog(run_dir, rank, state, t.report_to, cfg.model_dump(mode="json"))
     bar = tqdm(total=plan.total_steps, initial=state.step, disable=rank != 0, dynamic_ncols=True, desc=cfg.name)
     skipped_before = 0  # bad samples this rank skipped in finished epochs
     # one loader, its workers kept across epochs (MAE's 1600 epochs would restart them 1600 times)

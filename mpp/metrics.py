@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -32,11 +33,63 @@ def drop_records_after(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
-class MetricLog:
-    """metrics.jsonl + TensorBoard on rank 0; sums metrics on the device between log steps so
-    the step itself never waits for the host."""
+class TensorBoard:
+    """Scalars into ``RUN/tb`` (the default reporter)."""
 
-    def __init__(self, run_dir: Path, rank: int, state: RunState) -> None:
+    def __init__(self, run_dir: Path, config: dict) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(run_dir / "tb"))
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        for k, v in values.items():
+            self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandB:
+    """Weights & Biases, optional (``pip install wandb``): the resolved config, and every
+    metrics.jsonl field at its step. ``WANDB_MODE=offline`` writes the run under ``RUN/wandb``
+    without a network; a resumed run continues the same W&B run (its id is kept in the run dir)."""
+
+    def __init__(self, run_dir: Path, config: dict) -> None:
+        import wandb
+
+        id_file = run_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
+        id_file.write_text(run_id + "\n")
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "mpp"), name=config.get("name"), id=run_id,
+                              resume="allow", dir=str(run_dir), config=config)  # fmt: skip
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+REPORTERS = {"tensorboard": TensorBoard, "wandb": WandB}
+
+
+def open_reporters(names: list[str], run_dir: Path, config: dict) -> list:
+    """The reporters ``train.report_to`` names; one whose package is missing is skipped with a warning."""
+    reporters = []
+    for name in names:
+        try:
+            reporters.append(REPORTERS[name](run_dir, config))
+        except ImportError:
+            log.warning("%s is not installed: train.report_to=%r reports nothing there", name, name)
+    return reporters
+
+
+class MetricLog:
+    """metrics.jsonl and the reporters (TensorBoard, W&B) on rank 0; sums metrics on the device
+    between log steps so the step itself never waits for the host."""
+
+    def __init__(self, run_dir: Path, rank: int, state: RunState, report_to: list[str] = ("tensorboard",),
+                 config: dict | None = None) -> None:  # fmt: skip
         """Continues at ``state``: after a resume, records past its step (written before the run
         stopped, and about to be replayed) are dropped, so each step is in the file once."""
         self.rank = rank
@@ -46,20 +99,13 @@ class MetricLog:
         self.t0 = time.perf_counter()
         self.samples0 = state.samples
         self.file = None
+        self.reporters: list = []
         if rank == 0:
             path = run_dir / "metrics.jsonl"
             if path.is_file():
                 drop_records_after(path, state.step)
             self.file = open(path, "a")
-        self.tb = None
-        if rank == 0:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(run_dir / "tb"))
-            except ImportError:  # tensorboard is optional at run time
-                log.warning("tensorboard not installed: no event files")
-
+            self.reporters = open_reporters(list(report_to), run_dir, config or {})
     def add(self, metrics: dict[str, torch.Tensor], data_wait: float) -> None:
         for k, v in metrics.items():
             v = v.detach().float()
@@ -93,28 +139,25 @@ class MetricLog:
         self.sums, self.count, self.data_wait = {}, 0, 0.0
         self.t0, self.samples0 = time.perf_counter(), state.samples
         if self.rank == 0:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
-            if self.tb is not None:
-                for k, v in record.items():
-                    if k != "step":
-                        self.tb.add_scalar(f"train/{k}", v, state.step)
+            self._emit(record, "train")
         return record
+
+    def _emit(self, record: dict, section: str) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        values = {f"{section}/{k}": v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+        for reporter in self.reporters:
+            reporter.log(values, record["step"])
 
     def write(self, state: RunState, plan: Plan, values: dict | None) -> None:
         """An extra record (e.g. validation results) at this step, rank 0 only."""
         if self.rank != 0 or not values:
             return
         record = {"step": state.step, "epoch": round(state.step / plan.steps_per_epoch, 4), **values}
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.tb is not None:
-            for k, v in values.items():
-                if isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"val/{k}", v, state.step)
+        self._emit(record, "val")
 
     def close(self) -> None:
         if self.file:
             self.file.close()
-        if self.tb:
-            self.tb.close()
+        for reporter in self.reporters:
+            reporter.close()

@@ -12,18 +12,31 @@ import torch
 from mpp.checkpoint import find_checkpoint, load_encoder_file, zero_to_fp32
 from mpp.models.vit import VisionTransformer, resample_abs_pos_embed
 
+# the encoder's keys in timm's (and MAE's, and our) naming
+ENCODER_KEYS = ("cls_token", "pos_embed", "patch_embed.", "blocks.", "norm.", "fc_norm.", "head.")
+RELEASE_SUFFIXES = (".pth", ".pt", ".bin")
+
 
 def load_pretrained(init: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(encoder state dict with timm names, model kwargs if known) from ``init``: an exported
-    ``.safetensors``, a pretrain run directory, or a DeepSpeed checkpoint (root or tag) of any
-    ZeRO stage. Never unpickles arbitrary objects."""
+    """(encoder state dict with timm names, model kwargs if known) from ``init``: an exported or
+    timm ``.safetensors``, a Hugging Face ViT folder, a checkpoint in MAE's / HPM's release format
+    (``{"model": state_dict}``, ``.pth``), a pretrain run directory, or a DeepSpeed checkpoint
+    (root or tag) of any ZeRO stage. Never unpickles arbitrary objects."""
     path = Path(init)
     if not path.exists():
         raise FileNotFoundError(f"{init}: no such file or directory")
     if path.is_file():
+        if path.suffix in RELEASE_SUFFIXES:
+            sd = read_release_file(path)
+            return {k: v for k, v in sd.items() if k.startswith(ENCODER_KEYS)}, {}
         if path.suffix != ".safetensors":
-            raise ValueError(f"{init}: unknown kind (expected .safetensors, a run directory or a DeepSpeed checkpoint)")
+            raise ValueError(f"{init}: unknown kind (expected .safetensors, .pth, a run directory, a Hugging Face "
+                             "folder or a DeepSpeed checkpoint)")  # fmt: skip
         return load_encoder_file(path)
+    if is_hf_folder(path):
+        from mpp.hf import read_hf_folder
+
+        return read_hf_folder(path)
     if (path / "encoder.safetensors").is_file():
         return load_encoder_file(path / "encoder.safetensors")
     found = find_checkpoint(path)
@@ -66,3 +79,69 @@ def load_into(model: VisionTransformer, init: str | Path) -> dict[str, list[str]
         raise ValueError(f"init {init}: missing {len(unexpected_missing)} encoder weights, e.g. {unexpected_missing[:3]} (a different depth or size?)")
     model.load_state_dict(sd, strict=False)
     return {"initialised": missing}
+
+
+def is_hf_folder(path: Path) -> bool:
+    """A ``save_pretrained`` folder of a Hugging Face ViT (not one of our run directories)."""
+    cfg = path / "config.json"
+    return cfg.is_file() and json.loads(cfg.read_text()).get("model_type") == "vit"
+
+
+def read_release_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """The state dict of a ``torch.save``d checkpoint in MAE's / HPM's / DeiT's release format
+    (``{"model": ...}``, ``{"state_dict": ...}`` or the dict itself), read with
+    ``weights_only=True``: a pickled payload is refused, never run."""
+    import pickle
+
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError) as e:
+        raise ValueError(f"{path}: refused: not a plain weights file ({str(e).splitlines()[0]})") from None
+    for key in ("model", "state_dict", "module"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+            break
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ValueError(f"{path}: no state dict found (expected {{'model': state_dict}} or a state dict)")
+    return {k.removeprefix("module."): v for k, v in obj.items()}
+
+
+# MAE's decoder names (models_mae.py) -> ours (mpp.objectives.mae: decoder_embed.*, decoder.*)
+_MAE_DECODER = (("decoder_embed.", "decoder_embed.proj."), ("mask_token", "decoder_embed.mask_token"),
+                ("decoder_pos_embed", "decoder_embed.pos_embed"), ("decoder_blocks.", "decoder.blocks."),
+                ("decoder_norm.", "decoder.norm."), ("decoder_pred.", "decoder.pred."))  # fmt: skip
+
+
+def mae_decoder_weights(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The MAE decoder in a release checkpoint (``mae_pretrain_vit_base_full.pth``), in our names."""
+    out = {}
+    for k, v in sd.items():
+        for theirs, ours in _MAE_DECODER:
+            if k == theirs or (theirs.endswith(".") and k.startswith(theirs)):
+                out[ours + k[len(theirs) :]] = v
+                break
+    return out
+
+
+def init_objective(objective: torch.nn.Module, init: str | Path) -> dict[str, list[str]]:
+    """Continue pretraining from published weights (``model.init``): the encoder from any source
+    ``load_pretrained`` reads; a release file's MAE decoder (``_full`` checkpoints) into an MAE /
+    HPM objective's pixel decoder too. Shape mismatches are errors naming the key; what stays at
+    its initialisation is returned."""
+    load_into(objective.encoder, init)
+    loaded = ["encoder"]
+    path = Path(init)
+    mae = getattr(objective, "base", objective)  # hpm wraps its base objective
+    if path.is_file() and path.suffix in RELEASE_SUFFIXES and hasattr(mae, "decoder_embed"):
+        decoder = mae_decoder_weights(read_release_file(path))
+        own = mae.state_dict()
+        for k, v in decoder.items():
+            if k not in own or own[k].shape != v.shape:
+                got = tuple(v.shape)
+                raise ValueError(f"init {init}: decoder weight {k} {got} does not fit the objective "
+                                 f"({tuple(own[k].shape) if k in own else 'no such parameter'})")  # fmt: skip
+        if decoder:
+            mae.load_state_dict(decoder, strict=False)
+            loaded.append("decoder")
+    objective.weights_loaded()
+    return {"loaded": loaded}

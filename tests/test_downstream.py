@@ -152,7 +152,8 @@ def test_timm_export_has_timms_layout(two_rank_runs, tmp_path):
     folder = export(two_rank_runs[3][0], "timm", tmp_path / "timm")
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["model_args"] == {"img_size": 16, "patch_size": 4, "in_chans": 3, "embed_dim": 32, "depth": 2,
-                                 "num_heads": 2, "num_classes": 0, "global_pool": "token", "class_token": True}
+                                 "num_heads": 2, "num_classes": 0, "global_pool": "token", "class_token": True,
+                                 "fc_norm": False}
     sd = load_file(folder / "model.safetensors")
     assert {k: tuple(v.shape) for k, v in sd.items()} == timm_vit_keys(depth=2, dim=32, patch=4, num_patches=16, mlp=128)
 

@@ -31,6 +31,10 @@ class Objective(nn.Module):
         """Called by the engine after every optimiser step (not after accumulation
         micro-steps), on every rank: HPM updates its EMA teacher here."""
 
+    def weights_loaded(self) -> None:
+        """Called after published weights were loaded into the module (``model.init``), before
+        training: HPM starts its teacher from them. Default: nothing."""
+
     def no_weight_decay(self) -> set[str]:
         """Full parameter names exempt from weight decay besides biases and norms."""
         return set()

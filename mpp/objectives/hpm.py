@@ -193,6 +193,12 @@ class HardPatchesMining(Objective):
     def after_optimizer_step(self) -> None:
         self.update_teacher()
 
+    @torch.no_grad()
+    def weights_loaded(self) -> None:
+        """The teacher starts as a copy of the (newly loaded) student, as at construction."""
+        self.teacher["base"].load_state_dict(self.base.state_dict())
+        self.teacher["predictor"].load_state_dict(self.predictor.state_dict())
+
     def update_teacher(self) -> None:
         """theta_t <- m theta_t + (1 - m) theta_s over the whole student (``mpp.ema``)."""
         self.ema.update(self.teacher_momentum)
