@@ -15,6 +15,7 @@ from mpp.config import ConfigError, FinetuneConfig
 from mpp.distributed import device_type, from_rank0, init_distributed, world_from_env
 from mpp.finetune import build_classifier, run_finetune
 from mpp.plan import plan_run
+from mpp.preemption import PREEMPTED_EXIT, Preempted
 from mpp.rng import seed_everything
 
 
@@ -33,7 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     device = init_distributed()
     plan = from_rank0(plan)  # rank 0's view of the shards and the epoch length, on every rank
     run_dir = open_run_dir(cfg, rank)
-    results = run_finetune(cfg, model, plan, run_dir, device, resume=args.resume)
+    try:
+        results = run_finetune(cfg, model, plan, run_dir, device, resume=args.resume)
+    except Preempted as e:
+        if rank == 0:
+            print(f"stopped: {e}", file=sys.stderr)
+        return PREEMPTED_EXIT
     if rank == 0:
         print(json.dumps({k: results[k] for k in ("top1", "top5", "epoch", "init")}))
     return 0

@@ -147,7 +147,10 @@ class TrainConfig(_Section):
     keep_last: int = Field(2, gt=0)
     seed: int = 0
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
-    max_bad_steps: int = Field(10, ge=0)  # non-finite losses skipped before the run stops
+    max_bad_steps: int = Field(10, ge=0)  # non-finite losses skipped before the run stops (or rolls back)
+    on_nonfinite: Literal["skip", "rollback", "stop"] = "skip"  # past max_bad_steps: stop, or roll back
+    rollback_lr_scale: float = Field(1.0, gt=0.0, le=1.0)  # lr x this after each rollback
+    max_rollbacks: int = Field(3, ge=0)
     skip_nonfinite: bool = True  # check every micro-step's loss (one host sync) and skip NaN/Inf steps
     report_to: list[Literal["tensorboard", "wandb"]] = ["tensorboard"]  # besides metrics.jsonl; wandb is optional
 

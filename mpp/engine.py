@@ -25,9 +25,11 @@ from mpp.config import RunConfig, save_config
 from mpp.data import make_train_loader
 from mpp.distributed import from_rank0
 from mpp.metrics import MetricLog
+from mpp.nonfinite import NonFiniteLossError, all_finite, roll_back, skip_bad_step
 from mpp.ops import normalize
 from mpp.optim import build_optimizer, lr_at, peak_lr, set_lr
 from mpp.plan import Plan, RunState
+from mpp.preemption import Preempted, StopRequest, write_marker
 from mpp.rng import rng_state, seed_everything, set_rng_state
 
 log = logging.getLogger("mpp.engine")
@@ -40,64 +42,92 @@ EpochHook = Callable[[Any, RunState], "dict | None"]  # (DeepSpeed engine, state
 
 def train(cfg: RunConfig, objective: torch.nn.Module, plan: Plan, run_dir: Path, device: torch.device,
           resume: str | None = None, on_epoch_end: EpochHook | None = None) -> RunState:  # fmt: skip
-    """Train ``objective`` under DeepSpeed for ``plan.total_steps`` optimiser steps.
-    ``on_epoch_end(engine, state)`` runs on every rank after each epoch and at the end; what it
-    returns is logged (fine-tuning's evaluation)."""
+    """Train ``objective`` under DeepSpeed for ``plan.total_steps`` optimiser steps (``Preempted`` on a
+    signal). ``on_epoch_end(engine, state)`` runs on every rank after each epoch and at the end."""
     from tqdm import tqdm
 
     rank, t = dist.get_rank(), cfg.train
     seed_everything(t.seed + rank)  # ranks draw different masks; data has its own seeds
     stop = min(plan.total_steps, t.stop_at_step or plan.total_steps)
     engine, optimizer, state = start_engine(cfg, objective, plan, run_dir / "checkpoints", resume)
-    model = engine.module
+    model, skipped_before = engine.module, 0  # skipped_before: bad samples this rank skipped in finished epochs
     schedule = dict(peak=peak_lr(cfg), total=plan.total_steps, warmup=plan.warmup_steps, min_lr=cfg.optim.min_lr)
-    set_lr(optimizer, lr := lr_at(state.step, **schedule))
+    set_lr(optimizer, lr := lr_at(state.step, **schedule) * state.lr_scale)
     metrics_log = MetricLog(run_dir, rank, state, t.report_to, cfg.model_dump(mode="json"))
     bar = tqdm(total=plan.total_steps, initial=state.step, disable=rank != 0, dynamic_ncols=True, desc=cfg.name)
-    skipped_before = 0  # bad samples this rank skipped in finished epochs
     # one loader, its workers kept across epochs (MAE's 1600 epochs would restart them 1600 times)
+    stop_request = StopRequest()  # SIGTERM / SIGUSR1: finish the step, checkpoint, exit (before the workers fork)
     loader = make_train_loader(plan.train_shards, plan.stream, rank=rank, num_workers=cfg.data.num_workers, persistent=True)
     try:
         while state.step < stop:
             loader.set_epoch(state.epoch, state.batch_in_epoch)
             t_wait = time.perf_counter()
-            for batch in loader:
-                data_wait = time.perf_counter() - t_wait
-                skipped = skipped_before + batch["skipped"]
-                batch = to_device(batch, device, cfg.data.mean, cfg.data.std)
-                model.set_progress(state.epoch + state.batch_in_epoch / plan.micro_per_epoch, plan.total_epochs)
-                loss, metrics = engine(*model.inputs(batch))
-                if t.skip_nonfinite and not all_finite(loss):
-                    stepped = skip_bad_step(state, t.max_bad_steps, rank)  # every rank agrees: no step
-                else:
-                    engine.backward(loss)
-                    boundary = engine.is_gradient_accumulation_boundary()
-                    engine.step()
-                    stepped = boundary and step_applied(engine, state)
-                    metrics_log.add({"loss": loss, **metrics}, data_wait)
-                epoch_done = advance(state, plan, cfg, stepped)
-                if stepped:
-                    model.after_optimizer_step()
-                    lr_done, lr = lr, lr_at(state.step, **schedule)
-                    set_lr(optimizer, lr)
-                    bar.update(1)
-                    if metrics_log.count and (state.step % t.log_every == 0 or state.step == stop):
-                        record = metrics_log.flush(state, plan, lr_done, skipped)
-                        bar.set_postfix(loss=f"{record['loss']:.4f}", ips=f"{record['imgs_per_sec']:.1f}")
-                if on_epoch_end is not None and (epoch_done or (stepped and state.step == stop)):
-                    metrics_log.write(state, plan, on_epoch_end(engine, state))
-                if stepped and (state.step % t.ckpt_every == 0 or state.step == stop):
-                    save(engine, objective, state, run_dir / "checkpoints", t.keep_last)
-                if state.step >= stop:
-                    break
-                t_wait = time.perf_counter()
+            try:
+                for batch in loader:
+                    data_wait = time.perf_counter() - t_wait
+                    skipped = skipped_before + batch["skipped"]
+                    batch = to_device(batch, device, cfg.data.mean, cfg.data.std)
+                    model.set_progress(state.epoch + state.batch_in_epoch / plan.micro_per_epoch, plan.total_epochs)
+                    loss, metrics = engine(*model.inputs(batch))
+                    if t.skip_nonfinite and not all_finite(loss, state):
+                        stepped = skip_bad_step(state, t, rank)  # every rank agrees: no backward, no step
+                    else:
+                        engine.backward(loss)
+                        boundary = engine.is_gradient_accumulation_boundary()
+                        engine.step()
+                        stepped = boundary and step_applied(engine, state)
+                        metrics_log.add({"loss": loss, **metrics}, data_wait)
+                    epoch_done = advance(state, plan, cfg, stepped)
+                    if stepped:
+                        lr = after_step(model, optimizer, state, plan, t, schedule, lr, metrics_log, bar, skipped, stop)
+                    if on_epoch_end is not None and (epoch_done or (stepped and state.step == stop)):
+                        metrics_log.write(state, plan, on_epoch_end(engine, state))
+                    if stepped:
+                        checkpoint_or_stop(engine, objective, state, run_dir, t, stop, stop_request)
+                    if state.step >= stop:
+                        break
+                    t_wait = time.perf_counter()
+            except NonFiniteLossError as error:  # train.on_nonfinite: roll back and go on, or stop
+                lr = recover(engine, objective, state, plan, run_dir, cfg, error, optimizer, schedule, metrics_log, bar)
+                continue
             skipped_before += loader.skipped
     finally:  # a stopped run still leaves a closed log, no workers and a clean terminal
+        stop_request.restore()
         loader.close()
         bar.close()
         metrics_log.close()
     export_final_encoder(engine, cfg, run_dir)
     return state
+
+
+def after_step(model: Any, optimizer: Any, state: RunState, plan: Plan, t: Any, schedule: dict, lr: float,
+               metrics_log: MetricLog, bar: Any, skipped: int, stop: int) -> float:  # fmt: skip
+    """After an optimiser step: HPM's teacher, the next step's lr, the bar, a record at log steps.
+    Returns the lr now set."""
+    model.after_optimizer_step()
+    lr_done, lr = lr, lr_at(state.step, **schedule) * state.lr_scale
+    set_lr(optimizer, lr)
+    bar.update(1)
+    if metrics_log.count and (state.step % t.log_every == 0 or state.step == stop):
+        record = metrics_log.flush(state, plan, lr_done, skipped)
+        bar.set_postfix(loss=f"{record['loss']:.4f}", ips=f"{record['imgs_per_sec']:.1f}")
+    return lr
+
+
+def recover(engine: Any, objective: torch.nn.Module, state: RunState, plan: Plan, run_dir: Path, cfg: RunConfig,
+            error: NonFiniteLossError, optimizer: Any, schedule: dict, metrics_log: MetricLog, bar: Any) -> float:  # fmt: skip
+    """``train.on_nonfinite=rollback``: back to the last complete checkpoint, the data stream past
+    the batch that failed (``mpp.nonfinite.roll_back``), metrics.jsonl rewound to that step with
+    the event recorded; re-raises otherwise. Returns the lr now set."""
+    advance(state, plan, cfg, stepped=False)  # the batch that failed is behind us
+    roll_back(engine, objective, state, run_dir, cfg.train, error)
+    set_lr(optimizer, lr := lr_at(state.step, **schedule) * state.lr_scale)
+    metrics_log.rewind(state)
+    metrics_log.write(state, plan, {"event": "rollback", "failed_step": state.rollback_steps[-1], "to_step": state.step,
+                                    "lr_scale": state.lr_scale})  # fmt: skip
+    bar.n = state.step
+    bar.refresh()
+    return lr
 
 
 def to_device(batch: dict, device: torch.device, mean, std) -> dict:
@@ -129,32 +159,6 @@ def advance(state: RunState, plan: Plan, cfg: RunConfig, stepped: bool) -> bool:
     return epoch_done
 
 
-class NonFiniteLossError(RuntimeError):
-    """Too many steps with a NaN/Inf loss: the run stops, its last checkpoint untouched."""
-
-
-def all_finite(loss: torch.Tensor) -> bool:
-    """True when the loss is finite on every rank. One small all-reduce and host sync per
-    micro-step: the price of never applying a NaN update (``train.skip_nonfinite``)."""
-    bad = (~torch.isfinite(loss.detach())).float().reshape(1)
-    dist.all_reduce(bad)
-    return bad.item() == 0.0
-
-
-def skip_bad_step(state: RunState, limit: int, rank: int) -> bool:
-    """Count a skipped micro-step (no backward, no optimiser step: returns False, "not stepped");
-    NonFiniteLossError past ``limit``."""
-    state.bad_steps += 1
-    if rank == 0:
-        log.warning("non-finite loss at step %d: skipped (%d of at most %d)", state.step + 1, state.bad_steps, limit)
-    if state.bad_steps > limit:
-        raise NonFiniteLossError(
-            f"{state.bad_steps} steps with a non-finite loss (train.max_bad_steps={limit}); stopped at step "
-            f"{state.step}, the last complete checkpoint is untouched (lower the lr, check the data)"
-        )
-    return False
-
-
 # ---- setup, checkpoints, export ---------------------------------------------------------------
 
 
@@ -177,7 +181,24 @@ def start_engine(cfg: RunConfig, objective: torch.nn.Module, plan: Plan, ckpt_ro
         objective.load_rank_state(ckpt.load_rank_state(*found))
         if dist.get_rank() == 0:
             log.info("resumed from %s/%s at step %d", found[0], found[1], state.step)
+    if dist.get_rank() == 0:
+        (ckpt_root.parent / "preempted.json").unlink(missing_ok=True)  # this run is going again
     return engine, optimizer, state
+
+
+def checkpoint_or_stop(engine: Any, objective: torch.nn.Module, state: RunState, run_dir: Path, t: Any, stop: int,
+                       stop_request: StopRequest) -> None:  # fmt: skip
+    """After an optimiser step: a checkpoint every ``train.ckpt_every`` steps and at the end; and
+    when any rank got SIGTERM / SIGUSR1, a checkpoint here (unless just written) and ``Preempted``."""
+    due = state.step % t.ckpt_every == 0 or state.step == stop
+    if due:
+        save(engine, objective, state, run_dir / "checkpoints", t.keep_last)
+    signum = stop_request.agreed()
+    if signum:
+        if not due:
+            save(engine, objective, state, run_dir / "checkpoints", t.keep_last)
+        write_marker(run_dir, state.step, signum)
+        raise Preempted(state.step, signum)
 
 
 def _resolve_on_rank0(resume: str | None, ckpt_root: Path) -> tuple[str, str] | str | None:

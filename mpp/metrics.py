@@ -100,12 +100,21 @@ class MetricLog:
         self.samples0 = state.samples
         self.file = None
         self.reporters: list = []
+        self.path = run_dir / "metrics.jsonl"
         if rank == 0:
-            path = run_dir / "metrics.jsonl"
-            if path.is_file():
-                drop_records_after(path, state.step)
-            self.file = open(path, "a")
+            if self.path.is_file():
+                drop_records_after(self.path, state.step)
+            self.file = open(self.path, "a")
             self.reporters = open_reporters(list(report_to), run_dir, config or {})
+    def rewind(self, state: RunState) -> None:
+        """The run went back to ``state`` (a rollback): records past its step go, sums restart."""
+        self.sums, self.count, self.data_wait = {}, 0, 0.0
+        self.t0, self.samples0 = time.perf_counter(), state.samples
+        if self.rank == 0:
+            self.file.close()
+            drop_records_after(self.path, state.step)
+            self.file = open(self.path, "a")
+
     def add(self, metrics: dict[str, torch.Tensor], data_wait: float) -> None:
         for k, v in metrics.items():
             v = v.detach().float()

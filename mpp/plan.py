@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpp.config import ConfigError, RunConfig
@@ -109,3 +109,5 @@ class RunState:
     samples: int = 0  # images seen, all ranks
     bad_steps: int = 0
     overflow_steps: int = 0  # fp16 steps DeepSpeed skipped on a gradient overflow
+    rollback_steps: list[int] = field(default_factory=list)  # steps whose non-finite losses were rolled back
+    lr_scale: float = 1.0  # train.rollback_lr_scale per rollback

@@ -14,8 +14,10 @@ from mpp.cli import config_from_args, open_run_dir, run_parser
 from mpp.config import ConfigError
 from mpp.data import DataError
 from mpp.distributed import device_type, from_rank0, init_distributed, world_from_env
-from mpp.engine import NonFiniteLossError, train
+from mpp.engine import train
+from mpp.nonfinite import NonFiniteLossError
 from mpp.plan import plan_run
+from mpp.preemption import PREEMPTED_EXIT, Preempted
 from mpp.rng import seed_everything
 
 
@@ -36,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = open_run_dir(cfg, rank)
     try:
         state = train(cfg, objective, plan, run_dir, device, resume=args.resume)
+    except Preempted as e:
+        if rank == 0:
+            print(f"stopped: {e}", file=sys.stderr)
+        return PREEMPTED_EXIT
     except (NonFiniteLossError, DataError) as e:  # DataLoader workers wrap the message in a traceback
         print(f"error: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
         return 1

@@ -1,11 +1,12 @@
 """Launched by tests/test_scale.py under ``deepspeed --num_gpus 2``: rank 1 is made to see other
 files than rank 0 (a sizes.json with more samples, a checkpoint folder whose newest tag it cannot
 see yet, as NFS attribute caching can show), then the CLIs' own steps run and each rank prints
-what it decided. Usage: rank_view.py CONFIG CKPT_ROOT"""
+what it decided (RANK_DIR/rankN.json). Usage: rank_view.py CONFIG CKPT_ROOT"""
 
 import json
 import os
 import sys
+from pathlib import Path
 
 import mpp.checkpoint as ckpt
 import mpp.plan as plan_module
@@ -26,5 +27,6 @@ own = plan.steps_per_epoch
 init_distributed()
 plan = from_rank0(plan)  # as pretrain/run.py and downstream/finetune.py do
 found = from_rank0(_resolve_on_rank0("auto", ckpt_root))  # as the engine's resume does
-print(json.dumps({"rank": rank, "own": own, "steps_per_epoch": plan.steps_per_epoch, "tag": found[1]}), flush=True)
+decided = {"rank": rank, "own": own, "steps_per_epoch": plan.steps_per_epoch, "tag": found[1]}
+Path(ckpt_root).parent.joinpath(f"rank{rank}.json").write_text(json.dumps(decided))  # not stdout: ranks interleave
 os._exit(0)

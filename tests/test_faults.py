@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from conftest import REPO, cli_env, free_port, read_metrics, run_cli, tiny_config, write_config
 from PIL import Image
@@ -164,3 +165,31 @@ def test_the_run_writes_only_under_its_output_directory(tmp_path, digits16):
         new = listing(w) - before[str(w)]
         assert not new, f"wrote outside the run directory: {sorted(new)[:5]}"
     assert (out / "metrics.jsonl").is_file()
+
+
+def test_a_nan_at_step_5_rolls_back_and_finishes_or_stops_naming_the_step(tmp_path, digits16):
+    """train.on_nonfinite: rollback reloads the step-4 checkpoint, moves the data past the failed
+    window, scales the lr, records the event and finishes; stop exits 1 naming the step."""
+    env = {"MPP_TEST_NONFINITE_AT_STEP": "5"}  # the check reports a NaN when step 5 is first tried
+    cfg = tiny_config(digits16, train={"max_steps": 8, "ckpt_every": 2, "max_bad_steps": 0, "on_nonfinite": "rollback",
+                                       "rollback_lr_scale": 0.5})  # fmt: skip
+    path = write_config(tmp_path / "r.json", cfg)
+    r = run_cli(launch(path, tmp_path / "rb"), env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = read_metrics(tmp_path / "rb")
+    train = [m for m in records if "loss" in m]
+    assert [m["step"] for m in train] == list(range(1, 9))  # all steps, each once (4 was rewound to)
+    (event,) = [m for m in records if m.get("event") == "rollback"]
+    assert event["failed_step"] == 5 and event["to_step"] == 4 and event["lr_scale"] == 0.5
+    assert np.isfinite(train[-1]["loss"]) and train[-1]["samples"] == 8 * 16
+    from mpp.optim import lr_at
+
+    schedule = dict(peak=1e-3, total=8, warmup=2)  # tiny_config's; the lr logged at step s is lr_at(s - 1)
+    assert train[3]["lr"] == pytest.approx(lr_at(3, **schedule))
+    assert train[4]["lr"] == pytest.approx(0.5 * lr_at(4, **schedule))  # after the rollback: scaled
+
+    cfg["train"].update(on_nonfinite="stop", max_bad_steps=10)
+    path = write_config(tmp_path / "s.json", cfg)
+    r = run_cli(launch(path, tmp_path / "st"), env=env)
+    assert r.returncode == 1 and "non-finite loss at step 5" in r.stderr
+    assert max(m["step"] for m in read_metrics(tmp_path / "st")) == 4

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from functools import partial
@@ -241,6 +242,14 @@ class _EvalStream(_Stream):
         yield {"_worker": worker, "_skipped": errors.skipped, "_end": True}
 
 
+def _ignore_stop_signals(worker_id: int) -> None:
+    # SIGTERM / SIGUSR1 reach every process of a job (SLURM, the launcher's process-tree kill):
+    # the rank finishes its step and checkpoints (mpp.preemption), so its workers must keep
+    # serving it; they exit with the rank (the DataLoader's shutdown, or its parent watchdog)
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
+
+
 class Loader:
     """Iterable of batch dicts; `skipped` sums the bad-data counts reported by every worker.
 
@@ -262,8 +271,13 @@ class Loader:
         self.num_batches = total - start_batch
 
     def close(self) -> None:
-        """Stop persistent workers now (they also stop when the loader is garbage collected)."""
-        self._loader = None
+        """Stop persistent workers now, through the DataLoader's own shutdown (they finish and
+        exit). Not left to garbage collection: an exception's traceback can keep the loader alive
+        until interpreter exit, where multiprocessing would SIGTERM workers that ignore it."""
+        loader, self._loader = self._loader, None
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
 
     @property
     def skipped(self) -> int:
@@ -284,18 +298,26 @@ class Loader:
             # its own generator: DataLoader otherwise draws worker seeds from the global torch
             # RNG, and re-creating a loader on resume would shift every later mask draw
             generator=torch.Generator().manual_seed(0),
+            worker_init_fn=_ignore_stop_signals,
         )
         if self.persistent:
             self._loader = loader
         self._skipped = {}
         count = 0
-        for batch in loader:
-            self._skipped[batch.pop("_worker")] = batch.pop("_skipped")
-            if batch.pop("_end", False):
-                continue
-            batch["skipped"] = self.skipped
-            count += 1
-            yield batch
+        batches = iter(loader)
+        try:
+            for batch in batches:
+                self._skipped[batch.pop("_worker")] = batch.pop("_skipped")
+                if batch.pop("_end", False):
+                    continue
+                batch["skipped"] = self.skipped
+                count += 1
+                yield batch
+        except Exception:  # a worker's error (bad data): its workers stop now, not at interpreter exit
+            if hasattr(batches, "_shutdown_workers"):
+                batches._shutdown_workers()
+            self._loader = None
+            raise
         if self.num_batches is not None and count != self.num_batches:
             # unequal batch counts across ranks deadlock the next collective: fail loudly instead
             raise RuntimeError(f"training loader gave {count} batches, expected {self.num_batches}")

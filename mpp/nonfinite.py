@@ -1,0 +1,86 @@
+"""What a NaN/Inf loss does (``train.on_nonfinite``): ``skip`` the step on every rank, up to
+``train.max_bad_steps``, then stop; ``stop`` at the first one; ``rollback``: past the limit,
+every rank reloads the last complete checkpoint, the data stream moves past the window that
+failed, the lr is scaled by ``train.rollback_lr_scale``, the event goes to metrics.jsonl, and
+training goes on, at most ``train.max_rollbacks`` times. Users of MAE, ConvMAE and GreenMIM
+restart month-long runs by hand after a NaN; this does it for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mpp import checkpoint as ckpt
+from mpp.distributed import from_rank0
+from mpp.plan import RunState
+from mpp.rng import set_rng_state
+
+log = logging.getLogger("mpp.nonfinite")
+# tests only: the check reports a non-finite loss when optimiser step k is first attempted
+_INJECT_AT_STEP = int(os.environ.get("MPP_TEST_NONFINITE_AT_STEP", "0"))
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many steps with a NaN/Inf loss: the run stops, its last checkpoint untouched."""
+
+
+def all_finite(loss: torch.Tensor, state: RunState) -> bool:
+    """True when the loss is finite on every rank. One small all-reduce and host sync per
+    micro-step: the price of never applying a NaN update (``train.skip_nonfinite``)."""
+    bad = (~torch.isfinite(loss.detach())).float().reshape(1)
+    if _INJECT_AT_STEP and state.step + 1 == _INJECT_AT_STEP and not state.rollback_steps:
+        bad.fill_(1.0)
+    dist.all_reduce(bad)
+    return bad.item() == 0.0
+
+
+def skip_bad_step(state: RunState, t: Any, rank: int) -> bool:
+    """Count a skipped micro-step (no backward, no optimiser step: returns False, "not stepped");
+    NonFiniteLossError at once under ``stop``, past ``train.max_bad_steps`` otherwise."""
+    state.bad_steps += 1
+    step, limit = state.step + 1, (0 if t.on_nonfinite == "stop" else t.max_bad_steps)
+    if rank == 0:
+        log.warning("non-finite loss at step %d: skipped (%d of at most %d)", step, state.bad_steps, limit)
+    if state.bad_steps > limit:
+        raise NonFiniteLossError(
+            f"non-finite loss at step {step} ({state.bad_steps} such steps, train.max_bad_steps={limit}, "
+            f"train.on_nonfinite={t.on_nonfinite}); the last complete checkpoint is untouched (lower the lr, check the data)"
+        )
+    return False
+
+
+def roll_back(engine: Any, objective: torch.nn.Module, state: RunState, run_dir: Path, t: Any,
+              error: NonFiniteLossError) -> None:  # fmt: skip
+    """Every rank: the last complete checkpoint's weights, optimiser, RNG and step, with the data
+    stream past the window that failed and the lr scale reduced. Raises ``error`` (naming every
+    failed step) when ``train.max_rollbacks`` are used up or there is nothing to go back to."""
+    failed = [*state.rollback_steps, state.step + 1]
+    if t.on_nonfinite != "rollback" or len(state.rollback_steps) >= t.max_rollbacks:
+        if t.on_nonfinite == "rollback":
+            raise NonFiniteLossError(f"{error}; gave up after {len(state.rollback_steps)} rollback(s) "
+                                     f"(train.max_rollbacks={t.max_rollbacks}) at steps {failed}") from None  # fmt: skip
+        raise error
+    tag = ckpt.latest_complete(run_dir / "checkpoints") if dist.get_rank() == 0 else None
+    tag = from_rank0(tag)
+    if tag is None:
+        raise NonFiniteLossError(f"{error}; no complete checkpoint to roll back to") from None
+    with ckpt.weights_only_loads():
+        _, client = engine.load_checkpoint(str(run_dir / "checkpoints"), tag=tag)
+    set_rng_state(client["rng"][dist.get_rank()])
+    objective.load_rank_state(ckpt.load_rank_state(run_dir / "checkpoints", tag))
+    position = (state.epoch, state.batch_in_epoch)  # past the batch that failed (the caller advanced)
+    lr_scale = state.lr_scale * t.rollback_lr_scale
+    for key, value in asdict(RunState(**client["state"])).items():
+        setattr(state, key, value)
+    state.epoch, state.batch_in_epoch = position
+    state.rollback_steps, state.lr_scale = failed, lr_scale
+    if dist.get_rank() == 0:
+        log.warning("non-finite losses at step %d: rolled back to %s, data moved past the window, lr x %g",
+                    failed[-1], tag, lr_scale)  # fmt: skip
