@@ -12,8 +12,10 @@ import sys
 
 from mpp.cli import config_from_args, open_run_dir, run_parser
 from mpp.config import ConfigError, FinetuneConfig
+from mpp.data import DataError
 from mpp.distributed import device_type, from_rank0, init_distributed, world_from_env
 from mpp.finetune import build_classifier, run_finetune
+from mpp.nonfinite import NonFiniteLossError
 from mpp.plan import plan_run
 from mpp.preemption import PREEMPTED_EXIT, Preempted
 from mpp.rng import seed_everything
@@ -40,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"stopped: {e}", file=sys.stderr)
         return PREEMPTED_EXIT
+    except (NonFiniteLossError, DataError) as e:  # DataLoader workers wrap the message in a traceback
+        print(f"error: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
+        return 1
     if rank == 0:
         print(json.dumps({k: results[k] for k in ("top1", "top5", "epoch", "init")}))
     return 0

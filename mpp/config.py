@@ -158,6 +158,8 @@ class TrainConfig(_Section):
     def _check(self) -> TrainConfig:
         if self.epochs is None and self.max_steps is None:
             raise ValueError("one of epochs or max_steps must be set")
+        if self.on_nonfinite != "skip" and not self.skip_nonfinite:
+            raise ValueError(f"on_nonfinite={self.on_nonfinite!r} needs skip_nonfinite=true (the check that sees a NaN)")
         if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
             raise ValueError(
                 f"batch_size {self.batch_size} is not divisible by micro_batch_size {self.micro_batch_size}"

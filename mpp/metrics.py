@@ -62,9 +62,13 @@ class WandB:
         id_file.write_text(run_id + "\n")
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "mpp"), name=config.get("name"), id=run_id,
                               resume="allow", dir=str(run_dir), config=config)  # fmt: skip
+        # our step as the x-axis, not W&B's own counter: W&B drops records whose step goes back,
+        # and a resume from an older checkpoint or a rollback does go back
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
 
     def log(self, values: dict[str, float], step: int) -> None:
-        self.run.log(values, step=step)
+        self.run.log({**values, "step": step})
 
     def close(self) -> None:
         self.run.finish()

@@ -194,7 +194,7 @@ def test_wandb_offline_run_has_the_config_and_the_loss_series(tmp_path, digits16
         elif kind == "history":
             items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
             if "train/loss" in items:
-                losses[items["_step"]] = items["train/loss"]
+                losses[items["step"]] = items["train/loss"]
     assert config["model"]["name"] == "vit_tiny_patch4_16" and config["train"]["report_to"] == ["tensorboard", "wandb"]
     expected = {m["step"]: m["loss"] for m in read_metrics(out)}
     assert losses == pytest.approx(expected) and sorted(losses) == [1, 2, 3, 4]

@@ -75,6 +75,7 @@ def test_two_node_loopback_job_equals_one_node(two_rank_runs, tmp_path):
 
 BAD = [
     ({"train": {"bogus": 1}}, "train.bogus: unknown key"),
+    ({"train": {"on_nonfinite": "rollback", "skip_nonfinite": False}}, "train: on_nonfinite='rollback' needs skip_nonfinite=true"),
     ({"train": {"max_steps": "ten"}}, "train.max_steps"),
     ({"optim": {"lr": -1e-3}}, "optim.lr: Input should be greater than 0"),
     ({"train": {"batch_size": 15}}, "train.batch_size 15 is not divisible by the world size"),

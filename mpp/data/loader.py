@@ -8,7 +8,9 @@ Evaluation: the shard list split by rank then by worker, one exact pass.
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import multiprocessing
 import random
 import signal
 from collections.abc import Callable, Iterator
@@ -240,6 +242,18 @@ class _EvalStream(_Stream):
             yield {**batch, "_worker": worker, "_skipped": errors.skipped}
         # a last message so errors after the final batch (or in a worker with none) still count
         yield {"_worker": worker, "_skipped": errors.skipped, "_end": True}
+
+
+def _kill_workers_at_exit() -> None:
+    # multiprocessing's exit hook SIGTERMs daemon children and waits: our workers ignore SIGTERM,
+    # so a loader still alive at exit (kept by a traceback) would hang the process. This hook is
+    # registered later, so it runs first.
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+
+
+atexit.register(_kill_workers_at_exit)
 
 
 def _ignore_stop_signals(worker_id: int) -> None:
