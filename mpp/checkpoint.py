@@ -54,12 +54,28 @@ def latest_complete(ckpt_root: str | Path) -> str | None:
     return tags[-1] if tags else None
 
 
+def layout(engine: Any) -> dict:
+    """How the run that writes a checkpoint splits its global batch (the COMPLETE marker keeps it)."""
+    return {"world_size": dist.get_world_size(), "micro_batch": engine.train_micro_batch_size_per_gpu(),
+            "grad_accum": engine.gradient_accumulation_steps(), "batch_size": engine.train_batch_size(),
+            "zero_stage": int(engine.zero_optimization_stage())}  # fmt: skip
+
+
+def saved_layout(ckpt_root: str | Path, tag: str) -> dict:
+    """The marker's record: step, and (checkpoints since elastic resume) ``layout``'s keys."""
+    try:
+        return json.loads((Path(ckpt_root) / tag / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def save_checkpoint(
     engine: Any, ckpt_root: str | Path, step: int, client_state: dict, keep_last: int,
     rank_state: dict[str, torch.Tensor] | None = None,
 ) -> str:  # fmt: skip
     """Save on every rank (DeepSpeed requires it), then mark complete and prune on rank 0.
-    ``rank_state`` (the objective's, may be empty) goes to the tag's rank_state_RANK.safetensors."""
+    ``rank_state`` (the objective's, may be empty) goes to the tag's rank_state_RANK.safetensors.
+    The marker records the step and the batch layout (``layout``), which an elastic resume reads."""
     tag = tag_for(step)
     engine.save_checkpoint(str(ckpt_root), tag=tag, client_state=client_state)
     if rank_state:
@@ -70,7 +86,7 @@ def save_checkpoint(
     if dist.get_rank() == 0:
         problem = missing_rank_files(Path(ckpt_root) / tag, dist.get_world_size(), engine.zero_optimization_stage())
         if problem is None:
-            _write_atomic(Path(ckpt_root) / tag / MARKER, json.dumps({"step": step}) + "\n")
+            _write_atomic(Path(ckpt_root) / tag / MARKER, json.dumps({"step": step, **layout(engine)}) + "\n")
             for old in complete_tags(ckpt_root)[:-keep_last]:
                 shutil.rmtree(Path(ckpt_root) / old, ignore_errors=True)
     problem = from_rank0(problem)  # every rank learns it (and waits for the marker)

@@ -89,13 +89,14 @@ class DataConfig(_Section):
     num_samples: int | None = Field(None, gt=0)  # for shards without sizes.json
     num_classes: int | None = Field(None, gt=0)
     num_workers: int = Field(2, ge=0)
-    shuffle_buffer: int = Field(1000, ge=1)
+    shuffle_buffer: int = Field(16, ge=1)  # samples shuffled together in each stream of the global batch (mpp.data.order)
     crop_scale: tuple[float, float] = (0.2, 1.0)
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
     hflip: float = Field(0.5, ge=0.0, le=1.0)
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
     allow_pipe: bool = False  # `pipe:` URLs run shell commands: only when asked for
+    log_keys: bool = False  # RUN/keys/rankN.jsonl: every trained sample's key, by (epoch, micro-batch)
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:

@@ -24,13 +24,14 @@ from mpp import checkpoint as ckpt
 from mpp.config import RunConfig, save_config
 from mpp.data import make_train_loader
 from mpp.distributed import from_rank0
+from mpp.elastic import restore
 from mpp.metrics import MetricLog
 from mpp.nonfinite import NonFiniteLossError, all_finite, roll_back, skip_bad_step
 from mpp.ops import normalize
 from mpp.optim import build_optimizer, lr_at, peak_lr, set_lr
 from mpp.plan import Plan, RunState
 from mpp.preemption import Preempted, StopRequest, write_marker
-from mpp.rng import rng_state, seed_everything, set_rng_state
+from mpp.rng import rng_state, seed_everything
 
 log = logging.getLogger("mpp.engine")
 
@@ -57,7 +58,7 @@ def train(cfg: RunConfig, objective: torch.nn.Module, plan: Plan, run_dir: Path,
     bar = tqdm(total=plan.total_steps, initial=state.step, disable=rank != 0, dynamic_ncols=True, desc=cfg.name)
     # one loader, its workers kept across epochs (MAE's 1600 epochs would restart them 1600 times)
     stop_request = StopRequest()  # SIGTERM / SIGUSR1: finish the step, checkpoint, exit (before the workers fork)
-    loader = make_train_loader(plan.train_shards, plan.stream, rank=rank, num_workers=cfg.data.num_workers, persistent=True)
+    loader = train_loader(cfg, plan, rank, run_dir)
     try:
         while state.step < stop:
             loader.set_epoch(state.epoch, state.batch_in_epoch)
@@ -120,7 +121,7 @@ def recover(engine: Any, objective: torch.nn.Module, state: RunState, plan: Plan
     the batch that failed (``mpp.nonfinite.roll_back``), metrics.jsonl rewound to that step with
     the event recorded; re-raises otherwise. Returns the lr now set."""
     advance(state, plan, cfg, stepped=False)  # the batch that failed is behind us
-    roll_back(engine, objective, state, run_dir, cfg.train, error)
+    roll_back(engine, objective, state, run_dir, cfg.train, error, plan)
     set_lr(optimizer, lr := lr_at(state.step, **schedule) * state.lr_scale)
     metrics_log.rewind(state)
     metrics_log.write(state, plan, {"event": "rollback", "failed_step": state.rollback_steps[-1], "to_step": state.step,
@@ -128,6 +129,13 @@ def recover(engine: Any, objective: torch.nn.Module, state: RunState, plan: Plan
     bar.n = state.step
     bar.refresh()
     return lr
+
+
+def train_loader(cfg: RunConfig, plan: Plan, rank: int, run_dir: Path) -> Any:
+    """This rank's loader, its workers kept across epochs; data.log_keys: RUN/keys/rankN.jsonl."""
+    key_log = run_dir / "keys" / f"rank{rank}.jsonl" if cfg.data.log_keys else None
+    return make_train_loader(plan.train_shards, plan.stream, rank=rank, num_workers=cfg.data.num_workers,
+                             persistent=True, key_log=key_log)  # fmt: skip
 
 
 def to_device(batch: dict, device: torch.device, mean, std) -> dict:
@@ -173,12 +181,8 @@ def start_engine(cfg: RunConfig, objective: torch.nn.Module, plan: Plan, ckpt_ro
     found = from_rank0(_resolve_on_rank0(resume, ckpt_root))
     if isinstance(found, str):
         raise FileNotFoundError(found)
-    if found:
-        with ckpt.weights_only_loads():  # a checkpoint is untrusted input
-            _, client = engine.load_checkpoint(found[0], tag=found[1])
-        state = RunState(**client["state"])
-        set_rng_state(client["rng"][dist.get_rank()])
-        objective.load_rank_state(ckpt.load_rank_state(*found))
+    if found:  # any world size, micro batch or accumulation (mpp.elastic)
+        state = restore(engine, objective, found[0], found[1], plan, cfg.train.seed)
         if dist.get_rank() == 0:
             log.info("resumed from %s/%s at step %d", found[0], found[1], state.step)
     if dist.get_rank() == 0:

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from mpp import checkpoint as ckpt
 from mpp.distributed import from_rank0
-from mpp.plan import RunState
-from mpp.rng import set_rng_state
+from mpp.elastic import restore
+from mpp.plan import Plan, RunState
 
 log = logging.getLogger("mpp.nonfinite")
 # tests only: the check reports a non-finite loss when optimiser step k is first attempted
@@ -57,7 +57,7 @@ def skip_bad_step(state: RunState, t: Any, rank: int) -> bool:
 
 
 def roll_back(engine: Any, objective: torch.nn.Module, state: RunState, run_dir: Path, t: Any,
-              error: NonFiniteLossError) -> None:  # fmt: skip
+              error: NonFiniteLossError, plan: Plan) -> None:  # fmt: skip
     """Every rank: the last complete checkpoint's weights, optimiser, RNG and step, with the data
     stream past the window that failed and the lr scale reduced. Raises ``error`` (naming every
     failed step) when ``train.max_rollbacks`` are used up or there is nothing to go back to."""
@@ -71,13 +71,10 @@ def roll_back(engine: Any, objective: torch.nn.Module, state: RunState, run_dir:
     tag = from_rank0(tag)
     if tag is None:
         raise NonFiniteLossError(f"{error}; no complete checkpoint to roll back to") from None
-    with ckpt.weights_only_loads():
-        _, client = engine.load_checkpoint(str(run_dir / "checkpoints"), tag=tag)
-    set_rng_state(client["rng"][dist.get_rank()])
-    objective.load_rank_state(ckpt.load_rank_state(run_dir / "checkpoints", tag))
     position = (state.epoch, state.batch_in_epoch)  # past the batch that failed (the caller advanced)
     lr_scale = state.lr_scale * t.rollback_lr_scale
-    for key, value in asdict(RunState(**client["state"])).items():
+    loaded = restore(engine, objective, run_dir / "checkpoints", tag, plan, t.seed)  # maybe a resume's, of another layout
+    for key, value in asdict(loaded).items():
         setattr(state, key, value)
     state.epoch, state.batch_in_epoch = position
     state.rollback_steps, state.lr_scale = failed, lr_scale

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpp.config import ConfigError, RunConfig
-from mpp.data import StreamConfig, count_samples, digits_shards, expand_shards
+from mpp.data import StreamConfig, count_samples, digits_shards, expand_shards, shard_sizes
+from mpp.data.order import equal_sizes
 
 log = logging.getLogger("mpp.plan")
 
@@ -53,10 +54,14 @@ def plan_run(cfg: RunConfig, world_size: int, dev_type: str, img_size: int, num_
     shards, missing = train_shards(cfg, img_size)
     d = cfg.data
     if d.num_samples is not None:
-        samples = d.num_samples
+        samples, sizes = d.num_samples, equal_sizes(len(shards), d.num_samples)
     else:
         try:
-            samples = count_samples(shards)
+            sizes = shard_sizes(shards)
+            if sizes is None:
+                count_samples(shards)  # raises, naming what sizes.json lacks
+                raise ValueError(f"sizes.json does not list every shard of {shards[0]} ...")
+            samples = sum(sizes)
         except ValueError as e:
             raise fail("data.num_samples", f"{e} (set data.num_samples for shards without sizes.json)") from None
     steps_per_epoch = samples // cfg.train.batch_size
@@ -67,10 +72,28 @@ def plan_run(cfg: RunConfig, world_size: int, dev_type: str, img_size: int, num_
     warmup = o.warmup_steps if o.warmup_steps is not None else round((o.warmup_epochs or 0.0) * steps_per_epoch)
     stream = StreamConfig(
         batch_size=micro, img_size=img_size, world_size=world_size, num_batches=steps_per_epoch * accum,
-        with_labels=num_classes is not None, num_classes=num_classes, seed=t.seed, **cfg.stream_settings(),
+        with_labels=num_classes is not None, num_classes=num_classes, seed=t.seed, global_batch=t.batch_size,
+        shard_sizes=tuple(sizes), **cfg.stream_settings(),
     )  # fmt: skip
     return Plan(shards, samples, steps_per_epoch, total, warmup, micro, accum, world_size, img_size, ds_config,
                 stream, len(missing))  # fmt: skip
+
+
+def check_resume(cfg: RunConfig, resume: str | None) -> None:
+    """Before anything runs: a resume must keep the global batch (another world size, micro batch
+    or accumulation is fine: ``mpp.engine`` re-partitions the checkpoint). ConfigError otherwise."""
+    from mpp.checkpoint import resolve_resume, saved_layout
+
+    template = cfg.train.output_dir if hasattr(cfg, "train") else cfg.output_dir
+    try:
+        found = resolve_resume(resume, Path(template.format(name=cfg.name)) / "checkpoints")
+    except FileNotFoundError:
+        return  # said by the engine on every rank
+    saved = saved_layout(*found) if found else {}
+    if saved.get("batch_size", cfg.train.batch_size) != cfg.train.batch_size:
+        raise _failer(cfg)("train.batch_size", f"{cfg.train.batch_size}, but the checkpoint {found[0]}/{found[1]} was "
+                           f"trained with {saved['batch_size']}: a resume keeps the global batch (the world size, "
+                           f"micro batch and accumulation may change)")  # fmt: skip
 
 
 def train_shards(cfg: RunConfig, img_size: int) -> tuple[list[str], list[str]]:

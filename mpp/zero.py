@@ -20,10 +20,12 @@ def local_tensors(p: nn.Parameter) -> list[Tensor]:
     its flat shard, never gathered. ZeRO-3 keeps small ("persistent") parameters whole on every
     rank as well, and the forward reads that copy; it is refreshed from the shard only after the
     *next* optimiser step, so it is returned too (measured: without it an EMA lags a step).
-    Two parameters of the same shape get the same partitioning, so their lists pair up."""
+    Two parameters of the same shape get the same partitioning, so their lists pair up. On one
+    rank the shard may be the full data itself: returned once (an EMA would otherwise apply twice)."""
     if not is_partitioned(p):
         return [p.data]
-    return [p.ds_tensor, p.data] if p.data.numel() == p.ds_numel else [p.ds_tensor]
+    whole = p.data.numel() == p.ds_numel and p.data.data_ptr() != p.ds_tensor.data_ptr()
+    return [p.ds_tensor, p.data] if whole else [p.ds_tensor]
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from mpp.data import DataError
 from mpp.distributed import device_type, from_rank0, init_distributed, world_from_env
 from mpp.engine import train
 from mpp.nonfinite import NonFiniteLossError
-from mpp.plan import plan_run
+from mpp.plan import check_resume, plan_run
 from mpp.preemption import PREEMPTED_EXIT, Preempted
 from mpp.rng import seed_everything
 
@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         seed_everything(cfg.train.seed)  # the same initial weights on every rank and every run
         objective = build_objective(cfg)
         plan = plan_run(cfg, world, device_type(), objective.encoder.patch_embed.img_size[0])
+        check_resume(cfg, args.resume)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

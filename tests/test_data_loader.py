@@ -72,13 +72,13 @@ def test_eval_pass_sees_every_sample_once_across_ranks_and_workers(tmp_path):
     assert labels == [truth[k] for k in keys]
 
 
-@pytest.mark.parametrize("resampled, num_workers", [(True, 2), (False, 0)])
-def test_every_rank_gets_the_same_number_of_batches(tmp_path, resampled, num_workers):
+@pytest.mark.parametrize("num_workers", [2, 0])
+def test_every_rank_gets_the_same_number_of_batches(tmp_path, num_workers):
     paths, _ = make_shards(tmp_path, [1, 30, 2, 7])  # very unequal shards
     for rank in range(2):
         loader = make_train_loader(
             paths, batch_size=4, num_batches=7, img_size=16, rank=rank, world_size=2,
-            num_workers=num_workers, resampled=resampled, with_labels=True, shuffle_buffer=8,
+            num_workers=num_workers, with_labels=True, shuffle_buffer=8,
         )  # fmt: skip
         batches = list(loader)
         assert len(loader) == len(batches) == 7
@@ -108,8 +108,8 @@ def test_seed_epoch_and_resume_determinism(tmp_path):
         )
 
     straight = run()
-    assert same(straight[:3], run(num_batches=3))
-    for k in (3, 6):  # an odd k moves the first batch to worker 1 of the straight run
+    assert same(straight, run(num_workers=0))  # workers build parts of a batch, not whole batches
+    for k in (3, 6):
         assert same(straight[k:], run(start_batch=k))
     assert same(run(num_workers=0)[2:], run(num_workers=0, start_batch=2))
     assert not same(straight[:2], run(seed=6)[:2])
@@ -117,6 +117,34 @@ def test_seed_epoch_and_resume_determinism(tmp_path):
     # a different crop/flip for the same sample: augmentation depends on the sample's position, not only its bytes
     images = [b["image"] for b in straight]
     assert len({tuple(img.flatten()[:64].tolist()) for batch in images for img in batch}) == 21
+
+
+def test_a_step_trains_on_the_same_samples_whatever_the_world_size_batch_split_or_workers(tmp_path):
+    """The global order (mpp.data.order): a step's samples (keys and augmented pixels) depend on
+    (seed, epoch, step) only, so a run resumed on another world size continues the same epoch;
+    within an epoch no sample comes twice; a resume point gives the rest of the steps."""
+    paths, truth = make_shards(tmp_path, [6, 9, 5, 8, 3, 7])  # 38 samples, unequal shards
+    B, T = 12, 38 // 12
+
+    def steps(world, micro, workers, start_step=0, epoch=0):
+        accum, out = B // (world * micro), {}
+        for rank in range(world):
+            loader = make_train_loader(
+                paths, batch_size=micro, world_size=world, rank=rank, global_batch=B, num_batches=T * accum,
+                start_batch=start_step * accum, img_size=16, num_workers=workers, with_keys=True, shuffle_buffer=4,
+                epoch=epoch,
+            )  # fmt: skip
+            for i, batch in enumerate(loader):
+                out.setdefault(start_step + i // accum, []).extend(zip(batch["key"], batch["image"].sum((1, 2, 3)).tolist(), strict=True))
+        return {step: sorted(samples) for step, samples in out.items()}
+
+    one = steps(1, 12, 0)
+    keys = [k for samples in one.values() for k, _ in samples]
+    assert len(keys) == len(set(keys)) == B * T and set(keys) <= set(truth)
+    for world, micro, workers in [(2, 6, 2), (3, 4, 2), (3, 2, 1), (4, 1, 2)]:  # accumulation 1, 1, 2, 3
+        assert steps(world, micro, workers) == one
+    assert steps(3, 2, 2, start_step=1) == {s: v for s, v in one.items() if s >= 1}
+    assert steps(1, 12, 0, epoch=1) != one
 
 
 def test_persistent_workers_give_every_epoch_and_resume_point_of_a_fresh_loader(tmp_path):
@@ -217,13 +245,11 @@ def test_all_bad_shards_raise_instead_of_looping(tmp_path):
 
 def test_start_checks_name_the_problem(tmp_path):
     paths, _ = make_shards(tmp_path, [2, 2, 2])
-    with pytest.raises(ValueError, match=r"3 shard\(s\) for 2 rank\(s\) x 2 worker\(s\)"):
-        make_train_loader(
-            paths, batch_size=2, num_batches=1, img_size=16, world_size=2, num_workers=2, resampled=False
-        )
-    # resampled workers draw from every shard: 3 shards feed 2 ranks x 2 workers
-    resampled = make_train_loader(paths, batch_size=2, num_batches=3, img_size=16, rank=1, world_size=2, num_workers=2)
-    assert len(list(resampled)) == 3
+    # streams, not shards, are dealt to ranks and workers: 3 shards feed 2 ranks x 2 workers
+    few = make_train_loader(paths, batch_size=2, num_batches=1, img_size=16, rank=1, world_size=2, num_workers=2)
+    assert len(list(few)) == 1
+    with pytest.raises(ValueError, match="global_batch 6 is not batch_size 2 x world_size 2"):
+        make_train_loader(paths, batch_size=2, num_batches=1, img_size=16, world_size=2, global_batch=6)
     # an evaluation pass lets a worker (or a rank) go without a shard: rank 2 of 4 on 3 shards reads one
     assert sum(len(b["label"]) for b in make_eval_loader(paths, batch_size=2, img_size=16, rank=2, world_size=4)) == 2
     assert list(make_eval_loader(paths, batch_size=2, img_size=16, rank=3, world_size=4)) == []

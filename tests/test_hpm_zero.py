@@ -1,5 +1,8 @@
 """HPM's EMA teacher under DeepSpeed ZeRO-2 and ZeRO-3, 2 CPU ranks, through the real launcher."""
 
+import shutil
+import sys
+
 import pytest
 import torch
 from conftest import free_port, read_metrics, run_cli, tiny_config, write_config
@@ -27,6 +30,7 @@ def hpm_runs(tmp_path_factory, digits16):
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         runs[stage] = {s: zero_to_fp32(out / "checkpoints", f"step{s:08d}") for s in (2, 3)}
         runs[stage]["metrics"] = read_metrics(out)
+        runs[stage]["run"] = (out, path)
     return runs
 
 
@@ -52,3 +56,24 @@ def test_zero2_and_zero3_keep_the_same_teacher(hpm_runs):
     z2, z3 = hpm_runs[2][3], hpm_runs[3][3]
     for k in (k for k in z2 if k.startswith("teacher.")):
         torch.testing.assert_close(z3[k], z2[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_elastic_resume_on_one_rank_keeps_the_teacher(hpm_runs, stage, tmp_path):
+    """2 ranks -> 1: DeepSpeed's universal load restores trained parameters only; the frozen EMA
+    teacher must come back too (mpp.elastic), or step 3's teacher would average the initial one."""
+    out, path = hpm_runs[stage]["run"]
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    shutil.rmtree(run / "checkpoints" / "step00000003")
+    r = run_cli([sys.executable, "pretrain/run.py", "--config", str(path), "--output-dir", str(run), "--resume", "auto"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "elastic resume" in r.stderr
+    before, after = hpm_runs[stage][2], zero_to_fp32(run / "checkpoints", "step00000003")
+    m = momentum_at(0, 0.99, 0.999, 1)
+    bad = []
+    for k in (k for k in after if k.startswith("teacher.")):
+        expected = m * before[k] + (1 - m) * after[k.removeprefix("teacher.")]
+        if not torch.allclose(after[k], expected, rtol=1e-5, atol=1e-7):
+            bad.append((k, tuple(after[k].shape), (after[k] - expected).abs().max().item()))
+    assert not bad, bad

@@ -7,7 +7,7 @@ Write shards with `write_shards` (or `python -m mpp.data.shards`), stream them w
 from .digits import digits_shards
 from .errors import DataError, SkipCounter
 from .loader import Loader, StreamConfig, make_eval_loader, make_train_loader
-from .sources import count_samples, expand_shards, read_sizes
+from .sources import count_samples, expand_shards, read_sizes, shard_sizes
 from .writer import from_arrays, from_flat_folder, from_image_folder, shard_spec, write_shards
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "SkipCounter",
     "StreamConfig",
     "count_samples",
+    "shard_sizes",
     "digits_shards",
     "expand_shards",
     "from_arrays",

@@ -84,7 +84,7 @@ def bench_pipeline(
         def pipeline(**crop):
             loader = make_train_loader(
                 shards, batch_size=batch_size, num_batches=num_batches, img_size=img_size, num_workers=0,
-                resampled=False, **crop,
+                **crop,
             )  # fmt: skip
             for _ in loader:
                 pass

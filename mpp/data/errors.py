@@ -22,7 +22,7 @@ class SkipCounter:
     `skipped` counts events: a sample that fails to decode or has no image, a member or shard
     that cannot be read (a truncated tar is one event; the whole samples before the cut are kept).
     `max_consecutive` bounds failures (and shards opened) with no good sample in between, so a
-    resampled stream over shards that are all bad raises instead of spinning forever.
+    training stream over shards that are all bad raises instead of spinning forever.
     """
 
     def __init__(self, max_consecutive: int = 100, log_first: int = 5, log_every_s: float = 10.0):

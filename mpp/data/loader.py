@@ -1,28 +1,31 @@
 """Training and evaluation loaders: one webdataset pipeline per DataLoader worker, batched in the worker.
 
-Training (DESIGN.md §6): resampled shards, a fixed number of batches per worker so every rank
-yields the same count, and every random choice derived from (seed, epoch, rank, worker, index):
-    shards -> tar samples -> image/label -> shuffle -> number/skip -> decode+augment -> batch
+Training: the epoch's global order (``mpp.data.order``): every rank yields the same number of
+micro-batches, and what a step trains on depends on (seed, epoch, step) only:
+    stream c: its range of the shards -> image/label -> shuffle window -> skip -> decode+augment
+    worker: one sample of each of its streams per micro-batch part -> the main process joins parts
 Evaluation: the shard list split by rank then by worker, one exact pass.
 """
 
 from __future__ import annotations
 
 import atexit
-import itertools
+import json
 import multiprocessing
 import random
 import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 
 import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 
 from .errors import SkipCounter
-from .sources import check_shards, expand_shards
+from .order import done_before, epoch_order, equal_sizes, schedule, split, stream_samples
+from .sources import check_shards, expand_shards, shard_sizes
 from .tario import shard_samples
 from .transforms import IMAGE_KEYS, collate, eval_transform, train_transform
 
@@ -32,30 +35,7 @@ def _worker_info() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
-def _share(n: int, worker: int, num_workers: int) -> int:
-    """How many of items 0..n-1 fall to `worker` when dealt round-robin (the DataLoader's order)."""
-    return n // num_workers + (worker < n % num_workers)
-
-
 # ---- pipeline stages: each takes an iterator and yields -------------------------------------
-
-
-def resampled_shards(shards: list[str], rng: random.Random) -> Iterator[dict]:
-    """Shards drawn with replacement, forever: no worker ever runs dry, whatever the shard sizes."""
-    while True:
-        yield {"url": rng.choice(shards)}
-
-
-def epoch_shards(
-    shards: list[str], key: str, part: slice, worker: int, num_workers: int
-) -> Iterator[dict]:
-    """Without replacement: a seeded permutation split by rank (`part`) then worker, cycled forever."""
-    order = list(shards)
-    random.Random(f"order/{key}").shuffle(order)
-    mine = order[part][worker::num_workers]
-    for cycle in itertools.count():
-        random.Random(f"cycle/{key}/{worker}/{cycle}").shuffle(mine)
-        yield from ({"url": url} for url in mine)
 
 
 def select_image(
@@ -122,10 +102,6 @@ def batched(
         yield collation_fn(batch)
 
 
-def take(src: Iterator, n: int) -> Iterator:
-    yield from itertools.islice(src, n)
-
-
 # ---- per-worker datasets --------------------------------------------------------------------
 
 
@@ -151,8 +127,9 @@ class StreamConfig:
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
     hflip: float = 0.5
     randaug: tuple[int, int] | None = None
-    shuffle_buffer: int = 1000
-    resampled: bool = True
+    shuffle_buffer: int = 16  # samples shuffled together in each stream (mpp.data.order)
+    global_batch: int = 0  # the streams of a step: batch_size x world_size x accumulation (0: no accumulation)
+    shard_sizes: tuple[int, ...] | None = None  # samples per shard (sizes.json); None: equal
 
 
 class _Stream(IterableDataset):
@@ -176,47 +153,36 @@ class _TrainStream(_Stream):
         c = replace(self.cfg, epoch=epoch, start_batch=start_batch)
         worker, num_workers = _worker_info()
         errors = SkipCounter(c.max_consecutive_errors)
-        # The DataLoader takes batches from workers 0, 1, ... in turn. Resuming at start_batch=k,
-        # worker w plays the part of worker (w + k) % W of the straight run, so batch k (which
-        # came from worker k % W) is again the first one out and the round-robin lines up.
-        role = (worker + c.start_batch) % num_workers
-        total = _share(c.num_batches, role, num_workers)
-        done = _share(c.start_batch, role, num_workers)
-        key = f"{c.seed}/{c.epoch}/{c.rank}/{role}"
-        if c.resampled:
-            source = partial(resampled_shards, self.shards, random.Random(f"shards/{key}"))
-        else:
-            part, epoch_key = slice(c.rank, None, c.world_size), f"{c.seed}/{c.epoch}"
-            source = partial(epoch_shards, self.shards, epoch_key, part, role, num_workers)
-        shuffle = wds.shuffle(
-            c.shuffle_buffer,
-            initial=max(1, c.shuffle_buffer // 5),
-            rng=random.Random(f"samples/{key}"),
-        )
-        augment = partial(
-            train_transform,
-            img_size=c.img_size,
-            scale=c.crop_scale,
-            ratio=c.crop_ratio,
-            hflip=c.hflip,
-            randaug=c.randaug,
-        )
-        to_batch = partial(collate, with_keys=c.with_keys)
-        pipeline = wds.DataPipeline(
-            source,
-            partial(shard_samples, errors=errors, allow_pipe=c.allow_pipe),
-            partial(
-                select_image, errors=errors, with_labels=c.with_labels, num_classes=c.num_classes
-            ),
-            shuffle if c.shuffle_buffer > 1 else None,
-            partial(number, skip=done * c.batch_size),  # resume: skip before decoding
-            partial(decode, transform=augment, rng_key=key, errors=errors),
-            partial(batched, batch_size=c.batch_size, collation_fn=to_batch, partial=False),
-            partial(take, n=total - done),
-        )
-        for batch in pipeline:
+        accum, steps = _accumulation(c), c.num_batches // _accumulation(c)
+        streams_per_step = c.batch_size * c.world_size * accum
+        sizes = list(c.shard_sizes) if c.shard_sizes else equal_sizes(len(self.shards), streams_per_step * steps)
+        order = epoch_order(len(self.shards), c.seed, c.epoch)
+        select = partial(select_image, errors=errors, with_labels=c.with_labels, num_classes=c.num_classes)
+        augment = partial(train_transform, img_size=c.img_size, scale=c.crop_scale, ratio=c.crop_ratio, hflip=c.hflip,
+                          randaug=c.randaug)  # fmt: skip
+        first = c.rank * c.batch_size * accum  # the rank's first stream
+        streams: dict[int, Iterator] = {}
+        for group in range(accum):  # this worker's part of every micro-batch group
+            for i in split(c.batch_size, num_workers, worker):
+                s = first + group * c.batch_size + i
+                key = f"{c.seed}/{c.epoch}/{s}"
+                samples = stream_samples(self.shards, sizes, order, s, steps, c.shuffle_buffer,
+                                         random.Random(f"samples/{key}"), select, errors, c.allow_pipe)  # fmt: skip
+                numbered = number(samples, skip=done_before(group, c.start_batch, accum))
+                streams[s] = decode(numbered, transform=augment, rng_key=key, errors=errors)
+        for _, group in schedule(steps, accum, c.start_batch):
+            part = [next(streams[first + group * c.batch_size + i]) for i in split(c.batch_size, num_workers, worker)]
+            batch = collate(part, with_keys=c.with_keys) if part else {}
             yield {**batch, "_worker": worker, "_skipped": errors.skipped}
         yield {"_worker": worker, "_skipped": errors.skipped, "_end": True}
+
+
+def _accumulation(c: StreamConfig) -> int:
+    per_step = c.global_batch or c.batch_size * c.world_size
+    if per_step % (c.batch_size * c.world_size) or c.num_batches % (per_step // (c.batch_size * c.world_size)):
+        raise ValueError(f"global_batch {per_step} is not batch_size {c.batch_size} x world_size {c.world_size} x "
+                         f"an accumulation that divides num_batches {c.num_batches}")  # fmt: skip
+    return per_step // (c.batch_size * c.world_size)
 
 
 class _EvalStream(_Stream):
@@ -270,9 +236,13 @@ class Loader:
     ``persistent``: one DataLoader, its workers kept across passes (a training run's epochs:
     ``set_epoch`` before each), instead of new worker processes every epoch."""
 
-    def __init__(self, dataset: IterableDataset, num_workers: int, num_batches: int | None, persistent: bool = False):
+    def __init__(self, dataset: IterableDataset, num_workers: int, num_batches: int | None, persistent: bool = False,
+                 key_log: Path | None = None):  # fmt: skip
         self.dataset, self.num_workers, self.num_batches = dataset, num_workers, num_batches
+        self.key_log = key_log  # a training stream's sample keys, a line per micro-batch (data.log_keys)
         self.persistent = persistent and num_workers > 0
+        # a training micro-batch arrives in one part per worker, in worker order
+        self.parts = max(1, num_workers) if isinstance(dataset, _TrainStream) else 1
         self._loader: DataLoader | None = None
         self._skipped: dict[int, int] = {}
 
@@ -307,7 +277,7 @@ class Loader:
             self.dataset,
             batch_size=None,  # batches are built inside the workers
             num_workers=self.num_workers,
-            pin_memory=torch.cuda.is_available(),
+            pin_memory=torch.cuda.is_available() and self.parts == 1,  # parts: pinned once joined
             persistent_workers=self.persistent,
             # its own generator: DataLoader otherwise draws worker seeds from the global torch
             # RNG, and re-creating a loader on resume would shift every later mask draw
@@ -317,19 +287,25 @@ class Loader:
         if self.persistent:
             self._loader = loader
         self._skipped = {}
-        count = 0
-        batches = iter(loader)
+        count, parts = 0, []
+        items = iter(loader)
         try:
-            for batch in batches:
-                self._skipped[batch.pop("_worker")] = batch.pop("_skipped")
-                if batch.pop("_end", False):
+            for item in items:
+                self._skipped[item.pop("_worker")] = item.pop("_skipped")
+                if item.pop("_end", False):
                     continue
+                parts.append(item)
+                if len(parts) < self.parts:
+                    continue
+                batch, parts = _join(parts), []
                 batch["skipped"] = self.skipped
+                if self.key_log is not None:
+                    self._log_keys(batch["key"], count)
                 count += 1
                 yield batch
         except Exception:  # a worker's error (bad data): its workers stop now, not at interpreter exit
-            if hasattr(batches, "_shutdown_workers"):
-                batches._shutdown_workers()
+            if hasattr(items, "_shutdown_workers"):
+                items._shutdown_workers()
             self._loader = None
             raise
         if self.num_batches is not None and count != self.num_batches:
@@ -337,44 +313,66 @@ class Loader:
             raise RuntimeError(f"training loader gave {count} batches, expected {self.num_batches}")
 
 
-def _validate(shards, allow_pipe: bool, rank: int, world_size: int, num_workers: int, split: bool) -> list[str]:
+    def _log_keys(self, keys: list[str], count: int) -> None:
+        epoch, start = self.dataset.position.tolist()
+        self.key_log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.key_log, "a") as f:
+            f.write(json.dumps({"epoch": epoch, "batch": start + count, "keys": keys}) + "\n")
+
+
+def _join(parts: list[dict]) -> dict:
+    """One batch from the workers' parts of it (a training micro-batch; an eval batch is one part)."""
+    if len(parts) == 1:
+        return parts[0]
+    parts = [p for p in parts if p]  # workers without a stream in this micro-batch
+    batch = {k: torch.cat([p[k] for p in parts]) for k in ("image", "label") if k in parts[0]}
+    if "key" in parts[0]:
+        batch["key"] = [k for p in parts for k in p["key"]]
+    if torch.cuda.is_available():
+        batch["image"] = batch["image"].pin_memory()
+    return batch
+
+
+def _validate(shards, allow_pipe: bool, rank: int, world_size: int) -> list[str]:
     shards = expand_shards(shards)
     check_shards(shards, allow_pipe=allow_pipe)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside [0, world_size={world_size})")
-    workers = max(1, num_workers)
-    # only a training stream that splits its shards (not resampled) needs one for every worker:
-    # resampled workers draw from all of them, and an evaluation pass lets a worker go empty
-    if split and len(shards) < world_size * workers:
-        raise ValueError(
-            f"{len(shards)} shard(s) for {world_size} rank(s) x {workers} worker(s): every worker needs "
-            f"at least one shard; write at least {world_size * workers} shards or use fewer workers"
-        )
     return shards
 
 
 def make_train_loader(
     shards: str | list[str], stream: StreamConfig | None = None, *, num_workers: int = 2, persistent: bool = False,
-    **settings,
+    key_log: Path | None = None, **settings,
 ) -> Loader:
     """Exactly ``num_batches - start_batch`` uint8 batches for this rank of this epoch.
 
     ``stream``'s settings (or a fresh ``StreamConfig``) with ``settings`` replacing fields of it:
     ``make_train_loader(shards, batch_size=64, num_batches=100, img_size=224)``, or
     ``make_train_loader(shards, plan.stream, epoch=e, rank=r)``. ``persistent``: keep the workers
-    across passes, each pass set with ``Loader.set_epoch(epoch, start_batch)``.
+    across passes, each pass set with ``Loader.set_epoch(epoch, start_batch)``. ``key_log``: a
+    file that gets {"epoch", "batch", "keys"} for every batch (turns ``with_keys`` on).
     Batches are {"image": (B,3,H,W) uint8, "label": (B,) int64 if with_labels, "skipped": int}.
-    Order and augmentation depend only on (seed, epoch, rank, num_workers, shards): with clean
-    data, start_batch=k gives exactly the batches after the first k of a straight run.
+    Order and augmentation depend only on (seed, epoch, global batch, shards) and the rank's
+    place in the global batch, not on the workers: with clean data, start_batch=k gives exactly
+    the batches after the first k of a straight run, on any world size (``mpp.data.order``).
+    ``shard_sizes`` unset: from sizes.json, else the shards are assumed equal.
     """
     cfg = replace(stream, **settings) if stream is not None else StreamConfig(**settings)
-    shards = _validate(shards, cfg.allow_pipe, cfg.rank, cfg.world_size, num_workers, split=not cfg.resampled)
+    shards = _validate(shards, cfg.allow_pipe, cfg.rank, cfg.world_size)
+    if cfg.shard_sizes is None and (sizes := shard_sizes(shards)) is not None:
+        cfg = replace(cfg, shard_sizes=tuple(sizes))
+    if cfg.shard_sizes is not None and len(cfg.shard_sizes) != len(shards):
+        raise ValueError(f"{len(cfg.shard_sizes)} shard sizes for {len(shards)} shards")
+    _accumulation(cfg)  # the global batch splits into this rank's micro-batches
+    if key_log is not None:
+        cfg = replace(cfg, with_keys=True)
     if cfg.batch_size < 1 or not 0 <= cfg.start_batch <= cfg.num_batches:
         raise ValueError(
             f"need batch_size >= 1 and 0 <= start_batch <= num_batches (batch_size={cfg.batch_size}, "
             f"start_batch={cfg.start_batch}, num_batches={cfg.num_batches})"
         )
-    return Loader(_TrainStream(shards, cfg), num_workers, cfg.num_batches - cfg.start_batch, persistent)
+    return Loader(_TrainStream(shards, cfg), num_workers, cfg.num_batches - cfg.start_batch, persistent, key_log)
 
 
 def make_eval_loader(shards: str | list[str], *, num_workers: int = 2, with_labels: bool = True, **settings) -> Loader:
@@ -385,5 +383,5 @@ def make_eval_loader(shards: str | list[str], *, num_workers: int = 2, with_labe
     Ranks may get different batch counts: reduce metrics after the loop, not per batch.
     """
     cfg = StreamConfig(with_labels=with_labels, **settings)
-    shards = _validate(shards, cfg.allow_pipe, cfg.rank, cfg.world_size, num_workers, split=False)
+    shards = _validate(shards, cfg.allow_pipe, cfg.rank, cfg.world_size)
     return Loader(_EvalStream(shards, cfg), num_workers, None)

@@ -125,6 +125,13 @@ def read_sizes(shards: str | list[str]) -> dict | None:
     return merged if found else None
 
 
+def shard_sizes(shards: list[str]) -> list[int] | None:
+    """Samples per shard from sizes.json, in ``shards``' order; None unless it lists every one."""
+    found = {url: (_read_json(url) or {}).get("shards", {}) for url in dict.fromkeys(map(_sizes_url, shards))}
+    sizes = [found[_sizes_url(s)].get(s.rsplit("/", 1)[-1]) for s in shards]
+    return None if None in sizes else sizes
+
+
 def count_samples(shards: str | list[str]) -> int:
     """Total samples in `shards` according to sizes.json; ValueError when it cannot tell."""
     shards = expand_shards(shards)

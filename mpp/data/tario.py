@@ -9,7 +9,8 @@ at the cut is dropped (it may be missing members).
 from __future__ import annotations
 
 import gzip
-from collections.abc import Iterator
+import io
+from collections.abc import Callable, Iterator
 
 from .errors import SkipCounter
 from .sources import open_shard
@@ -50,8 +51,20 @@ def _pax_records(data: bytes) -> dict[str, str]:
     return records
 
 
-def read_tar(stream) -> Iterator[tuple[str, bytes]]:
-    """(name, bytes) of each regular file in an uncompressed tar stream (ustar, GNU, pax names)."""
+def _skip(stream, n: int) -> bool:
+    """Move past ``n`` bytes without reading them when the stream can seek; False if it ended."""
+    if n and isinstance(stream, io.BufferedReader):  # a local file (not gzip, http or a pipe)
+        here = stream.tell()
+        stream.seek(0, 2)
+        end = stream.seek(min(here + n, stream.tell()))
+        return end - here == n
+    return len(_read_exact(stream, n)) == n
+
+
+def read_tar(stream, skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, bytes | None]]:
+    """(name, bytes) of each regular file in an uncompressed tar stream (ustar, GNU, pax names).
+    ``skip(name)`` true: the member's data is passed over (a seek when the stream can) and
+    (name, None) yielded: resuming inside a shard reads only its headers up to there."""
     pax: dict[str, str] = {}
     long_name = None
     while True:
@@ -66,29 +79,31 @@ def read_tar(stream) -> Iterator[tuple[str, bytes]]:
         if stored != sum(header[:148]) + 8 * 32 + sum(header[156:]):
             raise TarError("bad header checksum (not a tar file, or corrupt)")
         size = int(pax["size"]) if "size" in pax else _number(header[124:136])
-        data = _read_exact(
-            stream, size
-        )  # exactly the member: slicing off the padding would copy it
-        padding = -size % BLOCK
-        if len(data) < size or len(_read_exact(stream, padding)) < padding:
-            name = header[:100].rstrip(b"\0").decode("utf-8", "replace")
-            member = pax.get("path") or long_name or name
-            raise TarError(f"truncated inside {member} ({len(data)} of {size} bytes)", member)
         kind = header[156:157]
+        name = header[:100].rstrip(b"\0").decode("utf-8", "replace")
+        if header[257:263] == b"ustar\0":  # POSIX only: GNU keeps atime/ctime at 345..369
+            prefix = header[345:500].rstrip(b"\0").decode("utf-8", "replace")
+            name = f"{prefix}/{name}" if prefix else name
+        name = pax.get("path") or long_name or name
+        regular = kind in (b"0", b"\0", b"7") and not name.endswith("/")  # old tars mark directories by the slash
+        padding = -size % BLOCK
+        if regular and skip is not None and skip(name):
+            if not _skip(stream, size + padding):
+                raise TarError(f"truncated inside {name}", name)
+            pax, long_name = {}, None
+            yield name, None
+            continue
+        data = _read_exact(stream, size)  # exactly the member: slicing off the padding would copy it
+        if len(data) < size or len(_read_exact(stream, padding)) < padding:
+            raise TarError(f"truncated inside {name} ({len(data)} of {size} bytes)", name)
         if kind == b"x":
             pax = _pax_records(data)
             continue
         if kind == b"L":
             long_name = data.rstrip(b"\0").decode("utf-8", "replace")
             continue
-        if kind in (b"0", b"\0", b"7"):
-            name = header[:100].rstrip(b"\0").decode("utf-8", "replace")
-            if header[257:263] == b"ustar\0":  # POSIX only: GNU keeps atime/ctime at 345..369
-                prefix = header[345:500].rstrip(b"\0").decode("utf-8", "replace")
-                name = f"{prefix}/{name}" if prefix else name
-            name = pax.get("path") or long_name or name
-            if not name.endswith("/"):  # old tars mark directories only by the slash
-                yield name, data
+        if regular:
+            yield name, data
         pax, long_name = {}, None  # directories, links and global headers carry nothing for us
 
 
@@ -101,10 +116,26 @@ def split_name(name: str) -> tuple[str | None, str | None]:
     return name[:dot], name[dot + 1 :].lower()
 
 
+def _first_samples(n: int) -> Callable[[str], bool]:
+    """A ``read_tar`` skip rule: true for the members of the shard's first ``n`` samples."""
+    seen = {"key": None, "count": 0}
+
+    def skip(name: str) -> bool:
+        key = split_name(name)[0]
+        if key is None or key.rsplit("/", 1)[-1].startswith("__"):
+            return seen["count"] <= n  # not a sample's member: read only once past the skipped ones
+        if key != seen["key"]:
+            seen["key"], seen["count"] = key, seen["count"] + 1
+        return seen["count"] <= n
+
+    return skip
+
+
 def shard_samples(
     src: Iterator[dict], errors: SkipCounter, allow_pipe: bool = False
 ) -> Iterator[dict]:
-    """Pipeline stage: {url} -> samples {"__key__", "__url__", ext: bytes}, grouped by key within a shard."""
+    """Pipeline stage: {url[, skip]} -> samples {"__key__", "__url__", ext: bytes}, grouped by key
+    within a shard; ``skip``: the shard's first samples are passed over unread."""
     for item in src:
         url = item["url"]
         errors.shard_opened(url)
@@ -117,10 +148,10 @@ def shard_samples(
             stream = gzip.GzipFile(fileobj=stream)
         sample = None
         try:
-            for name, data in read_tar(stream):
+            for name, data in read_tar(stream, _first_samples(item["skip"]) if item.get("skip") else None):
                 key, ext = split_name(name)
-                if key is None or key.rsplit("/", 1)[-1].startswith("__"):
-                    continue  # no extension, or webdataset metadata such as __index__
+                if data is None or key is None or key.rsplit("/", 1)[-1].startswith("__"):
+                    continue  # skipped, no extension, or webdataset metadata such as __index__
                 if sample is not None and key != sample["__key__"]:
                     yield sample
                     sample = None
