@@ -52,9 +52,10 @@ def step_rates(step_ips: list[str], cpu_step_json: str | None) -> dict[str, floa
     return rates
 
 
-def node_buffer_gib(mean_bytes: float, ranks: int = 8, workers: int = 10, buffers=(1000, 5000)) -> dict[int, float]:
-    """Encoded images the shuffle buffers of one node hold: buffer x image size x workers x ranks."""
-    return {b: b * mean_bytes * workers * ranks / 2**30 for b in buffers}
+def node_buffer_gib(mean_bytes: float, ranks: int = 8, streams: int = 64, windows=(16, 64)) -> dict[int, float]:
+    """Encoded images the streams' shuffle windows of one node hold (mpp.data.order): window x image
+    size x streams per rank (the *_b16 global batch 4096 on 64 ranks) x ranks."""
+    return {w: w * mean_bytes * streams * ranks / 2**30 for w in windows}
 
 
 def workers_needed(step_ips: float, per_worker_ips: float) -> int:
@@ -101,9 +102,9 @@ def render(result: dict[str, Any]) -> str:
            f"ratio {d['throughput_ratio']:.3f} (goal >= {BAD_DATA_GOAL})")  # fmt: skip
     e = result["epoch_start"]
     start = (f"epoch start (first batch, {e['num_workers']} workers): new workers {e['first_batch_s_new_workers']:.3f} s, "
-             f"persistent {e['first_batch_s_persistent']:.3f} s (x{e['restart_ratio']:.1f}); shuffle buffers per node "
-             f"(8 ranks x 10 workers, {e['mean_encoded_bytes'] / 1e3:.0f} kB images): "
-             + ", ".join(f"{k} samples {v:.1f} GiB" for k, v in result["node_buffer_gib"].items()))  # fmt: skip
+             f"persistent {e['first_batch_s_persistent']:.3f} s (x{e['restart_ratio']:.1f}); shuffle windows per node "
+             f"(8 ranks x 64 streams, {e['mean_encoded_bytes'] / 1e3:.0f} kB images): "
+             + ", ".join(f"window {k} {v:.2f} GiB" for k, v in result["node_buffer_gib"].items()))  # fmt: skip
     sizing = format_table(result["sizing"], [("step", "step to feed", ""), ("step_ips", "img/s", ".1f"),
                                              ("workers", "workers needed", "d")])  # fmt: skip
     return f"{table}\n{ratios}\n{bad}\n{start}\n\n{sizing}"

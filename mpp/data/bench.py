@@ -158,11 +158,11 @@ def bench_bad_data(
 
 def bench_epoch_start(
     num_images: int = 256, img_size: int = 224, epochs: int = 4, num_workers: int = 2, batch_size: int = 16,
-    shuffle_buffer: int = 64, **_,
+    shuffle_buffer: int = 16, **_,
 ) -> dict:
     """Seconds from the start of an epoch to its first batch, for a new loader every epoch (new
     worker processes) and for one persistent loader (``set_epoch``), the median over epochs 2..;
-    and the bytes one worker's shuffle buffer holds (encoded images: mean size x buffer)."""
+    and the mean encoded image size (what a stream's shuffle window holds, per sample)."""
     images = synthetic_jpegs(num_images)
     mean_bytes = sum(len(d) for d in images) / len(images)
     num_batches = num_images // batch_size
