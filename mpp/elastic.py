@@ -51,7 +51,13 @@ def restore(engine: Any, objective: torch.nn.Module, root: str | Path, tag: str,
         set_rng_state(client["rng"][rank])
     else:
         seed_everything(seed + rank + 1_000_003 * state.step)
-    objective.load_rank_state(ckpt.load_rank_state(root, tag) if same else {})
+    rank_state = ckpt.load_rank_state(root, tag)  # HPM's fp32 EMA under bf16: whole below ZeRO-3, a shard at 3
+    if not same and engine.zero_optimization_stage() == 3:
+        if rank_state and rank == 0:
+            log.warning("elastic resume: the per-rank state of %s/%s (HPM's fp32 EMA) is ZeRO-3 shards of another "
+                        "world size: it restarts from the weights", root, tag)  # fmt: skip
+        rank_state = {}
+    objective.load_rank_state(rank_state)
     if rank == 0 and not same:
         log.info("elastic resume: %s/%s written by %d rank(s) (micro batch %s), now %d (micro batch %d); "
                  "the epoch continues at step %d", root, tag, saved["world_size"], saved.get("micro_batch"),

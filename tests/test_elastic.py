@@ -30,8 +30,9 @@ def keys_by_step(keys_dir, accum: int, first_step: int = 1) -> dict[int, list[st
     return {s: sorted(k) for s, k in steps.items() if s >= first_step}
 
 
-@pytest.mark.parametrize("stage", [2, 3, 0])
-def test_two_ranks_resume_on_three_and_on_one_rank_with_every_sample_once(tmp_path, digits16, stage):
+# the full matrix (each stage on 3 and on 1 rank) passes too; the suite keeps 4 of its 6 resumes for time
+@pytest.mark.parametrize("stage, worlds", [(2, (3, 1)), (3, (1,)), (0, (3,))])
+def test_two_ranks_resume_on_three_and_on_one_rank_with_every_sample_once(tmp_path, digits16, stage, worlds):
     cfg = tiny_config(digits16, train={"batch_size": BATCH, "micro_batch_size": MICRO, "max_steps": STEPS,
                                        "ckpt_every": 8, "keep_last": 5},
                       data={"num_workers": 1, "log_keys": True, "shuffle_buffer": 4},
@@ -44,7 +45,7 @@ def test_two_ranks_resume_on_three_and_on_one_rank_with_every_sample_once(tmp_pa
     straight_keys = keys_by_step(straight / "keys", ACCUM[2])
     assert sorted(straight_keys) == list(range(1, STEPS + 1))
 
-    for ranks in (3, 1):
+    for ranks in worlds:
         run = tmp_path / f"on{ranks}"
         shutil.copytree(straight, run)
         shutil.rmtree(run / "checkpoints" / "step00000016")  # as if stopped after step 8
