@@ -70,6 +70,9 @@ def plan_run(cfg: RunConfig, world_size: int, dev_type: str, img_size: int, num_
     t, o = cfg.train, cfg.optim
     total = t.max_steps if t.max_steps is not None else math.ceil(t.epochs * steps_per_epoch)
     warmup = o.warmup_steps if o.warmup_steps is not None else round((o.warmup_epochs or 0.0) * steps_per_epoch)
+    if t.on_nonfinite == "rollback" and accum > 1:
+        log.warning("train.on_nonfinite=rollback with %d micro-batches per step: a rollback at a step's later "
+                    "micro-batch keeps the gradients of its earlier ones in DeepSpeed's buffers", accum)  # fmt: skip
     stream = StreamConfig(
         batch_size=micro, img_size=img_size, world_size=world_size, num_batches=steps_per_epoch * accum,
         with_labels=num_classes is not None, num_classes=num_classes, seed=t.seed, global_batch=t.batch_size,

@@ -325,11 +325,14 @@ def _join(parts: list[dict]) -> dict:
     if len(parts) == 1:
         return parts[0]
     parts = [p for p in parts if p]  # workers without a stream in this micro-batch
-    batch = {k: torch.cat([p[k] for p in parts]) for k in ("image", "label") if k in parts[0]}
+    images = [p["image"] for p in parts]
+    shape = (sum(len(x) for x in images), *images[0].shape[1:])
+    out = torch.empty(shape, dtype=images[0].dtype, pin_memory=torch.cuda.is_available())  # one copy, pinned
+    batch = {"image": torch.cat(images, out=out)}
+    if "label" in parts[0]:
+        batch["label"] = torch.cat([p["label"] for p in parts])
     if "key" in parts[0]:
         batch["key"] = [k for p in parts for k in p["key"]]
-    if torch.cuda.is_available():
-        batch["image"] = batch["image"].pin_memory()
     return batch
 
 
