@@ -15,6 +15,8 @@ named from its grid overrides only (the shared ``set`` ones are not in the names
 Every cell is validated in-process (config + objective + the evaluations' configs) before
 anything is launched. A finished cell+seed is skipped on a rerun, a half-done pretraining run
 resumes from its last checkpoint, and a failed run is recorded and does not stop the others.
+A preempted run (exit 75, ``mpp.preemption``), or SIGTERM / SIGUSR1 to the runner itself, stops
+the whole ablation with exit 75: the same command continues it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import itertools
 import json
 import re
 import shlex
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +44,7 @@ from mpp.config import (
     validate,
 )
 from mpp.launch import REPO, deepspeed_cmd, default_launcher_args, launch
+from mpp.preemption import PREEMPTED_EXIT, SIGNALS
 
 SCRIPTS = {
     "pretrain": "pretrain/run.py",
@@ -247,6 +251,23 @@ def is_done(kind: str, run_dir: Path) -> bool:
     return (run_dir / final).is_file() and (kind == "pretrain" or (run_dir / "results.json").is_file())
 
 
+class AblationStopped(Exception):
+    """A run was preempted, or the runner got SIGTERM / SIGUSR1: nothing more is launched."""
+
+
+_stop_signal: list[int] = []  # set by the runner's handler
+
+
+def _run(cmd: list[str], log: Path, what: str) -> int:
+    """``launch`` one job; AblationStopped when it was preempted or a stop signal came."""
+    if _stop_signal:
+        raise AblationStopped(f"{signal.Signals(_stop_signal[0]).name} received before {what}")
+    code = launch(cmd, log)
+    if code == PREEMPTED_EXIT or _stop_signal:
+        raise AblationStopped(f"{what} was preempted (exit {code}), log: {log}")
+    return code
+
+
 def run_job(spec: AblationSpec, job: Job, model_overrides: list[str], launcher_args: list[str], tag: str) -> list[dict]:
     """Pretrain (or resume), then each evaluation not yet done; one row per evaluation."""
     if all(is_done(kind, job.dir / kind) for kind in spec.eval):
@@ -257,7 +278,7 @@ def run_job(spec: AblationSpec, job: Job, model_overrides: list[str], launcher_a
         resume_from = latest_complete(pre / "checkpoints")
         print(f"{tag} {job.label}: pretrain{f' (resume from {resume_from})' if resume_from else ''}", flush=True)
         cmd = deepspeed_cmd(launcher_args, SCRIPTS["pretrain"], pretrain_args(spec, job))
-        code = launch(cmd, job.dir / "pretrain.log")
+        code = _run(cmd, job.dir / "pretrain.log", f"{job.label}: pretrain")
         if code:
             print(f"{tag} {job.label}: pretrain FAILED (exit {code}), log: {job.dir / 'pretrain.log'}", flush=True)
             return [result_row(job, kind, "failed", job.dir / "pretrain.log") for kind in spec.eval]
@@ -269,9 +290,9 @@ def run_job(spec: AblationSpec, job: Job, model_overrides: list[str], launcher_a
             args = ["--config", str(path), *[a for o in eval_overrides(kind, model_overrides, pre, job.seed) for a in ("--set", o)],
                     "--output-dir", str(out)]
             if kind == "finetune":
-                code = launch(deepspeed_cmd(launcher_args, SCRIPTS[kind], [*args, "--resume", "auto"]), log)
+                code = _run(deepspeed_cmd(launcher_args, SCRIPTS[kind], [*args, "--resume", "auto"]), log, f"{job.label}: {kind}")
             else:  # the probes run in one process on cached features
-                code = launch([sys.executable, str(REPO / SCRIPTS[kind]), *args], log)
+                code = _run([sys.executable, str(REPO / SCRIPTS[kind]), *args], log, f"{job.label}: {kind}")
             if code:
                 print(f"{tag} {job.label}: {kind} FAILED (exit {code}), log: {log}", flush=True)
                 rows.append(result_row(job, kind, "failed", log))
@@ -298,6 +319,13 @@ def run_ablation(spec: AblationSpec) -> tuple[list[dict], int]:
     launcher_args = spec.launcher_args if spec.launcher_args is not None else default_launcher_args()
     jobs = plan_jobs(spec, cells)
     rows = []
-    for i, job in enumerate(jobs, 1):
-        rows += run_job(spec, job, model_sets[job.cell], launcher_args, f"[{i}/{len(jobs)}]")
+    # the cluster's stop signal reaches every process of the job: the running cell checkpoints
+    # and exits 75; the runner waits for it instead of dying, then stops (AblationStopped)
+    previous = {s: signal.signal(s, lambda signum, frame: _stop_signal.append(signum)) for s in SIGNALS}
+    try:
+        for i, job in enumerate(jobs, 1):
+            rows += run_job(spec, job, model_sets[job.cell], launcher_args, f"[{i}/{len(jobs)}]")
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return rows, sum(r["status"] != "ok" for r in rows)

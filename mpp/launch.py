@@ -50,7 +50,28 @@ def launch(cmd: list[str], log: Path) -> int:
         f.write(f"$ {shlex.join(cmd)}\n")
         f.flush()
         try:
-            return subprocess.run(cmd, cwd=REPO, env=job_env(), stdout=f, stderr=subprocess.STDOUT).returncode
+            proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=f, stderr=subprocess.STDOUT)
         except OSError as e:  # e.g. no deepspeed on PATH: this job fails, the caller decides
             f.write(f"error: {e}\n")
             return 127
+        return _wait_for_tree(proc)
+
+
+def _wait_for_tree(proc: subprocess.Popen) -> int:
+    """The job's exit status, once its processes are all gone: a stop signal to the whole job
+    (SLURM's) kills the ``deepspeed`` launcher at once while its ranks still write their
+    checkpoint; the caller must not go on (or exit) before they are done."""
+    import psutil
+
+    tree: list = []
+    while True:
+        try:
+            return_code = proc.wait(timeout=0.5)
+            break
+        except subprocess.TimeoutExpired:
+            try:
+                tree = psutil.Process(proc.pid).children(recursive=True) or tree
+            except psutil.Error:
+                pass
+    psutil.wait_procs(tree, timeout=600)
+    return return_code

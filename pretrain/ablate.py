@@ -20,9 +20,10 @@ import argparse
 import shlex
 import sys
 
-from mpp.ablation import load_spec, run_ablation, split_values
+from mpp.ablation import AblationStopped, load_spec, run_ablation, split_values
 from mpp.ablation_report import write_report
 from mpp.config import ConfigError
+from mpp.preemption import PREEMPTED_EXIT
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except AblationStopped as e:
+        print(f"stopped: {e}; the same command continues the ablation", file=sys.stderr)
+        return PREEMPTED_EXIT
     for path in write_report(spec, rows):
         print(f"wrote {path}")
     if failed:

@@ -1,21 +1,28 @@
 """pretrain/ablate.py: a grid of masking settings x seeds through the real deepspeed launcher,
 the table and the plot, reruns that skip finished cells and resume a half-done one, a failed
-cell that does not stop the others, and bad cells refused before anything runs."""
+cell that does not stop the others, bad cells refused before anything runs, and a stop signal
+that ends the ablation with 75 for the same command to continue."""
 
 import csv
 import json
+import os
 import shutil
+import signal
 import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, tiny_config, write_config
+from conftest import REPO, cli_env, read_metrics, run_cli, tiny_config, write_config
 from PIL import Image
 
 import mpp.ablation
 from mpp.ablation import AblationSpec, Cell, Job, load_spec, pretrain_args, split_values
 from mpp.ablation_report import PALETTE
 from mpp.config import ConfigError
+from mpp.preemption import PREEMPTED_EXIT
 from pretrain.ablate import main, parse_args
 
 # The evaluations' own configs name a different (larger) model on purpose: the runner must
@@ -248,3 +255,34 @@ def test_set_reaches_every_pretraining_before_the_grid_and_its_model_keys_the_ev
     assert pretrain_args(spec, job) == [
         "--config", "b.json", "--set", "train.max_steps=7", "--set", "masking.strategy=block", "--set", "train.seed=1",
         "--output-dir", "o/masking.strategy=block/seed1/pretrain", "--resume", "auto"]
+
+
+def test_a_stop_signal_stops_the_ablation_with_75_and_the_same_command_continues(tmp_path, digits16):
+    """SIGTERM to every process of the job (SLURM at a time limit): the running cell's ranks
+    checkpoint and exit 75, the runner waits for them and exits 75 without launching anything
+    more; the same command then resumes the cell and finishes."""
+    base = write_config(tmp_path / "base.json", tiny_config(digits16, train={"max_steps": 40, "ckpt_every": 100}))
+    probe = write_config(tmp_path / "probe.json", probe_config(digits16))
+    out = tmp_path / "abl"
+    cmd = [sys.executable, "pretrain/ablate.py", "--base", str(base), "--grid", "masking.strategy=random",
+           "--eval", "knn", "--probe-config", str(probe), "--output-dir", str(out)]  # fmt: skip
+    run = out / "masking.strategy=random" / "seed0"
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    deadline = time.time() + 240
+    metrics = run / "pretrain" / "metrics.jsonl"
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count('"step"') >= 2):
+        time.sleep(0.02)  # training has begun (a signal during start-up stops a run with nothing to save)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == PREEMPTED_EXIT, err[-3000:]
+    assert "stopped:" in err and "the same command continues" in err
+    step = json.loads((run / "pretrain" / "preempted.json").read_text())["step"]
+    assert 1 <= step < 40 and (run / "pretrain" / "checkpoints" / f"step{step:08d}" / "COMPLETE").is_file()
+    assert not (run / "knn").exists()  # nothing launched after the stop
+
+    r = run_cli(cmd, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"pretrain (resume from step{step:08d})" in r.stdout
+    assert [row["status"] for row in read_rows(out)] == ["ok"]
+    assert [m["step"] for m in read_metrics(run / "pretrain")] == list(range(1, 41))
