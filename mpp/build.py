@@ -16,6 +16,7 @@ from mpp.models.vit import VisionTransformer, create_vit
 from mpp.objectives import OBJECTIVES, Objective
 from mpp.objectives import build_objective as build_objective_by_name
 from mpp.pretrained import init_objective, load_into
+from mpp.storage import CheckpointError
 
 
 def build_encoder(cfg: Any, **overrides: Any) -> VisionTransformer:
@@ -33,7 +34,7 @@ def build_encoder(cfg: Any, **overrides: Any) -> VisionTransformer:
     if init != "scratch":
         try:
             load_into(encoder, init)
-        except (FileNotFoundError, ValueError) as e:
+        except (FileNotFoundError, ValueError, CheckpointError) as e:  # CheckpointError: damaged files, named
             raise ConfigError(f"{source}: init: {e}") from None
     return encoder
 
@@ -71,6 +72,6 @@ def build_objective(cfg: Config) -> Objective:
     if cfg.model.init:
         try:
             init_objective(objective, cfg.model.init)
-        except (FileNotFoundError, ValueError) as e:
+        except (FileNotFoundError, ValueError, CheckpointError) as e:
             raise ConfigError(f"{source}: model.init: {e}") from None
     return objective

@@ -3,13 +3,16 @@ each made complete by a ``COMPLETE`` marker written last; and the fp32 encoder e
 ``encoder.safetensors`` that downstream modules take (read back by ``mpp.pretrained``).
 
 A kill during a save leaves a tag directory without its marker: ``latest_complete`` skips
-it, so ``--resume auto`` always resumes from a checkpoint that was written whole.
+it, so ``--resume auto`` always resumes from a checkpoint that was written whole. The marker
+lists every file's size and sha256 (``mpp.storage``): a checkpoint damaged after it was written
+is found before it is loaded, and ``--resume auto`` falls back to the newest intact one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -20,7 +23,11 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from mpp import storage
 from mpp.distributed import from_rank0
+from mpp.storage import CheckpointError, DiskFullError
+
+log = logging.getLogger("mpp.checkpoint")
 
 MARKER = "COMPLETE"
 TAG_PREFIX = "step"
@@ -54,6 +61,29 @@ def latest_complete(ckpt_root: str | Path) -> str | None:
     return tags[-1] if tags else None
 
 
+def newest_intact(ckpt_root: str | Path) -> str | None:
+    """The newest complete tag whose files match its marker (a warning names each damaged newer
+    one); None when there is no complete tag, CheckpointError when none of them is intact."""
+    damaged = []
+    for tag in reversed(complete_tags(ckpt_root)):
+        problem = verify(ckpt_root, tag)
+        if problem is None:
+            if damaged:
+                log.warning("checkpoint %s is damaged (%s): using %s", damaged[0][0], damaged[0][1], tag)
+            return tag
+        damaged.append((tag, problem))
+    if damaged:
+        raise CheckpointError(f"no intact checkpoint in {ckpt_root}: {damaged[0][1]}" +
+                              (f" (and {len(damaged) - 1} older damaged)" if len(damaged) > 1 else ""))  # fmt: skip
+    return None
+
+
+def verify(ckpt_root: str | Path, tag: str) -> str | None:
+    """Why ``ckpt_root/tag`` is not what its marker recorded, or None (also for markers from before
+    the manifest, which cannot be checked)."""
+    return storage.damage(Path(ckpt_root) / tag, saved_layout(ckpt_root, tag).get("files"))
+
+
 def layout(engine: Any) -> dict:
     """How the run that writes a checkpoint splits its global batch (the COMPLETE marker keeps it)."""
     return {"world_size": dist.get_world_size(), "micro_batch": engine.train_micro_batch_size_per_gpu(),
@@ -75,28 +105,59 @@ def save_checkpoint(
 ) -> str:  # fmt: skip
     """Save on every rank (DeepSpeed requires it), then mark complete and prune on rank 0.
     ``rank_state`` (the objective's, may be empty) goes to the tag's rank_state_RANK.safetensors.
-    The marker records the step and the batch layout (``layout``), which an elastic resume reads."""
-    tag = tag_for(step)
-    engine.save_checkpoint(str(ckpt_root), tag=tag, client_state=client_state)
-    if rank_state:
-        tensors = {k: v.detach().cpu().contiguous() for k, v in rank_state.items()}
-        save_file(tensors, str(Path(ckpt_root) / tag / RANK_STATE.format(rank=dist.get_rank())))
+    The marker records the step, the batch layout (``layout``, read by an elastic resume) and
+    every file's size and sha256. No room for it: ``DiskFullError`` before anything is written,
+    or, when the disk fills during the save, after its partial files are removed."""
+    root, tag = Path(ckpt_root), tag_for(step)
+    size, problem = from_rank0(room(engine, root, keep_last, tag) if dist.get_rank() == 0 else None)
+    if problem:
+        raise DiskFullError(problem)
+    try:
+        engine.save_checkpoint(str(root), tag=tag, client_state=client_state)
+        if rank_state:
+            tensors = {k: v.detach().cpu().contiguous() for k, v in rank_state.items()}
+            save_file(tensors, str(root / tag / RANK_STATE.format(rank=dist.get_rank())))
+    except (OSError, RuntimeError) as e:
+        if not storage.is_disk_full(e, root, size):
+            raise
+        free = storage.free_bytes(root)
+        storage.remove_partial(root / tag)  # the other ranks stop too: the launcher ends the job
+        raise DiskFullError(storage.no_room(root, tag, size, latest_complete(root), free)) from None
     dist.barrier()  # every rank's shard is on disk before the marker says so
-    problem = None
-    if dist.get_rank() == 0:
-        problem = missing_rank_files(Path(ckpt_root) / tag, dist.get_world_size(), engine.zero_optimization_stage())
-        if problem is None:
-            _write_atomic(Path(ckpt_root) / tag / MARKER, json.dumps({"step": step, **layout(engine)}) + "\n")
-            for old in complete_tags(ckpt_root)[:-keep_last]:
-                shutil.rmtree(Path(ckpt_root) / old, ignore_errors=True)
+    files = storage.manifest(root / tag)  # hashed by every rank, a share each
+    problem = _mark_complete(engine, root, tag, step, files, keep_last) if dist.get_rank() == 0 else None
     problem = from_rank0(problem)  # every rank learns it (and waits for the marker)
     if problem:
-        raise CheckpointError(problem)
+        raise (DiskFullError if "filled up" in problem else CheckpointError)(problem)  # rank 0's kind
     return tag
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be made complete (e.g. ranks writing to storage rank 0 cannot see)."""
+def _mark_complete(engine: Any, root: Path, tag: str, step: int, files: dict, keep_last: int) -> str | None:
+    """Rank 0: the COMPLETE marker once every rank's files are seen and read back, then the prune."""
+    problem = missing_rank_files(root / tag, dist.get_world_size(), engine.zero_optimization_stage())
+    problem = problem or next((f"{root / tag / n}: {r['error']}" for n, r in files.items() if "error" in r), None)
+    if problem:
+        return problem
+    try:
+        _write_atomic(root / tag / MARKER, json.dumps({"step": step, **layout(engine), "files": files}) + "\n")
+    except OSError:
+        free = storage.free_bytes(root)
+        storage.remove_partial(root / tag)
+        return storage.no_room(root, tag, storage.checkpoint_bytes(files), latest_complete(root), free)
+    for old in complete_tags(root)[:-keep_last]:
+        shutil.rmtree(root / old, ignore_errors=True)
+    return None
+
+
+def room(engine: Any, root: Path, keep_last: int, tag: str | None = None) -> tuple[int, str | None]:
+    """Rank 0, before a save (``tag``) or at the start: (a checkpoint's size, the line a save that
+    cannot fit stops with). The size is the newest complete checkpoint's, else an estimate from the
+    model; a warning when fewer than ``keep_last + 1`` fit."""
+    tags = complete_tags(root)
+    recorded = [saved_layout(root, t).get("files") for t in tags]
+    size = storage.checkpoint_bytes(recorded[-1]) if recorded and recorded[-1] else storage.estimate_bytes(engine.module)
+    storage.warn_room(root, size, sum(storage.checkpoint_bytes(r) for r in recorded), keep_last)
+    return size, storage.no_room(root, tag, size, tags[-1] if tags else None) if tag else None
 
 
 def missing_rank_files(tag_dir: Path, world_size: int, stage: int) -> str | None:
@@ -137,17 +198,23 @@ def find_checkpoint(path: str | Path, complete_only: bool = False) -> tuple[Path
     return None
 
 
-def resolve_resume(resume: str | None, ckpt_root: Path) -> tuple[str, str] | None:
+def resolve_resume(resume: str | None, ckpt_root: Path, verified: bool = True) -> tuple[str, str] | None:
     """``auto`` -> the newest complete tag in this run (None on a fresh run); a path -> its
-    newest complete checkpoint (``find_checkpoint``)."""
+    newest complete checkpoint (``find_checkpoint``). ``verified``: only an intact one (its files
+    checked against its marker: ``newest_intact``), CheckpointError naming the file otherwise."""
     if resume is None:
         return None
     if resume == "auto":
-        tag = latest_complete(ckpt_root)
+        tag = newest_intact(ckpt_root) if verified else latest_complete(ckpt_root)
         return (str(ckpt_root), tag) if tag else None
     found = find_checkpoint(resume, complete_only=True)
     if found is None:
         raise FileNotFoundError(f"--resume {resume}: no complete checkpoint there")
+    if verified and (Path(resume) / MARKER).is_file():  # this very checkpoint was asked for
+        if problem := verify(*found):
+            raise CheckpointError(f"--resume {resume}: {problem}")
+    elif verified:
+        return str(found[0]), newest_intact(found[0])
     return str(found[0]), found[1]
 
 
@@ -194,6 +261,8 @@ def zero_to_fp32(ckpt_root: str | Path, tag: str | None = None) -> dict[str, tor
 
     root = Path(ckpt_root)
     tag = tag or (root / "latest").read_text().strip()
+    if problem := verify(root, tag):
+        raise CheckpointError(f"{problem}: the checkpoint cannot be read")
     with weights_only_loads():
         if any((root / tag).glob("*optim_states.pt")):
             return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
@@ -255,11 +324,14 @@ def export_encoder(state_dict: dict[str, torch.Tensor], model_kwargs: dict, path
 
 def load_encoder_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(state dict, model kwargs) from an exported ``encoder.safetensors`` (no unpickling)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    return load_file(str(path)), json.loads(meta.get("model", "{}"))
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        return load_file(str(path)), json.loads(meta.get("model", "{}"))
+    except (SafetensorError, OSError, ValueError) as e:  # a truncated copy, or not a weights file
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 # ---- weights for evaluation snapshots -------------------------------------------------------

@@ -133,6 +133,8 @@ def recover(engine: Any, objective: torch.nn.Module, state: RunState, plan: Plan
 
 def train_loader(cfg: RunConfig, plan: Plan, rank: int, run_dir: Path) -> Any:
     """This rank's loader, its workers kept across epochs; data.log_keys: RUN/keys/rankN.jsonl."""
+    if rank == 0 and plan.census is not None:  # shard counts no shard folder could keep
+        plan.census.write_run_cache(run_dir)
     key_log = run_dir / "keys" / f"rank{rank}.jsonl" if cfg.data.log_keys else None
     return make_train_loader(plan.train_shards, plan.stream, rank=rank, num_workers=cfg.data.num_workers,
                              persistent=True, key_log=key_log)  # fmt: skip
@@ -180,13 +182,14 @@ def start_engine(cfg: RunConfig, objective: torch.nn.Module, plan: Plan, ckpt_ro
     state = RunState()
     found = from_rank0(_resolve_on_rank0(resume, ckpt_root))
     if isinstance(found, str):
-        raise FileNotFoundError(found)
+        raise ckpt.CheckpointError(found)
     if found:  # any world size, micro batch or accumulation (mpp.elastic)
         state = restore(engine, objective, found[0], found[1], plan, cfg.train.seed)
         if dist.get_rank() == 0:
             log.info("resumed from %s/%s at step %d", found[0], found[1], state.step)
     if dist.get_rank() == 0:
         (ckpt_root.parent / "preempted.json").unlink(missing_ok=True)  # this run is going again
+        ckpt.room(engine, ckpt_root, cfg.train.keep_last)  # a warning now if keep_last + 1 checkpoints do not fit
     return engine, optimizer, state
 
 
@@ -209,8 +212,8 @@ def _resolve_on_rank0(resume: str | None, ckpt_root: Path) -> tuple[str, str] | 
     if dist.get_rank() != 0:
         return None
     try:
-        return ckpt.resolve_resume(resume, ckpt_root)
-    except FileNotFoundError as e:  # every rank must learn it, not wait in the broadcast
+        return ckpt.resolve_resume(resume, ckpt_root)  # the newest intact checkpoint: files checked
+    except (FileNotFoundError, ckpt.CheckpointError) as e:  # every rank must learn it, not wait in the broadcast
         return str(e)
 
 

@@ -67,8 +67,7 @@ def roll_back(engine: Any, objective: torch.nn.Module, state: RunState, run_dir:
             raise NonFiniteLossError(f"{error}; gave up after {len(state.rollback_steps)} rollback(s) "
                                      f"(train.max_rollbacks={t.max_rollbacks}) at steps {failed}") from None  # fmt: skip
         raise error
-    tag = ckpt.latest_complete(run_dir / "checkpoints") if dist.get_rank() == 0 else None
-    tag = from_rank0(tag)
+    tag = from_rank0(_intact(run_dir / "checkpoints") if dist.get_rank() == 0 else None)
     if tag is None:
         raise NonFiniteLossError(f"{error}; no complete checkpoint to roll back to") from None
     position = (state.epoch, state.batch_in_epoch)  # past the batch that failed (the caller advanced)
@@ -81,3 +80,10 @@ def roll_back(engine: Any, objective: torch.nn.Module, state: RunState, run_dir:
     if dist.get_rank() == 0:
         log.warning("non-finite losses at step %d: rolled back to %s, data moved past the window, lr x %g",
                     failed[-1], tag, lr_scale)  # fmt: skip
+
+
+def _intact(ckpt_root: Path) -> str | None:
+    try:
+        return ckpt.newest_intact(ckpt_root)
+    except ckpt.CheckpointError:  # none intact: nothing to go back to
+        return None

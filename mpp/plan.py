@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpp.config import ConfigError, RunConfig
-from mpp.data import StreamConfig, count_samples, digits_shards, expand_shards, shard_sizes
-from mpp.data.order import equal_sizes
+from mpp.data import StreamConfig, digits_shards, expand_shards
+from mpp.data.census import Census, census
 
 log = logging.getLogger("mpp.plan")
 
@@ -29,6 +29,7 @@ class Plan:
     ds_config: dict
     stream: StreamConfig  # the training stream's settings; the engine adds rank, epoch and position
     missing_shards: int = 0
+    census: Census | None = None  # every shard's sample count and where it came from
 
     @property
     def micro_per_epoch(self) -> int:  # micro-batches per rank per epoch
@@ -52,18 +53,8 @@ def plan_run(cfg: RunConfig, world_size: int, dev_type: str, img_size: int, num_
     except ValueError as e:
         raise fail("train.precision", str(e)) from None
     shards, missing = train_shards(cfg, img_size)
-    d = cfg.data
-    if d.num_samples is not None:
-        samples, sizes = d.num_samples, equal_sizes(len(shards), d.num_samples)
-    else:
-        try:
-            sizes = shard_sizes(shards)
-            if sizes is None:
-                count_samples(shards)  # raises, naming what sizes.json lacks
-                raise ValueError(f"sizes.json does not list every shard of {shards[0]} ...")
-            samples = sum(sizes)
-        except ValueError as e:
-            raise fail("data.num_samples", f"{e} (set data.num_samples for shards without sizes.json)") from None
+    counted = count_data(cfg, shards)
+    samples, sizes = counted.total, counted.sizes
     steps_per_epoch = samples // cfg.train.batch_size
     if steps_per_epoch < 1:
         raise fail("train.batch_size", f"{cfg.train.batch_size} exceeds the {samples} samples of an epoch")
@@ -79,7 +70,27 @@ def plan_run(cfg: RunConfig, world_size: int, dev_type: str, img_size: int, num_
         shard_sizes=tuple(sizes), **cfg.stream_settings(),
     )  # fmt: skip
     return Plan(shards, samples, steps_per_epoch, total, warmup, micro, accum, world_size, img_size, ds_config,
-                stream, len(missing))  # fmt: skip
+                stream, len(missing), counted)  # fmt: skip
+
+
+def count_data(cfg: RunConfig, shards: list[str]) -> Census:
+    """Every training shard's sample count (``mpp.data.census``; a collective under a process
+    group), logged once; ``data.num_samples``, when set, must agree with it."""
+    import torch.distributed as dist
+
+    d, fail = cfg.data, _failer(cfg)
+    counted = census(shards, d.allow_pipe, run_dir=Path(_output_dir(cfg)))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.info("data: %s", counted.summary())
+    if d.num_samples is not None and d.num_samples != counted.total:
+        raise fail("data.num_samples", f"{d.num_samples}, but the shards hold {counted.total} samples with an image "
+                   f"({counted.summary()}): remove the key, or correct it")  # fmt: skip
+    return counted
+
+
+def _output_dir(cfg) -> str:
+    template = cfg.train.output_dir if hasattr(cfg, "train") else cfg.output_dir
+    return template.format(name=cfg.name)
 
 
 def check_resume(cfg: RunConfig, resume: str | None) -> None:
@@ -87,9 +98,8 @@ def check_resume(cfg: RunConfig, resume: str | None) -> None:
     or accumulation is fine: ``mpp.engine`` re-partitions the checkpoint). ConfigError otherwise."""
     from mpp.checkpoint import resolve_resume, saved_layout
 
-    template = cfg.train.output_dir if hasattr(cfg, "train") else cfg.output_dir
     try:
-        found = resolve_resume(resume, Path(template.format(name=cfg.name)) / "checkpoints")
+        found = resolve_resume(resume, Path(_output_dir(cfg)) / "checkpoints", verified=False)  # the engine verifies
     except FileNotFoundError:
         return  # said by the engine on every rank
     saved = saved_layout(*found) if found else {}

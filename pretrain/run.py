@@ -19,6 +19,7 @@ from mpp.nonfinite import NonFiniteLossError
 from mpp.plan import check_resume, plan_run
 from mpp.preemption import PREEMPTED_EXIT, Preempted
 from mpp.rng import seed_everything
+from mpp.storage import CheckpointError, DiskFullError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,13 +30,16 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
         seed_everything(cfg.train.seed)  # the same initial weights on every rank and every run
         objective = build_objective(cfg)
-        plan = plan_run(cfg, world, device_type(), objective.encoder.patch_embed.img_size[0])
         check_resume(cfg, args.resume)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     device = init_distributed()
-    plan = from_rank0(plan)  # rank 0's view of the shards and the epoch length, on every rank
+    try:  # the shards' samples counted by the ranks together (mpp.data.census); rank 0's plan on every rank
+        plan = from_rank0(plan_run(cfg, world, device_type(), objective.encoder.patch_embed.img_size[0]))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     run_dir = open_run_dir(cfg, rank)
     try:
         state = train(cfg, objective, plan, run_dir, device, resume=args.resume)
@@ -43,9 +47,12 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"stopped: {e}", file=sys.stderr)
         return PREEMPTED_EXIT
-    except (NonFiniteLossError, DataError) as e:  # DataLoader workers wrap the message in a traceback
+    except (NonFiniteLossError, DataError, DiskFullError) as e:  # DataLoader workers wrap the message in a traceback
         print(f"error: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
         return 1
+    except CheckpointError as e:  # nothing intact to resume from: the files are named
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if rank == 0:
         print(f"done: {state.step} steps, {state.samples} images -> {run_dir}/metrics.jsonl, "
               f"{run_dir}/checkpoints, {run_dir}/encoder.safetensors")

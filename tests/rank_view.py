@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import mpp.checkpoint as ckpt
+import mpp.data.census as census_module
 import mpp.plan as plan_module
 from mpp.config import load_config
 from mpp.distributed import from_rank0, init_distributed, world_from_env
@@ -17,15 +18,18 @@ from mpp.engine import _resolve_on_rank0
 config_path, ckpt_root = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
 rank, world = world_from_env()
 if rank == 1:  # rank 1's view of the shared storage
-    real_sizes = plan_module.shard_sizes
-    plan_module.shard_sizes = lambda shards: [n + 20 for n in real_sizes(shards)]  # 8 shards: 160 more
+    real_counts = census_module.known_counts
+
+    def more(shards, run_dir=None):  # 8 shards: 160 more
+        return {s: census_module.ShardCount(c.samples + 20, c.source) for s, c in real_counts(shards, run_dir).items()}
+
+    census_module.known_counts = more
     newest = ckpt.latest_complete(ckpt_root)
     ckpt.latest_complete = lambda root: "step00000004" if newest else None
 cfg = load_config(config_path)
-plan = plan_module.plan_run(cfg, world, "cpu", 16)  # each rank plans alone (errors before anything exists)
-own = plan.steps_per_epoch
+own = plan_module.plan_run(cfg, world, "cpu", 16).steps_per_epoch  # the rank alone, before the group exists
 init_distributed()
-plan = from_rank0(plan)  # as pretrain/run.py and downstream/finetune.py do
+plan = from_rank0(plan_module.plan_run(cfg, world, "cpu", 16))  # as pretrain/run.py and downstream/finetune.py do
 found = from_rank0(_resolve_on_rank0("auto", ckpt_root))  # as the engine's resume does
 decided = {"rank": rank, "own": own, "steps_per_epoch": plan.steps_per_epoch, "tag": found[1]}
 Path(ckpt_root).parent.joinpath(f"rank{rank}.json").write_text(json.dumps(decided))  # not stdout: ranks interleave

@@ -96,7 +96,7 @@ def test_garbage_jpegs_a_truncated_and_a_missing_shard_are_counted_and_the_run_c
     t = shard_dir / "train-000003.tar"
     t.write_bytes(t.read_bytes()[: t.stat().st_size // 2])  # truncated mid-member
     spec = str(shard_dir / "train-{000000..000004}.tar")  # 000004 does not exist
-    cfg = tiny_config(digits16, data={"train_shards": spec, "num_samples": 160, "num_workers": 2},
+    cfg = tiny_config(digits16, data={"train_shards": spec, "num_workers": 2},  # counted: the cut shard's whole samples
                       train={"max_steps": 12, "log_every": 4})
     r = run_cli(["python", "pretrain/run.py", "--config", str(write_config(tmp_path / "c.json", cfg)),
                  "--output-dir", str(tmp_path / "run")])

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from mpp.benchmarks.common import format_table
-from mpp.data.bench import bench_bad_data, bench_epoch_start, bench_pipeline
+from mpp.data.bench import bench_bad_data, bench_census, bench_epoch_start, bench_pipeline
 
 SETTINGS = {
-    "full": dict(num_images=512, img_size=224, repeats=3),
-    "quick": dict(num_images=64, img_size=224, repeats=1),
+    "full": dict(num_images=512, img_size=224, repeats=3, num_shards=1024, members=1000),
+    "quick": dict(num_images=64, img_size=224, repeats=1, num_shards=8, members=100),
 }
 COST_RATIO_GOAL = 1.10  # pipeline time per image ÷ bare decode + resize (mpp.data.bench)
 BAD_DATA_GOAL = 0.90  # images/s delivered from 5 %-garbage shards ÷ from clean ones
@@ -68,6 +68,7 @@ def run(quick: bool = False, step_ips: list[str] | None = None, cpu_step_json: s
     bench = bench_pipeline(**s)
     bad = bench_bad_data(**s)
     start = bench_epoch_start(**s)
+    counted = bench_census(**s)
     per_worker = bench["pipeline_ips"]
     sizing = [{"step": label, "step_ips": ips, "workers": workers_needed(ips, per_worker)}
               for label, ips in step_rates(step_ips or [], cpu_step_json).items()]  # fmt: skip
@@ -76,6 +77,7 @@ def run(quick: bool = False, step_ips: list[str] | None = None, cpu_step_json: s
         "pipeline": bench,
         "bad_data": bad,
         "epoch_start": start,
+        "census": counted,
         "node_buffer_gib": node_buffer_gib(start["mean_encoded_bytes"]),
         "per_worker_ips": per_worker,
         "sizing": sizing,
@@ -105,6 +107,11 @@ def render(result: dict[str, Any]) -> str:
              f"persistent {e['first_batch_s_persistent']:.3f} s (x{e['restart_ratio']:.1f}); shuffle windows per node "
              f"(8 ranks x 64 streams, {e['mean_encoded_bytes'] / 1e3:.0f} kB images): "
              + ", ".join(f"window {k} {v:.2f} GiB" for k, v in result["node_buffer_gib"].items()))  # fmt: skip
+    c = result["census"]
+    census = (f"shard census (mpp.data.census), {c['num_shards']} shards x {c['members_per_shard']} members, no "
+              f"sizes.json: first scan {c['first_scan_s']:.2f} s ({'cold' if c['first_scan_cold_cache'] else 'warm'} "
+              f"page cache), warm {c['warm_scan_s']:.2f} s ({c['members_per_s_warm']:,.0f} members/s, one process), "
+              f"cache hit {c['cache_hit_s'] * 1e3:.1f} ms (x{c['scan_to_hit_ratio']:,.0f})")  # fmt: skip
     sizing = format_table(result["sizing"], [("step", "step to feed", ""), ("step_ips", "img/s", ".1f"),
                                              ("workers", "workers needed", "d")])  # fmt: skip
-    return f"{table}\n{ratios}\n{bad}\n{start}\n\n{sizing}"
+    return f"{table}\n{ratios}\n{bad}\n{start}\n{census}\n\n{sizing}"

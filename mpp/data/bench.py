@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import tempfile
 import time
 
@@ -64,6 +65,7 @@ def bench_pipeline(
     height: int = 375,
     batch_size: int = 32,
     repeats: int = 3,
+    **_,
 ) -> dict:
     """images/s of (a) a bare PIL decode + resize loop and (b) the train pipeline (num_workers=0).
 
@@ -117,7 +119,7 @@ def bench_pipeline(
 
 
 def bench_bad_data(
-    num_images: int = 256, img_size: int = 224, bad_frac: float = 0.05, batch_size: int = 32, repeats: int = 3
+    num_images: int = 256, img_size: int = 224, bad_frac: float = 0.05, batch_size: int = 32, repeats: int = 3, **_
 ) -> dict:
     """Delivered images/s of the train pipeline (num_workers=0) over clean shards and over the
     same shards with ``bad_frac`` of the images replaced by garbage bytes: what skipping and
@@ -201,3 +203,55 @@ if __name__ == "__main__":
     args = parser.parse_args()
     fn = bench_bad_data if args.bad_data else bench_pipeline
     print(json.dumps(fn(args.num_images, args.img_size, repeats=args.repeats), indent=1))
+
+
+def _write_plain_shards(folder: str, num_shards: int, members: int, member_bytes: int) -> None:
+    """Shards of ``members`` members (jpg + cls pairs, zero bytes: the census reads no data)."""
+    import tarfile
+
+    payload = bytes(member_bytes) + bytes(-member_bytes % 512)
+    for s in range(num_shards):
+        with open(f"{folder}/s-{s:06d}.tar", "wb") as f:
+            for m in range(members):
+                info = tarfile.TarInfo(f"{m // 2:06d}.{'cls' if m % 2 else 'jpg'}")
+                info.size = member_bytes
+                f.write(info.tobuf(format=tarfile.USTAR_FORMAT) + payload)
+            f.write(bytes(1024))
+
+
+def _drop_page_cache() -> bool:
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:  # not root, or a container that forbids it
+        return False
+
+
+def bench_census(num_shards: int = 1024, members: int = 1000, member_bytes: int = 400, **_) -> dict:
+    """The training plan's sample count (``mpp.data.census``) for shards without sizes.json: one
+    pass over the tar headers (cold page cache when it can be dropped, then warm), and the cache hit."""
+    from .census import census
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        _write_plain_shards(tmp, num_shards, members, member_bytes)
+        write_s = time.perf_counter() - t0
+        shards = [f"{tmp}/s-{s:06d}.tar" for s in range(num_shards)]
+        cold = _drop_page_cache()
+        t0 = time.perf_counter()
+        scanned = census(shards)
+        scan_s = time.perf_counter() - t0
+        os.unlink(f"{tmp}/.mpp_counts.json")
+        t0 = time.perf_counter()
+        census(shards)
+        warm_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        cached = census(shards)
+        hit_s = time.perf_counter() - t0
+    assert scanned.total == cached.total == num_shards * (members // 2), (scanned.total, cached.total)
+    assert {c.source for c in cached.counts} == {"cache"}
+    return {"num_shards": num_shards, "members_per_shard": members, "member_bytes": member_bytes,
+            "write_s": write_s, "first_scan_s": scan_s, "first_scan_cold_cache": cold, "warm_scan_s": warm_s,
+            "cache_hit_s": hit_s, "members_per_s_warm": num_shards * members / warm_s,
+            "scan_to_hit_ratio": warm_s / hit_s}  # fmt: skip

@@ -23,9 +23,10 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 
+from .census import census
 from .errors import SkipCounter
-from .order import done_before, epoch_order, equal_sizes, schedule, split, stream_samples
-from .sources import check_shards, expand_shards, shard_sizes
+from .order import done_before, epoch_order, schedule, split, stream_samples
+from .sources import check_shards, expand_shards
 from .tario import shard_samples
 from .transforms import IMAGE_KEYS, collate, eval_transform, train_transform
 
@@ -129,7 +130,7 @@ class StreamConfig:
     randaug: tuple[int, int] | None = None
     shuffle_buffer: int = 16  # samples shuffled together in each stream (mpp.data.order)
     global_batch: int = 0  # the streams of a step: batch_size x world_size x accumulation (0: no accumulation)
-    shard_sizes: tuple[int, ...] | None = None  # samples per shard (sizes.json); None: equal
+    shard_sizes: tuple[int, ...] | None = None  # samples per shard (mpp.data.census); None: counted by the loader
 
 
 class _Stream(IterableDataset):
@@ -154,8 +155,7 @@ class _TrainStream(_Stream):
         worker, num_workers = _worker_info()
         errors = SkipCounter(c.max_consecutive_errors)
         accum, steps = _accumulation(c), c.num_batches // _accumulation(c)
-        streams_per_step = c.batch_size * c.world_size * accum
-        sizes = list(c.shard_sizes) if c.shard_sizes else equal_sizes(len(self.shards), streams_per_step * steps)
+        sizes = list(c.shard_sizes)
         order = epoch_order(len(self.shards), c.seed, c.epoch)
         select = partial(select_image, errors=errors, with_labels=c.with_labels, num_classes=c.num_classes)
         augment = partial(train_transform, img_size=c.img_size, scale=c.crop_scale, ratio=c.crop_ratio, hflip=c.hflip,
@@ -359,13 +359,13 @@ def make_train_loader(
     Order and augmentation depend only on (seed, epoch, global batch, shards) and the rank's
     place in the global batch, not on the workers: with clean data, start_batch=k gives exactly
     the batches after the first k of a straight run, on any world size (``mpp.data.order``).
-    ``shard_sizes`` unset: from sizes.json, else the shards are assumed equal.
+    ``shard_sizes`` unset: counted here (``mpp.data.census``: sizes.json, stats, cache or tar headers).
     """
     cfg = replace(stream, **settings) if stream is not None else StreamConfig(**settings)
     shards = _validate(shards, cfg.allow_pipe, cfg.rank, cfg.world_size)
-    if cfg.shard_sizes is None and (sizes := shard_sizes(shards)) is not None:
-        cfg = replace(cfg, shard_sizes=tuple(sizes))
-    if cfg.shard_sizes is not None and len(cfg.shard_sizes) != len(shards):
+    if cfg.shard_sizes is None:
+        cfg = replace(cfg, shard_sizes=tuple(census(shards, cfg.allow_pipe).sizes))
+    if len(cfg.shard_sizes) != len(shards):
         raise ValueError(f"{len(cfg.shard_sizes)} shard sizes for {len(shards)} shards")
     _accumulation(cfg)  # the global batch splits into this rank's micro-batches
     if key_log is not None:

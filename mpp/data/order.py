@@ -2,8 +2,8 @@
 (seed, epoch, step) alone, not by the world size, micro batch, accumulation or worker count,
 so a run can resume on another number of GPUs without a sample seen twice or skipped.
 
-Epoch ``e``: the shards in a seeded order, their samples end to end (``N`` positions, from
-sizes.json). The global batch ``B`` is made of ``B`` streams; stream ``c`` owns positions
+Epoch ``e``: the shards in a seeded order, their samples end to end (``N`` positions: every
+shard's samples with an image, counted before training by ``mpp.data.census``). The global batch ``B`` is made of ``B`` streams; stream ``c`` owns positions
 ``[c*T, (c+1)*T)`` (``T = N // B`` steps per epoch), shuffled within a window of
 ``shuffle_buffer`` samples, and gives one sample to each step. Rank ``r`` of ``W`` takes streams
 ``[r*B/W, (r+1)*B/W)``: a contiguous stretch of the shards, read by that rank only; its
@@ -11,8 +11,7 @@ micro-batch ``j`` of a step is the ``j``-th run of ``m`` of them, each split acr
 DataLoader workers (each worker builds its part, the main process joins the parts).
 
 A stream short of ``T`` good samples (bad data) goes on past its range: those samples repeat
-another stream's, and the skipped ones are counted. Shards without sizes.json are assumed
-equal in size (``num_samples`` split evenly): then ranges may overlap or leave gaps.
+another stream's, and the skipped ones are counted.
 """
 
 from __future__ import annotations
@@ -34,11 +33,6 @@ def epoch_order(num_shards: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
-def equal_sizes(num_shards: int, total: int) -> list[int]:
-    """Shards without sizes.json: ``total`` samples assumed spread evenly."""
-    return [total // num_shards + (i < total % num_shards) for i in range(num_shards)]
-
-
 def read_from(shards: list[str], sizes: list[int], order: list[int], start: int, errors: SkipCounter,
               allow_pipe: bool) -> Iterator[dict]:  # fmt: skip
     """Raw tar samples from position ``start`` of the epoch's concatenation, wrapping around forever."""
@@ -49,7 +43,7 @@ def read_from(shards: list[str], sizes: list[int], order: list[int], start: int,
         first += 1
     for n in itertools.count():
         url = shards[order[(first + n) % len(order)]]
-        yield from shard_samples([{"url": url, "skip": offset if n == 0 else 0}], errors, allow_pipe)
+        yield from shard_samples([{"url": url, "skip": offset if n == 0 else 0}], errors, allow_pipe, images_only=True)
 
 
 def stream_samples(shards: list[str], sizes: list[int], order: list[int], stream: int, steps: int,

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 from .errors import SkipCounter
 from .sources import open_shard
+from .transforms import IMAGE_KEYS
 
 BLOCK = 512
 
@@ -116,26 +117,72 @@ def split_name(name: str) -> tuple[str | None, str | None]:
     return name[:dot], name[dot + 1 :].lower()
 
 
+def _is_meta(key: str | None) -> bool:
+    return key is None or key.rsplit("/", 1)[-1].startswith("__")  # no extension, or e.g. __index__
+
+
 def _first_samples(n: int) -> Callable[[str], bool]:
-    """A ``read_tar`` skip rule: true for the members of the shard's first ``n`` samples."""
-    seen = {"key": None, "count": 0}
+    """A ``read_tar`` skip rule: true for the members of the shard's first ``n`` samples that have
+    an image (the training order counts only those: ``tar_samples(images_only=True)``)."""
+    seen = {"key": None, "with_image": False, "done": 0}  # done: image samples finished before this one
 
     def skip(name: str) -> bool:
-        key = split_name(name)[0]
-        if key is None or key.rsplit("/", 1)[-1].startswith("__"):
-            return seen["count"] <= n  # not a sample's member: read only once past the skipped ones
+        key, ext = split_name(name)
+        if _is_meta(key):
+            return seen["done"] + seen["with_image"] <= n  # read only once past the skipped ones
         if key != seen["key"]:
-            seen["key"], seen["count"] = key, seen["count"] + 1
-        return seen["count"] <= n
+            seen["done"] += seen["with_image"]
+            seen["key"], seen["with_image"] = key, False
+        seen["with_image"] |= ext in IMAGE_KEYS
+        return seen["done"] < n
 
     return skip
 
 
-def shard_samples(
-    src: Iterator[dict], errors: SkipCounter, allow_pipe: bool = False
-) -> Iterator[dict]:
+def _always(name: str) -> bool:
+    return True
+
+
+def tar_samples(stream, skip: int = 0, headers_only: bool = False,
+                images_only: bool = False) -> Iterator[tuple[str, dict[str, bytes | None]]]:  # fmt: skip
+    """(key, {ext: bytes}) for each sample of a tar stream, grouped as webdataset groups them:
+    consecutive members with the same key. The one grouping rule of the reader and the census
+    (``mpp.data.census``), so a shard's counted samples are exactly the ones read.
+    ``skip``: the first ``skip`` samples passed over unread; ``headers_only``: nothing read but
+    headers (values None); ``images_only``: samples without an image member left out.
+    A cut (``TarError``) ends it after the whole samples before it: the sample being read is
+    kept only when the cut is known to be in a later sample's member."""
+    rule = _always if headers_only else _first_samples(skip) if skip else None
+    key, sample = None, None
+
+    def whole(key: str, sample: dict) -> bool:
+        return not images_only or any(ext in sample for ext in IMAGE_KEYS)
+
+    try:
+        for name, data in read_tar(stream, rule):
+            k, ext = split_name(name)
+            if _is_meta(k) or (data is None and not headers_only):
+                continue  # metadata, or one of the skipped samples
+            if sample is not None and k != key:
+                if whole(key, sample):
+                    yield key, sample
+                sample = None
+            if sample is None:
+                key, sample = k, {}
+            sample.setdefault(ext, data)
+    except Exception as exn:  # truncation, corrupt headers, network errors
+        cut_key = split_name(exn.member)[0] if isinstance(exn, TarError) and exn.member else None
+        if sample is not None and cut_key is not None and cut_key != key and whole(key, sample):
+            yield key, sample
+        raise
+    if sample is not None and whole(key, sample):
+        yield key, sample
+
+
+def shard_samples(src: Iterator[dict], errors: SkipCounter, allow_pipe: bool = False,
+                  images_only: bool = False) -> Iterator[dict]:  # fmt: skip
     """Pipeline stage: {url[, skip]} -> samples {"__key__", "__url__", ext: bytes}, grouped by key
-    within a shard; ``skip``: the shard's first samples are passed over unread."""
+    within a shard (``tar_samples``); ``skip``: the shard's first samples are passed over unread."""
     for item in src:
         url = item["url"]
         errors.shard_opened(url)
@@ -146,27 +193,10 @@ def shard_samples(
             continue
         if url.endswith((".tar.gz", ".tgz")):
             stream = gzip.GzipFile(fileobj=stream)
-        sample = None
         try:
-            for name, data in read_tar(stream, _first_samples(item["skip"]) if item.get("skip") else None):
-                key, ext = split_name(name)
-                if data is None or key is None or key.rsplit("/", 1)[-1].startswith("__"):
-                    continue  # skipped, no extension, or webdataset metadata such as __index__
-                if sample is not None and key != sample["__key__"]:
-                    yield sample
-                    sample = None
-                if sample is None:
-                    sample = {"__key__": key, "__url__": url}
-                sample.setdefault(ext, data)
+            for key, sample in tar_samples(stream, item.get("skip", 0), images_only=images_only):
+                yield {"__key__": key, "__url__": url, **sample}
         except Exception as exn:  # truncation, corrupt headers, network errors
             errors.skip(f"skipping the rest of shard {url}: {exn!r}", url=url)
-            # The sample in progress is kept only if the cut is known to be in a later sample.
-            cut_key = (
-                split_name(exn.member)[0] if isinstance(exn, TarError) and exn.member else None
-            )
-            if sample is not None and (cut_key is None or cut_key == sample["__key__"]):
-                sample = None
         finally:
             stream.close()
-        if sample is not None:
-            yield sample
