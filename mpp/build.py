@@ -10,12 +10,12 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from mpp.config import Config, ConfigError
+from mpp.config import Config, ConfigError, ModelConfig
 from mpp.masking import build_mask_generator
 from mpp.models.vit import VisionTransformer, create_vit
 from mpp.objectives import OBJECTIVES, Objective
 from mpp.objectives import build_objective as build_objective_by_name
-from mpp.pretrained import init_objective, load_into
+from mpp.pretrained import init_objective, load_into, read_model_kwargs
 from mpp.storage import CheckpointError
 
 
@@ -24,19 +24,40 @@ def build_encoder(cfg: Any, **overrides: Any) -> VisionTransformer:
     configs with an ``init`` other than "scratch", its pretrained weights loaded
     (``mpp.pretrained.load_into``). Errors are ConfigError naming the file and the key."""
     source = getattr(cfg, "_source", "<config>")
+    init = getattr(cfg, "init", "scratch")
+    if hasattr(cfg, "init") and cfg.model.init:
+        raise ConfigError(f"{source}: model.init: pretraining's key; a downstream run starts from `init`")
+    key, weights = ("init", init) if init != "scratch" else ("model.init", cfg.model.init)
+    if weights:
+        try:
+            adopt_stated_architecture(cfg.model, weights)
+        except (FileNotFoundError, ValueError, CheckpointError) as e:
+            raise ConfigError(f"{source}: {key}: {e}") from None
     try:
         encoder = create_vit(cfg.model.name, **cfg.model.vit_kwargs(), **overrides)
     except ValueError as e:
         raise ConfigError(f"{source}: model: {e}") from None
-    init = getattr(cfg, "init", "scratch")
-    if hasattr(cfg, "init") and cfg.model.init:
-        raise ConfigError(f"{source}: model.init: pretraining's key; a downstream run starts from `init`")
     if init != "scratch":
         try:
             load_into(encoder, init)
         except (FileNotFoundError, ValueError, CheckpointError) as e:  # CheckpointError: damaged files, named
             raise ConfigError(f"{source}: init: {e}") from None
     return encoder
+
+
+# what a weights file can state that a variant name does not; the others come with model.name
+FILE_FACTS = ("norm_eps", "qkv_bias")
+
+
+def adopt_stated_architecture(model: ModelConfig, weights: str) -> None:
+    """The LayerNorm eps and qkv bias ``weights`` states (a Hugging Face folder's layer_norm_eps,
+    a run's metadata) where the config leaves them unset, written into the config so the run's
+    config.json and its exported encoder state them too. A config that sets another value is
+    left as it is: loading the weights then fails naming both (``mpp.pretrained``)."""
+    stated = read_model_kwargs(weights)
+    for key in FILE_FACTS:
+        if getattr(model, key) is None and stated.get(key) is not None:
+            setattr(model, key, stated[key])
 
 
 def build_objective(cfg: Config) -> Objective:

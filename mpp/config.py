@@ -53,6 +53,10 @@ class ModelConfig(_Section):
     pos_embed: Literal["learned", "sincos"] = "learned"
     attn_backend: Literal["auto", "xformers", "sdpa", "math"] = "auto"
     drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
+    # None: what the init weights state (a Hugging Face folder's layer_norm_eps, 1e-12 in Google's
+    # checkpoints), else the ViT's own 1e-6 / True; a value here that contradicts the file is an error
+    norm_eps: float | None = Field(None, gt=0.0)
+    qkv_bias: bool | None = None
     # pretraining only: continue from published weights (an encoder file, a Hugging Face ViT
     # folder, MAE's / HPM's release .pth whose decoder also initialises an MAE decoder, a run)
     init: str | None = None

@@ -22,24 +22,24 @@ from pathlib import Path
 
 from mpp.checkpoint import save_weights
 from mpp.hf import hf_config, to_hf
-from mpp.models.vit import vit_config
+from mpp.models.vit import full_vit_config
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
 from mpp.pretrained import load_pretrained
+from mpp.storage import CheckpointError
 
 # model kwargs of ours that are timm VisionTransformer constructor arguments
 _TIMM_ARGS = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias", "drop_path_rate")
 FORMATS = ("safetensors", "timm", "hf")
-
-
-def full_kwargs(model_kwargs: dict) -> dict:
-    """A variant name plus overrides -> every constructor argument we know of."""
-    return {**vit_config(model_kwargs["name"]), **{k: v for k, v in model_kwargs.items() if k != "name"}}
+TIMM_NORM_EPS = 1e-6  # timm's ViT: norm_layer = partial(nn.LayerNorm, eps=1e-6)
 
 
 def timm_model_args(model_kwargs: dict) -> dict:
     """Our architecture -> timm VisionTransformer kwargs: a headless cls-token encoder, or a
     classifier with its head and pooling (``fc_norm`` after an average pool, as timm and MAE do)."""
-    full = full_kwargs(model_kwargs)
+    full = full_vit_config(model_kwargs)
+    if full.get("norm_eps", TIMM_NORM_EPS) != TIMM_NORM_EPS:
+        raise ValueError(f"norm_eps={full['norm_eps']}: timm's VisionTransformer builds its LayerNorms with eps "
+                         f"{TIMM_NORM_EPS} and its model_args cannot state another; export with --format hf or safetensors")  # fmt: skip
     args = {k: full[k] for k in _TIMM_ARGS if k in full}
     args.pop("drop_path_rate", None)  # a training choice, not the architecture
     num_classes = int(full.get("num_classes", 0) or 0)
@@ -53,7 +53,8 @@ def run_info(source: str | Path) -> dict:
     from mpp.data import digits_shards, expand_shards, read_sizes
 
     src = Path(source)
-    cfg_file = next((d / "config.json" for d in (src, src.parent) if (d / "config.json").is_file()), None)
+    # beside a run's encoder.safetensors, or above its checkpoints/ or checkpoints/stepN
+    cfg_file = next((d / "config.json" for d in (src, src.parent, src.parent.parent) if (d / "config.json").is_file()), None)
     info = {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD), "class_names": None}
     if cfg_file is None:
         return info
@@ -61,7 +62,7 @@ def run_info(source: str | Path) -> dict:
     data = cfg.get("data") or {}
     info.update(mean=list(data.get("mean", info["mean"])), std=list(data.get("std", info["std"])))
     try:
-        spec = data.get("train_shards") or digits_shards(full_kwargs(cfg["model"])["img_size"])["train"]
+        spec = data.get("train_shards") or digits_shards(full_vit_config(cfg["model"])["img_size"])["train"]
         info["class_names"] = (read_sizes(expand_shards(spec)) or {}).get("class_names")
     except (KeyError, ValueError, OSError):
         pass  # no class names: HF labels stay "0", "1", ...
@@ -82,6 +83,7 @@ def export(source: str | Path, fmt: str, out: str | Path | None = None) -> Path:
     base = src if src.is_dir() else src.parent
     if fmt == "safetensors":
         path = Path(out) if out else base / "encoder.safetensors"
+        path.parent.mkdir(parents=True, exist_ok=True)
         save_weights(sd, path, {"format": "mpp-encoder", "model": kwargs})
         return path
     folder = Path(out) if out else base / fmt
@@ -119,7 +121,7 @@ def write_timm(sd: dict, kwargs: dict, info: dict, folder: Path) -> None:
 
 
 def write_hf(sd: dict, kwargs: dict, info: dict, folder: Path) -> None:
-    full = full_kwargs(kwargs)
+    full = full_vit_config(kwargs)
     num_classes = int(full.get("num_classes", 0) or 0)
     names = info["class_names"] if info["class_names"] and len(info["class_names"]) == num_classes else None
     config = hf_config(kwargs, dict(enumerate(names)) if names else None)  # refuses what HF cannot express
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         path = export(args.source, args.format, args.out)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, CheckpointError) as e:  # CheckpointError: a damaged file, named
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(path)

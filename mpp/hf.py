@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from mpp.models.vit import vit_config
+from mpp.models.vit import full_vit_config
 
 
 def hf_config(model_kwargs: dict, id2label: dict[int, str] | None = None) -> dict:
     """Our architecture (``encoder.safetensors`` metadata) -> a ``transformers.ViTConfig`` dict."""
-    full = {**vit_config(model_kwargs["name"]), **{k: v for k, v in model_kwargs.items() if k != "name"}}
+    full = full_vit_config(model_kwargs)
     num_classes = int(full.get("num_classes", 0) or 0)
     if num_classes and full.get("global_pool", "token") != "token":
         raise ValueError(
@@ -70,10 +70,11 @@ def to_hf(state_dict: dict[str, Tensor], depth: int, classifier: bool) -> dict[s
     }
     for i in range(depth):
         src, dst = f"blocks.{i}.", f"{p}encoder.layer.{i}."
-        q, k, v = sd[src + "attn.qkv.weight"].chunk(3)
-        qb, kb, vb = sd[src + "attn.qkv.bias"].chunk(3)
-        for name, w, b in (("query", q, qb), ("key", k, kb), ("value", v, vb)):
-            out[f"{dst}attention.attention.{name}.weight"], out[f"{dst}attention.attention.{name}.bias"] = w, b
+        for name, w in zip(("query", "key", "value"), sd[src + "attn.qkv.weight"].chunk(3), strict=True):
+            out[f"{dst}attention.attention.{name}.weight"] = w
+        if src + "attn.qkv.bias" in sd:  # qkv_bias=False: none
+            for name, b in zip(("query", "key", "value"), sd[src + "attn.qkv.bias"].chunk(3), strict=True):
+                out[f"{dst}attention.attention.{name}.bias"] = b
         for ours, theirs in _BLOCK_NAMES:
             for kind in ("weight", "bias"):
                 out[f"{dst}{theirs}.{kind}"] = sd[f"{src}{ours}.{kind}"]
@@ -126,7 +127,8 @@ def from_hf(state_dict: dict[str, Tensor], depth: int) -> dict[str, Tensor]:
     for i in range(depth):
         src, dst = f"encoder.layer.{i}.attention.attention.", f"blocks.{i}."
         out[dst + "attn.qkv.weight"] = torch.cat([sd[f"{src}{n}.weight"] for n in ("query", "key", "value")])
-        out[dst + "attn.qkv.bias"] = torch.cat([sd[f"{src}{n}.bias"] for n in ("query", "key", "value")])
+        if f"{src}query.bias" in sd:  # qkv_bias=False: none
+            out[dst + "attn.qkv.bias"] = torch.cat([sd[f"{src}{n}.bias"] for n in ("query", "key", "value")])
         for ours, theirs in _BLOCK_NAMES:
             for kind in ("weight", "bias"):
                 out[f"{dst}{ours}.{kind}"] = sd[f"encoder.layer.{i}.{theirs}.{kind}"]
@@ -156,7 +158,7 @@ def model_kwargs_from_hf(config: dict) -> dict:
 def read_hf_folder(folder: str | Path) -> tuple[dict[str, Tensor], dict]:
     """(our encoder state dict, our model kwargs) from a ``save_pretrained`` folder
     (``config.json`` + ``model.safetensors``; pickled ``pytorch_model.bin`` is refused)."""
-    from safetensors.torch import load_file
+    from mpp.checkpoint import load_encoder_file
 
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
@@ -166,4 +168,4 @@ def read_hf_folder(folder: str | Path) -> tuple[dict[str, Tensor], dict]:
     if not weights.is_file():
         raise ValueError(f"{folder}: no model.safetensors (a pickled pytorch_model.bin is not loaded)")
     kwargs = model_kwargs_from_hf(config)
-    return from_hf(load_file(str(weights)), kwargs["depth"]), kwargs
+    return from_hf(load_encoder_file(weights)[0], kwargs["depth"]), kwargs

@@ -1,16 +1,20 @@
-"""What HPM sees: one row per image, four panels (PIL only, no plotting library).
+"""What a pretraining objective sees: one row per image (PIL only, no plotting library).
 
-input | mask (grey: masked at random, red: masked as hard by the teacher) |
-reconstruction (visible patches from the input, masked ones predicted) | teacher's predicted loss
+HPM: input | mask (grey: masked at random, red: masked as hard by the teacher) |
+reconstruction (visible patches from the input, masked ones predicted) | teacher's predicted loss.
+MAE / MPP: input | mask (grey) | reconstruction (MPP: each masked patch in its predicted colour).
 
   python -m mpp.viz --images 8 --out grid.png                       # random init, digits
-  python -m mpp.viz --config configs/hpm_demo.json --checkpoint runs/x/ckpt --out grid.png
+  python -m mpp.viz --checkpoint runs/hpm_demo --out grid.png       # a pretraining run: its config.json
+  python -m mpp.viz --config configs/hpm_demo.json --checkpoint runs/x/checkpoints --out grid.png
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +24,14 @@ from einops import rearrange, repeat
 from PIL import Image
 from torch import Tensor
 
-from mpp.checkpoint import find_checkpoint, weights_only_loads, zero_to_fp32
+from mpp.checkpoint import find_checkpoint, load_encoder_file, weights_only_loads, zero_to_fp32
+from mpp.config import Config, load_config, resolve_config_path
 from mpp.masking import hard_patch_mask
+from mpp.objectives.base import Objective
 from mpp.objectives.hpm import HardPatchesMining
 from mpp.objectives.mae import MaskedAutoencoder
 from mpp.ops import gather_tokens, patchify, unnormalize, unpatchify
+from mpp.storage import CheckpointError
 
 RANDOM_COLOR = (0.5, 0.5, 0.5)
 HARD_COLOR = (1.0, 0.15, 0.1)
@@ -68,18 +75,14 @@ def heat_colors(values: Tensor) -> Tensor:
     return torch.stack([(2 * v).clamp(0, 1), (2 * v - 1).clamp(0, 1), 0.15 * (1 - v)], dim=-1)
 
 
-@torch.no_grad()
-def hpm_panels(
-    objective: HardPatchesMining, images: Tensor, num_hard: int | None = None
+def masked_panels(
+    base, images: Tensor, mask: Tensor, hard: Tensor, mean: tuple[float, ...], std: tuple[float, ...]
 ) -> list[Tensor]:
-    """The four panels, each (B, 3, H, W) in [0, 1]. ``num_hard`` overrides the objective's k."""
-    k = objective.num_hard if num_hard is None else num_hard
-    base, enc = objective.base, objective.encoder
-    P, grid = enc.patch_size, enc.grid_size
-    scores = objective.teacher_scores(images)  # (B, N)
-    mask, hard = hard_patch_mask(scores, objective.num_masked, k)
+    """input | mask (grey, ``hard`` red) | reconstruction, each (B, 3, H, W) in [0, 1], of an MAE or
+    MPP objective run on ``mask`` (B, N)."""
+    P, grid = base.encoder.patch_size, base.encoder.grid_size
     out = base.forward_per_patch(images, mask)
-    raw = unnormalize(images.float(), objective.mean, objective.std)  # (B, 3, H, W) in [0, 1]
+    raw = unnormalize(images.float(), mean, std)  # (B, 3, H, W) in [0, 1]
     raw_patches = patchify(raw, P)  # (B, N, P*P*3)
 
     def tint(color: tuple[float, ...]) -> Tensor:  # the patches, 75 % covered by a colour
@@ -87,12 +90,40 @@ def hpm_panels(
 
     shown = torch.where(mask.unsqueeze(-1), tint(RANDOM_COLOR), raw_patches)
     shown = torch.where(hard.unsqueeze(-1), tint(HARD_COLOR), shown)
-    # (B, N_mask, P*P*3)
-    predicted = predicted_patches(base, images, out, objective.mean, objective.std)
+    predicted = predicted_patches(base, images, out, mean, std)  # (B, N_mask, P*P*3)
     idx = out["idx"].unsqueeze(-1).expand(-1, -1, raw_patches.shape[-1])
     recon = raw_patches.scatter(1, idx, predicted)  # visible patches as they are, masked predicted
+    return [raw] + [unpatchify(x, grid, P) for x in (shown, recon)]
+
+
+@torch.no_grad()
+def hpm_panels(
+    objective: HardPatchesMining, images: Tensor, num_hard: int | None = None
+) -> list[Tensor]:
+    """The four panels, each (B, 3, H, W) in [0, 1]. ``num_hard`` overrides the objective's k."""
+    k = objective.num_hard if num_hard is None else num_hard
+    P = objective.encoder.patch_size
+    scores = objective.teacher_scores(images)  # (B, N)
+    mask, hard = hard_patch_mask(scores, objective.num_masked, k)
+    panels = masked_panels(objective.base, images, mask, hard, objective.mean, objective.std)
     heat = heat_colors(scores).repeat(1, 1, P * P)  # (B, N, P*P*3)
-    return [raw] + [unpatchify(x, grid, P) for x in (shown, recon, heat)]
+    return panels + [unpatchify(heat, objective.encoder.grid_size, P)]
+
+
+@torch.no_grad()
+def objective_panels(
+    objective: Objective, images: Tensor, mean: tuple[float, ...], std: tuple[float, ...], num_hard: int | None = None
+) -> list[Tensor]:
+    """HPM's four panels, or MAE's / MPP's three on a mask from their own generator; in eval mode."""
+    was_training = objective.training
+    objective.eval()
+    try:
+        if isinstance(objective, HardPatchesMining):
+            return hpm_panels(objective, images, num_hard)
+        mask = objective.mask_generator(images.shape[0], images.device)  # (B, N)
+        return masked_panels(objective, images, mask, torch.zeros_like(mask), mean, std)
+    finally:
+        objective.train(was_training)
 
 
 def picture_size(
@@ -113,13 +144,12 @@ def hpm_picture(
 ) -> Image.Image:
     """Write the picture grid of ``images`` (B, 3, H, W, normalised) to ``path`` (PNG); returns it.
     ``scale`` enlarges each panel (default: to at least 96 px); ``num_hard`` overrides k."""
-    was_training = objective.training
-    objective.eval()
-    try:
-        panels = hpm_panels(objective, images, num_hard)
-    finally:
-        objective.train(was_training)
-    B, _, H, W = images.shape
+    return save_picture(objective_panels(objective, images, objective.mean, objective.std, num_hard), path, scale)
+
+
+def save_picture(panels: list[Tensor], path: str | Path, scale: int | None = None) -> Image.Image:
+    """Panels (each (B, 3, H, W) in [0, 1]) side by side, one row per image, as a PNG at ``path``."""
+    B, _, H, W = panels[0].shape
     scale = scale or max(1, math.ceil(96 / max(H, W)))
     size = picture_size(B, H, W, scale, len(panels))
     canvas = Image.new("RGB", size, "white")
@@ -173,23 +203,23 @@ def deepspeed_weights(folder: Path) -> dict[str, Tensor]:
     return zero_to_fp32(*found)  # any stage, under weights_only loads
 
 
-def load_weights(objective: HardPatchesMining, checkpoint: str) -> None:
+def load_weights(objective: Objective, checkpoint: str) -> None:
     """A state dict file (DeepSpeed's ``mp_rank_00_model_states.pt`` too), a DeepSpeed checkpoint
-    folder, or an exported encoder (.pt or .safetensors; into student and teacher encoders)."""
+    folder or a run directory, or an exported encoder (.pt or .safetensors; into HPM's student
+    and teacher encoders)."""
     path = Path(checkpoint)
     if path.is_dir():
         state = deepspeed_weights(path)
     elif path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state = load_file(str(path))
+        state = load_encoder_file(path)[0]
     else:
         with weights_only_loads():  # a checkpoint is untrusted input: no arbitrary unpickling
             state = torch.load(path, map_location="cpu", weights_only=True)
         state = state.get("module", state.get("state_dict", state))  # DeepSpeed's model states
     if "patch_embed.proj.weight" in state:  # an encoder alone: decoders and predictor stay as built
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
-        for encoder in (objective.base.encoder, objective.teacher["base"].encoder):
+        hpm = isinstance(objective, HardPatchesMining)
+        for encoder in (objective.encoder, objective.teacher["base"].encoder) if hpm else (objective.encoder,):
             encoder.load_state_dict(state)
         return
     missing, unexpected = objective.load_state_dict(state, strict=False)
@@ -199,7 +229,53 @@ def load_weights(objective: HardPatchesMining, checkpoint: str) -> None:
         raise ValueError(f"{checkpoint} does not fit the objective: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def run_config(checkpoint: str) -> Path | None:
+    """The config.json of the run ``checkpoint`` belongs to (the run, its checkpoints/, a tag, a
+    file in the run); None when there is none (a Hugging Face or timm folder has another kind)."""
+    path = Path(checkpoint)
+    for folder in (path, path.parent, path.parent.parent):
+        cfg = folder / "config.json"
+        if cfg.is_file() and {"model", "data"} <= json.loads(cfg.read_text()).keys():
+            return cfg
+    return None
+
+
+def pretraining_config(path: str | Path) -> Config:
+    """A pretraining config (a file, a name in configs/ or a run's config.json); the other kinds
+    of run are refused with the reason."""
+    raw = json.loads(resolve_config_path(path).read_text())
+    if "finetune" in raw:
+        raise ValueError(f"{path}: a fine-tuning run (a classifier, no masked-patch objective to draw); "
+                         f"draw the pretraining run it started from ({raw.get('init')})")  # fmt: skip
+    if "probe" in raw:
+        raise ValueError(f"{path}: a k-NN / linear probe run keeps no weights to draw")
+    cfg = load_config(path)
+    cfg.model.init = None  # the weights come from --checkpoint
+    return cfg
+
+
+def build_for(args: argparse.Namespace) -> tuple[Objective, tuple[float, ...], tuple[float, ...]]:
+    """(the objective, the images' mean and std): from --config, else the checkpoint's run, else
+    an HPM objective from the flags."""
+    config = args.config or (run_config(args.checkpoint) if args.checkpoint else None)
+    if config:
+        from mpp.build import build_objective
+
+        cfg = pretraining_config(config)
+        return build_objective(cfg), cfg.data.mean, cfg.data.std
+    from mpp.models.vit import create_vit
+
+    objective = HardPatchesMining(
+        create_vit(args.model, pos_embed="sincos"),
+        base=args.base,
+        decoder_dim=args.decoder_dim,
+        decoder_depth=args.decoder_depth,
+        decoder_heads=args.decoder_heads,
+    )
+    return objective, objective.mean, objective.std
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m mpp.viz",
         description=__doc__,
@@ -207,11 +283,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--out", required=True, help="PNG file to write")
     ap.add_argument("--images", type=int, default=8, help="how many images (rows)")
+    ap.add_argument("--config", help="a pretraining config; default: the checkpoint's run's, else the flags below")
     ap.add_argument(
-        "--config", help="a pretraining config (objective hpm); else the flags below build one"
-    )
-    ap.add_argument(
-        "--checkpoint", help="state dict file, DeepSpeed checkpoint folder, or exported encoder"
+        "--checkpoint", help="a pretraining run, DeepSpeed checkpoint folder, state dict file, or exported encoder"
     )
     ap.add_argument("--image-dir", help="folder of images to show (default: scikit-learn's digits)")
     ap.add_argument("--model", default="vit_tiny_patch4_32")
@@ -222,41 +296,31 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--hard-ratio",
         type=float,
-        help="share of the mask chosen as hard (default: the objective's)",
+        help="HPM: share of the mask chosen as hard (default: the objective's)",
     )
     ap.add_argument("--scale", type=int, help="enlarge each panel by this factor")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     torch.manual_seed(args.seed)
-    if args.config:
-        from mpp.build import build_objective
-        from mpp.config import load_config
-
-        objective = build_objective(load_config(args.config))
-    else:
-        from mpp.models.vit import create_vit
-
-        objective = HardPatchesMining(
-            create_vit(args.model, pos_embed="sincos"),
-            base=args.base,
-            decoder_dim=args.decoder_dim,
-            decoder_depth=args.decoder_depth,
-            decoder_heads=args.decoder_heads,
-        )
-    if not isinstance(objective, HardPatchesMining):
-        raise SystemExit(
-            f"mpp.viz draws HPM objectives, the config builds {type(objective).__name__}"
-        )
-    if args.checkpoint:
-        load_weights(objective, args.checkpoint)
+    try:
+        objective, mean, std = build_for(args)
+        if args.checkpoint:
+            load_weights(objective, args.checkpoint)
+    except (ValueError, FileNotFoundError, CheckpointError) as e:  # ConfigError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     enc = objective.encoder
-    images = load_images(
-        args.images, enc.patch_embed.img_size[0], objective.mean, objective.std, args.image_dir
-    )
-    k = None if args.hard_ratio is None else int(objective.num_masked * args.hard_ratio)
-    pic = hpm_picture(objective, images, args.out, scale=args.scale, num_hard=k)
+    images = load_images(args.images, enc.patch_embed.img_size[0], mean, std, args.image_dir)
+    hpm = isinstance(objective, HardPatchesMining)
+    k = None if args.hard_ratio is None or not hpm else int(objective.num_masked * args.hard_ratio)
+    pic = save_picture(objective_panels(objective, images, mean, std, k), args.out, args.scale)
     print(f"wrote {args.out} ({pic.width}x{pic.height}, {images.shape[0]} images)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -59,6 +59,17 @@ def run_cli(args: list[str], timeout: int = 240, env: dict | None = None, **kw) 
     return subprocess.run(args, cwd=REPO, env=cli_env(env), capture_output=True, text=True, timeout=timeout, **kw)
 
 
+def restamp(tag_dir: Path) -> None:
+    """Rewrite a checkpoint's COMPLETE marker to match its files, as whoever tampers with a file can:
+    the manifest finds damage, it is no defence against a crafted file (weights_only loading is)."""
+    from mpp.storage import manifest
+
+    marker = Path(tag_dir) / "COMPLETE"
+    record = json.loads(marker.read_text())
+    record["files"] = {n: r for n, r in manifest(Path(tag_dir)).items() if n != "COMPLETE"}
+    marker.write_text(json.dumps(record) + "\n")
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, run_cli, tiny_config, write_config
+from conftest import free_port, restamp, run_cli, tiny_config, write_config
 from test_vit import timm_vit_keys
 
 from mpp.augment import mixup_cutmix, random_erasing, soft_targets
@@ -79,6 +79,7 @@ def test_a_pickled_payload_in_a_checkpoint_is_refused_not_executed(two_rank_runs
     state = torch.load(target, weights_only=True)
     state["evil"] = Payload()
     torch.save(state, target)
+    restamp(target.parent)
     with pytest.raises(pickle.UnpicklingError):
         load_pretrained(bad)
     assert not mark.exists()

@@ -13,7 +13,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, cli_env, free_port, read_metrics, run_cli, tiny_config, write_config
+from conftest import (
+    REPO,
+    cli_env,
+    free_port,
+    read_metrics,
+    restamp,
+    run_cli,
+    tiny_config,
+    write_config,
+)
 from PIL import Image
 from test_downstream import Payload
 
@@ -136,6 +145,7 @@ def test_a_pickled_payload_in_a_checkpoint_is_refused_on_resume(tmp_path, digits
     monkeypatch.setenv("PAYLOAD_MARK", str(mark))
     state["evil"] = Payload()
     torch.save(state, target)
+    restamp(target.parent)
     r = run_cli(["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(run), "--resume", "auto",
                  "--set", "train.max_steps=4"], env={"PAYLOAD_MARK": str(mark), "PYTHONPATH": str(REPO / "tests")})
     assert r.returncode != 0 and "Weights only load failed" in r.stderr

@@ -213,3 +213,63 @@ def test_a_real_pretraining_run_exports_to_hf_with_its_features(two_rank_runs, t
     x = torch.randn(2, 3, 16, 16)
     with torch.no_grad():
         torch.testing.assert_close(hf(pixel_values=x).last_hidden_state, ours.forward_features(x), rtol=0, atol=1e-5)
+
+
+def google_style_vit(folder, qkv_bias=True):
+    """A transformers ViT saved the way Google's checkpoints state their LayerNorms: eps 1e-12."""
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                                    image_size=16, patch_size=4, layer_norm_eps=1e-12, qkv_bias=qkv_bias)  # fmt: skip
+    model = transformers.ViTModel(config, add_pooling_layer=False).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("qkv_bias", [True, False])
+def test_weights_from_a_transformers_folder_compute_what_transformers_computes(tmp_path, qkv_bias):
+    from mpp.build import build_encoder, build_objective
+    from mpp.config import ProbeConfig
+
+    hf = google_style_vit(tmp_path / "vit", qkv_bias)
+    cfg = validate({"init": str(tmp_path / "vit"), "model": TINY, "data": {"builtin": "digits"}}, cls=ProbeConfig)
+    encoder = build_encoder(cfg).eval()
+    # small pixels: token variances near 1e-6, where eps 1e-6 instead of 1e-12 is 1e-3 off
+    x = 0.01 * torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(pixel_values=x).last_hidden_state
+        torch.testing.assert_close(encoder.forward_features(x), expected, rtol=0, atol=1e-5)
+        assert cfg.model.norm_eps == 1e-12 and cfg.model.qkv_bias is qkv_bias  # so the run's config.json states them
+        raw = {"model": {**TINY, "init": str(tmp_path / "vit")}, "data": {"builtin": "digits"},
+               "optim": {"lr": 1e-3}, "train": {"max_steps": 1}}  # fmt: skip
+        objective = build_objective(validate(raw))  # pretraining continues from it alike (model.init)
+        torch.testing.assert_close(objective.encoder.eval().forward_features(x), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("key,value,stated", [("norm_eps", 1e-6, 1e-12), ("num_heads", 4, 2), ("qkv_bias", False, True)])
+def test_a_config_that_contradicts_the_weights_file_is_an_error_naming_both_values(tmp_path, key, value, stated):
+    import re
+
+    from mpp.build import build_encoder
+    from mpp.config import ConfigError, ProbeConfig
+
+    google_style_vit(tmp_path / "vit")
+    cfg = validate({"init": str(tmp_path / "vit"), "model": {**TINY, key: value}, "data": {"builtin": "digits"}},
+                   cls=ProbeConfig)  # fmt: skip
+    expected = rf"init: .*{key}={re.escape(repr(stated))}, the config's model has {key}={re.escape(repr(value))} \(model\.{key}\)"
+    with pytest.raises(ConfigError, match=expected):
+        build_encoder(cfg)
+
+
+def test_an_eps_timm_cannot_state_is_kept_for_hf_and_refused_for_timm(tmp_path):
+    from mpp.pretrained import timm_model_kwargs
+
+    run, ours = fake_run(tmp_path, norm_eps=1e-12)
+    hf = transformers.ViTModel.from_pretrained(export(run, "hf"), add_pooling_layer=False).eval()
+    assert hf.config.layer_norm_eps == 1e-12
+    x = 0.01 * torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(pixel_values=x).last_hidden_state, ours.forward_features(x), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="norm_eps=1e-12: timm's VisionTransformer .* eps 1e-06"):
+        export(run, "timm")
+    with pytest.raises(ValueError, match="init_values=1e-05: our ViT supports only None"):  # LayerScale
+        timm_model_kwargs({"architecture": "vit_base_patch16_224", "model_args": {"init_values": 1e-5}})

@@ -137,3 +137,23 @@ def test_a_disk_that_fills_during_a_save_leaves_the_last_checkpoint_and_no_parti
     assert not (root / tag_for(2)).exists() and complete_tags(root) == [tag_for(1)]
     assert json.loads((root / tag_for(1) / MARKER).read_text())["step"] == 1
     shutil.rmtree(root)
+
+
+def test_a_truncated_weights_file_of_any_format_is_a_checkpoint_error_naming_it(tmp_path):
+    import torch
+
+    from mpp.checkpoint import save_weights
+    from mpp.export import export
+    from mpp.models.vit import create_vit
+    from mpp.pretrained import load_pretrained
+
+    kwargs = {"name": "vit_tiny_patch4_16", "depth": 1, "embed_dim": 32, "num_heads": 2}
+    vit = create_vit(**kwargs)
+    save_weights(vit.state_dict(), tmp_path / "encoder.safetensors", {"format": "mpp-encoder", "model": kwargs})
+    export(tmp_path / "encoder.safetensors", "hf", tmp_path / "hf")
+    release = tmp_path / "mae_pretrain.pth"
+    torch.save({"model": vit.state_dict()}, release)
+    for path, damaged in ((release, release), (tmp_path / "hf", tmp_path / "hf" / "model.safetensors")):
+        damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+        with pytest.raises(storage.CheckpointError, match=f"{damaged}: not a readable"):
+            load_pretrained(path)

@@ -295,6 +295,13 @@ def vit_config(name: str) -> dict:
     )
 
 
+def full_vit_config(model_kwargs: dict) -> dict:
+    """A variant name plus overrides (``{"name": ..., "embed_dim": 128}``; None: not set, as a run's
+    config.json writes it) -> the constructor arguments that build it."""
+    overrides = {k: v for k, v in model_kwargs.items() if k != "name" and v is not None}
+    return {**vit_config(model_kwargs["name"]), **overrides}
+
+
 def create_vit(name: str, **overrides) -> VisionTransformer:
     """timm-like factory: ``create_vit("vit_base_patch16_224", img_size=32, attn_backend="sdpa")``."""
     kwargs = vit_config(name)
