@@ -40,10 +40,22 @@ def config_from_args(args: argparse.Namespace, cls: type[BaseModel] = Config):
 
 
 def open_run_dir(cfg, rank: int) -> Path:
-    """The run directory, created by rank 0 with the resolved config saved in it."""
+    """The run directory, created by rank 0, held by this job (``mpp.runlock``: RunHeld, a
+    ConfigError, on every rank when another live job holds it) and the resolved config saved in
+    it. A collective under a process group."""
+    from mpp.distributed import from_rank0
+    from mpp.runlock import RunHeld, hold
+
     template = cfg.train.output_dir if hasattr(cfg, "train") else cfg.output_dir
     run_dir = Path(template.format(name=cfg.name))
+    held = None
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.json")
+        try:
+            hold(run_dir)
+            save_config(cfg, run_dir / "config.json")
+        except RunHeld as e:
+            held = str(e)
+    if held := from_rank0(held):
+        raise RunHeld(held)
     return run_dir

@@ -204,8 +204,8 @@ def checkpoint_or_stop(engine: Any, objective: torch.nn.Module, state: RunState,
     if signum:
         if not due:
             save(engine, objective, state, run_dir / "checkpoints", t.keep_last)
-        write_marker(run_dir, state.step, signum)
-        raise Preempted(state.step, signum)
+        write_marker(run_dir, state.step, signum, stop_request.reason)
+        raise Preempted(state.step, signum, stop_request.reason)
 
 
 def _resolve_on_rank0(resume: str | None, ckpt_root: Path) -> tuple[str, str] | str | None:

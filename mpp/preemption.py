@@ -1,31 +1,43 @@
 """Stopping a run cleanly when the cluster asks (SLURM sends SIGUSR1 ahead of time with
-``#SBATCH --signal=USR1@120``, SIGTERM at the end; DeepSpeed's launcher forwards SIGTERM).
+``#SBATCH --signal=USR1@120``, SIGTERM at the end; DeepSpeed's launcher forwards SIGTERM), when
+a terminal closes (SIGHUP) or on Ctrl-C (SIGINT; a second one interrupts at once).
 
 A signal only sets a flag; at every optimiser step the ranks agree on it (one all-reduce of
 one CPU number, on a gloo group so it never waits for the GPU), so they all stop after the
 same step, write one complete checkpoint and exit with ``PREEMPTED_EXIT``. ``--resume auto``
 then continues exactly.
+
+A signal sent to the ``deepspeed`` runner alone (a container's PID 1, ``kill``, a CI timeout, a
+notebook's stop button) kills the runner and reaches no rank: DeepSpeed forwards nothing on one
+node, and its launcher and ranks went on to the end of the run as orphans. So each rank watches
+its job's process tree: when its launcher, or the runner above a DeepSpeed launcher, is gone, it
+sets the flag as SIGHUP would ("the job lost its controlling process").
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import threading
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: try again (a requeue wrapper tests for it)
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
+WATCH_EVERY_S = 1.0
 
 
 class Preempted(Exception):
     """The run stopped on a signal after a complete checkpoint at ``step``."""
 
-    def __init__(self, step: int, signum: int) -> None:
-        super().__init__(f"preempted by {signal.Signals(signum).name} after step {step}: a complete checkpoint "
-                         f"is saved; continue with --resume auto")  # fmt: skip
+    def __init__(self, step: int, signum: int, reason: str | None = None) -> None:
+        why = f"{signal.Signals(signum).name} ({reason})" if reason else signal.Signals(signum).name
+        super().__init__(f"preempted by {why} after step {step}: a complete checkpoint is saved; continue "
+                         f"with --resume auto")  # fmt: skip
         self.step, self.signum = step, signum
 
 
@@ -34,14 +46,26 @@ class StopRequest:
     only set their own copy of the flag, so they keep serving until the rank stops)."""
 
     def __init__(self) -> None:
-        self.signum = 0
+        self.signum, self.reason = 0, None
         self.previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
         backend = dist.get_backend() if dist.is_initialized() else None
         # the control flag goes over gloo: on NCCL a CPU tensor cannot, and a GPU one would sync the step
         self.group = None if backend in (None, "gloo") else dist.new_group(backend="gloo")
+        self.done = threading.Event()
+        if lineage := job_lineage():
+            threading.Thread(target=self._watch, args=(lineage,), daemon=True, name="mpp-job-watch").start()
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt  # Ctrl-C twice: now, without the checkpoint
         self.signum = signum
+
+    def _watch(self, lineage: list[tuple[int, int, str]]) -> None:
+        while not self.done.wait(WATCH_EVERY_S):
+            if lost := lost_parent(lineage):
+                self.reason = self.reason or lost
+                self.signum = self.signum or signal.SIGHUP
+                return
 
     def agreed(self) -> int:
         """The signal any rank got (0: none), the same on every rank. A collective: every rank calls it."""
@@ -51,12 +75,46 @@ class StopRequest:
         return int(flag.item())
 
     def restore(self) -> None:
+        self.done.set()
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
 
-def write_marker(run_dir: Path, step: int, signum: int) -> None:
+def job_lineage() -> list[tuple[int, int, str]]:
+    """[(pid, the parent it must keep, what that parent is)] for this rank's job to be whole: this
+    rank under its launcher, and a DeepSpeed launcher under the runner (or, across nodes, pdsh's
+    shell) that started it. Empty outside a known launcher: a plain ``python`` run's parent is a
+    shell that may well exit (``nohup``) while the run goes on."""
+    me, launcher = os.getpid(), os.getppid()
+    try:
+        parent = psutil.Process(launcher)
+        command = " ".join(parent.cmdline())
+        if "deepspeed.launcher.launch" in command:
+            return [(me, launcher, "its launcher"), (launcher, parent.ppid(), "the deepspeed runner")]
+        if "torch.distributed.run" in command or "torchrun" in command:
+            return [(me, launcher, "its launcher")]
+    except psutil.Error:
+        pass
+    return []
+
+
+def lost_parent(lineage: list[tuple[int, int, str]]) -> str | None:
+    """Which link of ``lineage`` broke ("the deepspeed runner (pid N) ended"), or None. A process
+    whose parent exits is given another one at once, zombie or not: the parent pid tells."""
+    for pid, parent, what in lineage:
+        try:
+            now = os.getppid() if pid == os.getpid() else psutil.Process(pid).ppid()
+        except psutil.Error:
+            now = None
+        if now != parent:
+            return f"{what} (pid {parent}) ended"
+    return None
+
+
+def write_marker(run_dir: Path, step: int, signum: int, reason: str | None = None) -> None:
     """``RUN/preempted.json`` on rank 0: what stopped the run and where (a requeue script reads it)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         record = {"step": step, "signal": signal.Signals(signum).name, "exit_status": PREEMPTED_EXIT}
+        if reason:
+            record["reason"] = reason
         (run_dir / "preempted.json").write_text(json.dumps(record) + "\n")

@@ -148,6 +148,11 @@ def run_probe(kind: str, argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     device = init_distributed() if world > 1 else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        run_dir = open_run_dir(cfg, rank)  # held by this job: a second one on it stops here
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     encoder.to(device)
     d, pr = cfg.data, cfg.probe
     common = dict(img_size=encoder.patch_embed.img_size[0], batch_size=pr.batch_size, mean=d.mean, std=d.std,
@@ -163,7 +168,7 @@ def run_probe(kind: str, argv: list[str] | None = None) -> int:
                            blr=pr.blr, momentum=pr.momentum, weight_decay=pr.weight_decay,
                            warmup_epochs=pr.warmup_epochs, seed=cfg.seed)  # fmt: skip
     results = {**res, "eval": kind, "init": cfg.init, "num_train": len(train_y), "num_val": len(val_y), "ranks": world}
-    (open_run_dir(cfg, rank=0) / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results))
     return 0
 

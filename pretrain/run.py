@@ -37,10 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     device = init_distributed()
     try:  # the shards' samples counted by the ranks together (mpp.data.census); rank 0's plan on every rank
         plan = from_rank0(plan_run(cfg, world, device_type(), objective.encoder.patch_embed.img_size[0]))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        run_dir = open_run_dir(cfg, rank)  # held by this job: a second one on it stops here
+    except ConfigError as e:  # the same on every rank: said once
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
         return 2
-    run_dir = open_run_dir(cfg, rank)
     try:
         state = train(cfg, objective, plan, run_dir, device, resume=args.resume)
     except Preempted as e:

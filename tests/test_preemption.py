@@ -1,6 +1,7 @@
 """Preemption through the real launcher: a signal makes every rank finish its step, write one
 complete checkpoint and exit; --resume auto then continues bitwise (mpp/preemption.py)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -72,3 +73,49 @@ def test_sigterm_to_the_launcher_and_sigusr1_to_the_ranks_checkpoint_and_resume_
     a = {m["step"]: m["loss"] for m in read_metrics(straight)}
     b = {m["step"]: m["loss"] for m in read_metrics(stopped)}
     assert a == b  # the same batches and updates, bitwise
+
+
+def test_sigterm_to_the_runner_alone_stops_every_rank_and_a_second_job_on_the_live_run_is_refused(tmp_path, digits16):
+    """What a container's PID 1, a user's `kill`, a CI timeout send: SIGTERM to the `deepspeed`
+    runner only. It dies at once and forwards nothing; the ranks see their job lose its runner."""
+    cfg = tiny_config(digits16, train={"max_steps": 100000, "ckpt_every": 100000}, data={"num_workers": 1})
+    path = write_config(tmp_path / "c.json", cfg)
+    run = tmp_path / "run"
+    proc = subprocess.Popen(launch(path, run), cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and len(read_metrics(run) if (run / "metrics.jsonl").exists() else []) < 3:
+            time.sleep(0.1)
+        holder = json.loads((run / "job.lock").read_text())
+        config_before = (run / "config.json").read_bytes()
+
+        # a second job on the live directory: one line naming the holder, nothing written
+        second = run_cli(launch(path, run, ["--resume", "auto"]))
+        errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+        assert second.returncode == 2 and len(errors) == 1, second.stderr[-3000:]
+        assert f"{run} is held by the job on {holder['host']} pid {holder['pid']} since {holder['since']}" in errors[0]
+        assert proc.poll() is None and (run / "config.json").read_bytes() == config_before  # the first goes on
+
+        job = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        proc.send_signal(signal.SIGTERM)  # the runner alone
+        assert proc.wait(timeout=30) != 0
+        _, alive = psutil.wait_procs(job, timeout=60)
+        assert not alive, alive  # no rank, launcher or data worker of the job left
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    stopped = json.loads((run / "preempted.json").read_text())
+    assert stopped["signal"] == "SIGHUP" and stopped["reason"] == f"the deepspeed runner (pid {proc.pid}) ended"
+    assert complete_tags(run / "checkpoints") == [f"step{stopped['step']:08d}"]  # whole, at the step reached
+    assert not (run / "job.lock").exists()  # released on the way out
+
+    # a lock left by a job that died (kill -9) does not block; the resume finishes
+    gone = subprocess.Popen(["sleep", "0"])
+    gone.wait()
+    (run / "job.lock").write_text(json.dumps({**holder, "pid": gone.pid}) + "\n")
+    end = stopped["step"] + 2
+    r = run_cli(launch(path, run, ["--resume", "auto", "--set", f"train.max_steps={end}"]))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "taking over the lock of a job that is gone" in r.stderr
+    assert [m["step"] for m in read_metrics(run)] == list(range(1, end + 1))
