@@ -19,6 +19,7 @@ from mpp.nonfinite import NonFiniteLossError
 from mpp.plan import check_resume, plan_run
 from mpp.preemption import PREEMPTED_EXIT, Preempted
 from mpp.rng import seed_everything
+from mpp.runlock import release
 from mpp.storage import CheckpointError, DiskFullError
 
 
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:  # nothing intact to resume from: the files are named
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        release(run_dir)
     if rank == 0:
         print(json.dumps({k: results[k] for k in ("top1", "top5", "epoch", "init")}))
     return 0

@@ -138,6 +138,7 @@ def run_probe(kind: str, argv: list[str] | None = None) -> int:
     from mpp.cli import config_from_args, open_run_dir, run_parser
     from mpp.config import ConfigError, ProbeConfig
     from mpp.distributed import init_distributed, world_from_env
+    from mpp.runlock import release
 
     args = run_parser(f"{kind} evaluation of a frozen encoder", "linear_demo, linear_b16", resume=False).parse_args(argv)
     rank, world = world_from_env()
@@ -169,6 +170,7 @@ def run_probe(kind: str, argv: list[str] | None = None) -> int:
                            warmup_epochs=pr.warmup_epochs, seed=cfg.seed)  # fmt: skip
     results = {**res, "eval": kind, "init": cfg.init, "num_train": len(train_y), "num_val": len(val_y), "ranks": world}
     (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    release(run_dir)
     print(json.dumps(results))
     return 0
 

@@ -125,6 +125,12 @@ def _heartbeat(path: Path) -> None:
             return  # released, or the directory is gone
 
 
+def release(run_dir: Path) -> None:
+    """Give the lock back (at the end of a CLI's run; at exit anyway): a notebook that trained in
+    its own process can then hand the directory to a CLI."""
+    _release(Path(run_dir) / LOCK)
+
+
 def _release(path: Path) -> None:
     holder = _read(path, patience_s=0.0)
     if holder is not None and _is_us(holder):

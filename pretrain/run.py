@@ -19,6 +19,7 @@ from mpp.nonfinite import NonFiniteLossError
 from mpp.plan import check_resume, plan_run
 from mpp.preemption import PREEMPTED_EXIT, Preempted
 from mpp.rng import seed_everything
+from mpp.runlock import release
 from mpp.storage import CheckpointError, DiskFullError
 
 
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:  # nothing intact to resume from: the files are named
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        release(run_dir)
     if rank == 0:
         print(f"done: {state.step} steps, {state.samples} images -> {run_dir}/metrics.jsonl, "
               f"{run_dir}/checkpoints, {run_dir}/encoder.safetensors")

@@ -119,3 +119,4 @@ def test_sigterm_to_the_runner_alone_stops_every_rank_and_a_second_job_on_the_li
     assert r.returncode == 0, r.stderr[-3000:]
     assert "taking over the lock of a job that is gone" in r.stderr
     assert [m["step"] for m in read_metrics(run)] == list(range(1, end + 1))
+    assert not (run / "job.lock").exists()

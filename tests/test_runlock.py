@@ -50,7 +50,7 @@ def test_a_dead_jobs_lock_on_this_host_is_taken_over(tmp_path, case):
     held = json.loads((tmp_path / runlock.LOCK).read_text())
     assert held["pid"] == os.getpid() and held["host"] == socket.gethostname()
     runlock.hold(tmp_path)  # the holder may take it again
-    runlock._release(tmp_path / runlock.LOCK)
+    runlock.release(tmp_path)
     assert not (tmp_path / runlock.LOCK).exists()
 
 
@@ -71,9 +71,9 @@ def test_another_hosts_lock_blocks_while_its_heartbeat_beats_and_not_after(tmp_p
     t0 = time.monotonic()
     runlock.hold(tmp_path, stale_s=1.0)  # stopped beating: a lost node
     assert 0.9 < time.monotonic() - t0 < 10 and json.loads(path.read_text())["pid"] == os.getpid()
-    runlock._release(path)
+    runlock.release(tmp_path)
     lock_of({"host": "node-017", "pid": 4242, "started": 1.0, "since": "then"}, tmp_path, mtime_age=3600)
     t0 = time.monotonic()
     runlock.hold(tmp_path)  # silent for an hour: no wait at all
     assert time.monotonic() - t0 < 1
-    runlock._release(path)
+    runlock.release(tmp_path)
