@@ -72,6 +72,10 @@ class StopRequest:
         flag = torch.tensor([self.signum], dtype=torch.int64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            if flag.item():  # once, at the stop; the watchers tick apart: rank 0's may not have seen it yet
+                reasons = [None] * dist.get_world_size()
+                dist.all_gather_object(reasons, self.reason, group=self.group)
+                self.reason = next((r for r in reasons if r), None)
         return int(flag.item())
 
     def restore(self) -> None:
