@@ -322,15 +322,26 @@ def export_encoder(state_dict: dict[str, torch.Tensor], model_kwargs: dict, path
     save_weights(enc, path, {"format": "mpp-encoder", "model": model_kwargs})
 
 
-def load_encoder_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(state dict, model kwargs) from an exported ``encoder.safetensors`` (no unpickling)."""
+def encoder_file_kwargs(path: str | Path) -> dict:
+    """The model kwargs an exported ``encoder.safetensors`` states in its metadata ({}: none),
+    read without its tensors."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        return load_file(str(path)), json.loads(meta.get("model", "{}"))
+            return json.loads((f.metadata() or {}).get("model", "{}"))
     except (SafetensorError, OSError, ValueError) as e:  # a truncated copy, or not a weights file
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def load_encoder_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(state dict, model kwargs) from an exported ``encoder.safetensors`` (no unpickling)."""
+    from safetensors import SafetensorError
+
+    kwargs = encoder_file_kwargs(path)
+    try:
+        return load_file(str(path)), kwargs
+    except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 

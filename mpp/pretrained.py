@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from mpp.checkpoint import find_checkpoint, load_encoder_file, zero_to_fp32
+from mpp.checkpoint import encoder_file_kwargs, find_checkpoint, load_encoder_file, zero_to_fp32
 from mpp.models.vit import VisionTransformer, full_vit_config, resample_abs_pos_embed, vit_config
 from mpp.storage import CheckpointError
 
@@ -115,12 +115,9 @@ def read_model_kwargs(init: str | Path) -> dict:
 
 
 def _metadata_kwargs(path: Path) -> dict:
-    from safetensors import SafetensorError, safe_open
-
     try:
-        with safe_open(str(path), framework="pt") as f:
-            return json.loads((f.metadata() or {}).get("model", "{}"))
-    except (SafetensorError, OSError, ValueError):
+        return encoder_file_kwargs(path)
+    except CheckpointError:
         return {}  # a damaged file: the load that follows names it
 
 
