@@ -142,7 +142,10 @@ class OptimConfig(_Section):
 
 class TrainConfig(_Section):
     batch_size: int = Field(256, gt=0)  # global: micro_batch_size x grad accumulation x world size
-    micro_batch_size: int | None = Field(None, gt=0)  # per rank; None: batch_size / world size
+    micro_batch_size: int | None = Field(None, gt=0)  # per rank, exactly; None: derived (below)
+    # the most one rank holds at once (its memory): micro batch and accumulation follow from the
+    # world size, so one config runs on 8 and on 64 GPUs (4096 = 8 x 2 x 256 = 64 x 1 x 64)
+    max_micro_batch_size: int | None = Field(None, gt=0)
     epochs: float | None = Field(None, gt=0.0)
     max_steps: int | None = Field(None, gt=0)  # optimiser steps; overrides epochs (sets the schedule)
     stop_at_step: int | None = Field(None, gt=0)  # stop early, schedule unchanged (time-limited jobs)
@@ -165,6 +168,8 @@ class TrainConfig(_Section):
             raise ValueError("one of epochs or max_steps must be set")
         if self.on_nonfinite != "skip" and not self.skip_nonfinite:
             raise ValueError(f"on_nonfinite={self.on_nonfinite!r} needs skip_nonfinite=true (the check that sees a NaN)")
+        if self.micro_batch_size is not None and self.max_micro_batch_size is not None:
+            raise ValueError("set micro_batch_size (exact) or max_micro_batch_size (a bound), not both")
         if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
             raise ValueError(
                 f"batch_size {self.batch_size} is not divisible by micro_batch_size {self.micro_batch_size}"
@@ -213,7 +218,11 @@ class RunConfig(_Section):
         if t.micro_batch_size is None:
             if t.batch_size % world_size:
                 raise ValueError(f"train.batch_size {t.batch_size} is not divisible by the world size {world_size}")
-            return t.batch_size // world_size, 1
+            per_rank = t.batch_size // world_size
+            bound = t.max_micro_batch_size or per_rank
+            # the fewest accumulation steps whose micro batch fits the bound and splits evenly
+            accum = next(a for a in range(1, per_rank + 1) if per_rank % a == 0 and per_rank // a <= bound)
+            return per_rank // accum, accum
         if t.batch_size % (t.micro_batch_size * world_size):
             raise ValueError(
                 f"train.batch_size {t.batch_size} is not divisible by train.micro_batch_size "
@@ -240,15 +249,41 @@ class RunConfig(_Section):
             steps_per_print=10**9,  # our own logging; DeepSpeed's would repeat it
             zero_allow_untested_optimizer=True,  # a plain torch Adam/AdamW, so per-group lr stays ours
         )
-        ds.setdefault("zero_optimization", {"stage": 0})
+        zero = ds.setdefault("zero_optimization", {"stage": 0})
         if self.optim.grad_clip is not None:
             ds["gradient_clipping"] = self.optim.grad_clip
+        # DeepSpeed's throughput timer is on by default and synchronizes the device in every
+        # forward and every step() (deepspeed/utils/timer.py): two host syncs per micro-step
+        ds.setdefault("timers", {"throughput": {"enabled": False}})
+        if zero.get("stage", 0) in (1, 2):
+            # stage 3 overlaps by default, stages 1/2 do not; 5e8-element buckets exceed ViT-B's
+            # 86M parameters, so the reduction would start only after the whole backward
+            zero.setdefault("overlap_comm", True)
+            zero.setdefault("reduce_bucket_size", int(5e7))
+        if (zero.get("offload_optimizer") or {}).get("device", "none") != "none":
+            # ZeRO-Offload asks for DeepSpeedCPUAdam by default; torch's fused CPU Adam/AdamW
+            # keeps our per-group lr and needs no JIT build
+            ds.setdefault("zero_force_ds_cpu_optimizer", False)
         precision = self.resolved_precision(device_type)
         if precision == "bf16":
             ds["bf16"] = {"enabled": True}
+            ds.update({k: v for k, v in bf16_reduction_dtypes(zero.get("stage", 0)).items() if k not in ds})
         elif precision == "fp16":
             ds["fp16"] = {"enabled": True}
         return ds
+
+
+def bf16_reduction_dtypes(stage: int) -> dict[str, Any]:
+    """fp32 gradient reduction, and accumulation where DeepSpeed 0.19.8 allows it, under bf16:
+    ``bf16.enabled`` alone all-reduces 64 ranks' gradients in bf16 (8 bits of mantissa).
+    Stages 2/3 accumulate micro-batches in an fp32 partition (``data_types.grad_accum_dtype``).
+    Stages 0/1 keep bf16 ``.grad`` across micro-batches: stage 0 refuses an fp32 accumulator
+    (NotImplementedError), and at stage 1 it swaps ZeRO for DeepSpeed's BF16_Optimizer, whose
+    checkpoints its own zero_to_fp32 cannot read (no export, no resharding)."""
+    dtypes: dict[str, Any] = {"communication_data_type": "fp32"}
+    if stage >= 2:
+        dtypes["data_types"] = {"grad_accum_dtype": "fp32"}
+    return dtypes
 
 
 class Config(RunConfig):

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mpp import checkpoint as ckpt
+from mpp import zero
 from mpp.config import RunConfig, save_config
 from mpp.data import make_train_loader
 from mpp.distributed import from_rank0
@@ -106,6 +107,7 @@ def after_step(model: Any, optimizer: Any, state: RunState, plan: Plan, t: Any, 
     """After an optimiser step: HPM's teacher, the next step's lr, the bar, a record at log steps.
     Returns the lr now set."""
     model.after_optimizer_step()
+    zero.order_gathers_after_writes(optimizer)  # HPM's EMA wrote ZeRO-3 shards outside DeepSpeed
     lr_done, lr = lr, lr_at(state.step, **schedule) * state.lr_scale
     set_lr(optimizer, lr)
     bar.update(1)

@@ -86,7 +86,7 @@ class EpochEvaluator:
         d = self.cfg.data
         rank, world = dist.get_rank(), dist.get_world_size()
         loader = make_eval_loader(self.val_shards, batch_size=self.batch_size, img_size=self.plan.img_size, rank=rank,
-                                  world_size=world, num_workers=min(d.num_workers, 1), allow_pipe=d.allow_pipe,
+                                  world_size=world, num_workers=d.num_workers, allow_pipe=d.allow_pipe,
                                   num_classes=engine.module.num_classes)  # fmt: skip
         res = {**evaluate(engine.module, loader, self.device, d.mean, d.std),
                "epoch": round(state.step / self.plan.steps_per_epoch, 3)}  # fmt: skip

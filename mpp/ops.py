@@ -45,9 +45,17 @@ def unnormalize(images: Tensor, mean: tuple[float, ...], std: tuple[float, ...])
     reachable with 256-pixel patches). A public implementation skipped this step entirely
     and put every normalised patch into one class.
     """
-    m = images.new_tensor(mean).view(1, -1, 1, 1)
-    s = images.new_tensor(std).view(1, -1, 1, 1)
+    m, s = _channel_stats(tuple(mean), tuple(std), images.device, images.dtype)
     return ((images * s + m).clamp(0.0, 1.0) * 255.0).round() / 255.0
+
+
+@functools.lru_cache(maxsize=16)
+def _channel_stats(
+    mean: tuple[float, ...], std: tuple[float, ...], device: torch.device, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    # MPP's targets un-normalise every step: new_tensor from lists was a blocking copy each time
+    as_tensor = lambda v: torch.tensor(v, dtype=dtype).view(1, -1, 1, 1).to(device)  # noqa: E731
+    return as_tensor(mean), as_tensor(std)
 
 
 def patchify(images: Tensor, patch_size: int) -> Tensor:

@@ -17,14 +17,19 @@ sets the flag as SIGHUP would ("the job lost its controlling process").
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
+import socket
 import threading
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("mpp.preemption")
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: try again (a requeue wrapper tests for it)
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
@@ -48,9 +53,7 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum, self.reason = 0, None
         self.previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
-        backend = dist.get_backend() if dist.is_initialized() else None
-        # the control flag goes over gloo: on NCCL a CPU tensor cannot, and a GPU one would sync the step
-        self.group = None if backend in (None, "gloo") else dist.new_group(backend="gloo")
+        self.group, self.device = control_group()
         self.done = threading.Event()
         if lineage := job_lineage():
             threading.Thread(target=self._watch, args=(lineage,), daemon=True, name="mpp-job-watch").start()
@@ -69,7 +72,7 @@ class StopRequest:
 
     def agreed(self) -> int:
         """The signal any rank got (0: none), the same on every rank. A collective: every rank calls it."""
-        flag = torch.tensor([self.signum], dtype=torch.int64)
+        flag = torch.tensor([self.signum], dtype=torch.int64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
             if flag.item():  # once, at the stop; the watchers tick apart: rank 0's may not have seen it yet
@@ -82,6 +85,39 @@ class StopRequest:
         self.done.set()
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+
+
+def control_group() -> tuple[Any, torch.device]:
+    """(group, device) the stop flag is agreed on. Under NCCL a side gloo group with a CPU number:
+    the default group needs a GPU tensor, and reading it back syncs the step. Gloo across nodes
+    fails ("connectFullMesh failed") where a hostname resolves to loopback (Debian's 127.0.1.1)
+    and GLOO_SOCKET_IFNAME is unset: then, decided by every rank together, the default group."""
+    cpu = torch.device("cpu")
+    if not dist.is_initialized() or dist.get_backend() == "gloo":
+        return None, cpu
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    ok = torch.tensor([int(gloo_reachable())], device=gpu)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # once, at start: every rank takes the same path
+    if ok.item():
+        return dist.new_group(backend="gloo"), cpu
+    if dist.get_rank() == 0:
+        log.warning("a node's hostname resolves to a loopback address and GLOO_SOCKET_IFNAME is unset: the "
+                    "stop flag goes over NCCL (one host sync per optimiser step); set GLOO_SOCKET_IFNAME to "
+                    "the nodes' network interface (e.g. eth0, ib0) to avoid it")  # fmt: skip
+    return None, gpu
+
+
+def gloo_reachable() -> bool:
+    """Whether gloo can connect this rank to the others: always on one node (loopback serves),
+    across nodes when told the interface or when the hostname resolves off loopback."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")  # torchrun's, DeepSpeed's
+    if os.environ.get("GLOO_SOCKET_IFNAME") or (local and int(local) >= world):
+        return True
+    try:
+        return not socket.gethostbyname(socket.gethostname()).startswith("127.")
+    except OSError:
+        return False
 
 
 def job_lineage() -> list[tuple[int, int, str]]:

@@ -42,3 +42,17 @@ def gathered(params: Iterable[nn.Parameter], enabled: bool | None = None) -> Ite
 
     with deepspeed.zero.GatheredParameters(params):
         yield
+
+
+def order_gathers_after_writes(optimizer: object) -> None:
+    """ZeRO-3 gathers parameters on its own CUDA stream (with ``overlap_comm``) and does not wait
+    for the default stream first; a shard written outside DeepSpeed's step (HPM's EMA teacher)
+    must be ordered before the next gather. A stream wait, no host sync; nothing off CUDA."""
+    import torch
+
+    offload = getattr(optimizer, "parameter_offload", None)
+    if offload is None or not torch.cuda.is_available():
+        return
+    stream = getattr(offload.get_param_coordinator(), "_PartitionedParameterCoordinator__allgather_stream", None)
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream())

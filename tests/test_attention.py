@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 
@@ -63,7 +65,41 @@ def test_unknown_backend_names_the_allowed_ones():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="xformers runs on CUDA only")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_xformers_matches_sdpa_on_cuda(dtype):  # runs on the GPU machine, not in CI
-    q, k, v = (t.detach().cuda().to(dtype) for t in _qkv(2, 197, 12, 64))
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(attention(q, k, v, "xformers"), attention(q, k, v, "sdpa"), atol=tol, rtol=tol)
+@pytest.mark.parametrize("N", [50, 197, 257])
+def test_xformers_matches_sdpa_on_cuda_forward_and_backward(dtype, N):  # runs on a GPU machine, not in CI
+    """On the model's own strided views (``qkv.reshape(B, N, 3, H, hd).unbind(2)``), both passes."""
+    qkv = torch.randn(2, N, 3 * 12 * 64, device="cuda", dtype=dtype)
+    grads = []
+    for backend in ("xformers", "sdpa"):
+        x = qkv.detach().clone().requires_grad_(True)
+        q, k, v = x.reshape(2, N, 3, 12, 64).unbind(2)  # (B, N, H, hd), not contiguous
+        out = attention(q, k, v, backend)
+        out.backward(torch.ones_like(out))
+        grads.append((out.detach(), x.grad))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_auto_falls_back_to_sdpa_where_xformers_has_no_kernel(monkeypatch, caplog):
+    """xformers' dispatcher raises NotImplementedError ("No operator found") for inputs none of
+    its kernels take: ``auto`` runs SDPA with one warning, an explicit ``xformers`` still raises."""
+    attn = sys.modules[attention.__module__]  # the module (mpp.models exports the function by its name)
+    calls = []
+
+    class NoKernel:
+        @staticmethod
+        def memory_efficient_attention(q, k, v, p=0.0):
+            calls.append(q.shape)
+            raise NotImplementedError("No operator found for `memory_efficient_attention_forward`")
+
+    monkeypatch.setattr(attn, "_xformers_ops", lambda: (NoKernel, ""))
+    monkeypatch.setattr(attn, "_XFORMERS_REFUSED", set())
+    q, k, v = _qkv(2, 50, 2, 8)
+    with pytest.raises(NotImplementedError):
+        attention(q, k, v, "xformers")
+    with caplog.at_level("WARNING", logger="mpp.attention"):
+        for _ in range(2):
+            torch.testing.assert_close(attention(q, k, v, "xformers", fallback=True), attention(q, k, v, "sdpa"))
+    assert len(calls) == 2  # the refused shape is not tried again
+    assert "xformers has no kernel" in caplog.text

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, restamp, run_cli, tiny_config, write_config
+from conftest import free_port, restamp, run_cli, tiny_config, write_config, zero
 from test_vit import timm_vit_keys
 
 from mpp.augment import mixup_cutmix, random_erasing, soft_targets
@@ -163,7 +163,7 @@ def test_finetune_and_probes_through_the_clis(two_rank_runs, digits16, tmp_path)
     """2-rank ZeRO-3 fine-tune from a ZeRO-2 pretrain run; then k-NN and linear probe."""
     pre_dir, _ = two_rank_runs[2]
     raw = tiny_config(digits16, train={"batch_size": 32, "epochs": 1, "max_steps": None, "ckpt_every": 100},
-                      deepspeed={"zero_optimization": {"stage": 3}}, optim={"lr": 1e-3, "layer_decay": 0.75})
+                      deepspeed={"zero_optimization": zero(3)}, optim={"lr": 1e-3, "layer_decay": 0.75})
     raw.pop("objective"), raw.pop("masking")
     raw["data"]["val_shards"] = digits16["val"]
     raw["finetune"] = {"mixup": 0.8, "cutmix": 1.0, "randaug_n": 2, "randaug_m": 9, "reprob": 0.25}

@@ -7,7 +7,7 @@ import shutil
 import sys
 
 import pytest
-from conftest import free_port, read_metrics, run_cli, tiny_config, write_config
+from conftest import free_port, read_metrics, run_cli, tiny_config, write_config, zero
 
 BATCH, MICRO, STEPS = 12, 2, 16  # accumulation 3 on 2 ranks, 2 on 3 ranks, 6 on 1; 16 of the epoch's 124 steps
 ACCUM = {2: 3, 3: 2, 1: 6}
@@ -36,7 +36,7 @@ def test_two_ranks_resume_on_three_and_on_one_rank_with_every_sample_once(tmp_pa
     cfg = tiny_config(digits16, train={"batch_size": BATCH, "micro_batch_size": MICRO, "max_steps": STEPS,
                                        "ckpt_every": 8, "keep_last": 5},
                       data={"num_workers": 1, "log_keys": True, "shuffle_buffer": 4},
-                      deepspeed={"zero_optimization": {"stage": stage}})  # fmt: skip
+                      deepspeed={"zero_optimization": zero(stage)})  # fmt: skip
     path = write_config(tmp_path / "c.json", cfg)
     straight = tmp_path / "straight"
     r = run_cli(launch(2, path, straight))

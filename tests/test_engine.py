@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import read_metrics, run_cli, tiny_config, write_config
+from conftest import read_metrics, run_cli, tiny_config, write_config, zero
 from safetensors.torch import load_file
 
 from mpp.build import build_objective
@@ -47,7 +47,7 @@ def test_per_group_lr_follows_schedule_times_lr_scale_on_the_engine_optimizer(st
     scale = lambda name: 0.5 if name.startswith("blocks.0.") else 1.0  # noqa: E731
     opt = torch.optim.AdamW(param_groups(enc, 0.05, scale), lr=1.0)
     engine, opt, _, _ = deepspeed.initialize(model=enc, optimizer=opt, config={
-        "train_batch_size": 2, "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+        "train_batch_size": 2, "zero_optimization": zero(stage), "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9})
     kw = dict(peak=1e-3, total=6, warmup=2)
     for step in range(6):
@@ -113,7 +113,7 @@ def test_bf16_runs_export_their_fp32_master_weights(tmp_path, digits16, stage):
     """bf16 params, fp32 masters in DeepSpeed's optimiser: the exported encoder is the masters
     (finer than bf16), and the module's bf16 weights are those masters rounded."""
     cfg = tiny_config(digits16, train={"max_steps": 4, "ckpt_every": 4, "precision": "bf16"},
-                      deepspeed={"zero_optimization": {"stage": stage}})  # fmt: skip
+                      deepspeed={"zero_optimization": zero(stage)})  # fmt: skip
     out = tmp_path / "run"
     r = run_cli(["python", "pretrain/run.py", "--config", str(write_config(tmp_path / "c.json", cfg)),
                  "--output-dir", str(out)])  # fmt: skip

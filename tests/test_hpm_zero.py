@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from conftest import free_port, read_metrics, run_cli, tiny_config, write_config
+from conftest import free_port, read_metrics, run_cli, tiny_config, write_config, zero
 
 from mpp.checkpoint import zero_to_fp32
 from mpp.objectives.hpm import momentum_at
@@ -20,7 +20,7 @@ def hpm_runs(tmp_path_factory, digits16):
             digits16, train={"max_steps": 3, "ckpt_every": 1, "keep_last": 3},
             objective={"name": "hpm", "base": "mae", "decoder_dim": 32, "decoder_depth": 1, "decoder_heads": 2,
                        "momentum_start": 0.99, "momentum_end": 0.999, "momentum_epochs": 1},
-            deepspeed={"zero_optimization": {"stage": stage}},
+            deepspeed={"zero_optimization": zero(stage)},
         )
         cfg.pop("masking")
         path = write_config(tmp / f"h{stage}.json", cfg)

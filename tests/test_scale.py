@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import free_port, read_metrics, run_cli, tiny_config, write_config
+from conftest import free_port, read_metrics, run_cli, tiny_config, write_config, zero
 
 from mpp.data import write_shards
 
@@ -34,7 +34,7 @@ def data(tmp_path_factory):
 @pytest.mark.parametrize("val,expected", [("val4", 65), ("val1", 7)])
 def test_three_ranks_zero3_finetune_on_unequal_val_shards_and_a_bad_label(tmp_path, digits16, data, val, expected):
     raw = tiny_config(digits16, train={"batch_size": 12, "max_steps": 2, "epochs": 1, "ckpt_every": 100},
-                      deepspeed={"zero_optimization": {"stage": 3}})  # fmt: skip
+                      deepspeed={"zero_optimization": zero(3)})  # fmt: skip
     raw.pop("objective"), raw.pop("masking")
     raw["data"].update(train_shards=data["train"], val_shards=data[val], num_workers=1)
     raw["finetune"] = {"mixup": 0.0, "cutmix": 0.0, "randaug_n": 0, "reprob": 0.0, "eval_batch_size": 4}

@@ -73,11 +73,26 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     return resolved
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, backend: str = "sdpa", dropout_p: float = 0.0) -> Tensor:
-    """softmax(q k^T / sqrt(d)) v for (B, N, H, hd) inputs -> (B, N, H, hd), on a resolved backend."""
+_XFORMERS_REFUSED: set[tuple] = set()  # (dtype, head_dim, device) xformers found no kernel for
+
+
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, backend: str = "sdpa", dropout_p: float = 0.0, fallback: bool = False
+) -> Tensor:
+    """softmax(q k^T / sqrt(d)) v for (B, N, H, hd) inputs -> (B, N, H, hd), on a resolved backend.
+    ``fallback`` (``auto``): inputs xformers has no kernel for run on SDPA, with one warning."""
     if backend == "xformers":
-        xops, _ = _xformers_ops()
-        return xops.memory_efficient_attention(q, k, v, p=dropout_p)
+        key = (q.dtype, q.shape[-1], q.device)
+        if key not in _XFORMERS_REFUSED:
+            xops, _ = _xformers_ops()
+            try:
+                return xops.memory_efficient_attention(q, k, v, p=dropout_p)
+            except NotImplementedError as e:  # its dispatcher: "No operator found for ..."
+                if not fallback:
+                    raise
+                _XFORMERS_REFUSED.add(key)
+                _log_once("auto", "sdpa", q.device.type, f"xformers has no kernel for {key[:2]}: {str(e)[:200]}")
+        backend = "sdpa"
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, N, hd)
     if backend == "sdpa":
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
@@ -121,5 +136,5 @@ class Attention(nn.Module):
         B, N, C = x.shape
         q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).unbind(2)  # (B, N, H, hd)
         backend = resolve_backend(self.attn_backend, x.device)
-        x = attention(q, k, v, backend, self.attn_drop if self.training else 0.0)
+        x = attention(q, k, v, backend, self.attn_drop if self.training else 0.0, self.attn_backend == "auto")
         return self.proj_drop(self.proj(x.reshape(B, N, C)))

@@ -1,0 +1,220 @@
+"""The GPU path's settings, pinned on the CPU (issue 22 §5): configs that split on 8-64 GPUs,
+DeepSpeed keys that keep host syncs out of the step and reductions in fp32, and a real bf16
+engine that holds them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpp.config import Config, FinetuneConfig, load_config
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+TRAINING = {p.stem: p for p in sorted(CONFIGS.glob("*.json")) if not p.stem.startswith("linear")}
+
+
+def shipped(name: str):
+    cls = FinetuneConfig if name.startswith("finetune") else Config
+    return load_config(TRAINING[name], ["data.train_shards=/nowhere/{0..1}.tar"], cls=cls)
+
+
+@pytest.mark.parametrize("name", sorted(TRAINING))
+@pytest.mark.parametrize("world", [1, 8, 16, 32, 64])
+def test_every_shipped_config_splits_its_batch_on_1_to_64_gpus(name, world):
+    """The *_b16 recipes (4096 / 1024 images) exited 2 on 64 ranks: micro 256 x 64 > 4096."""
+    cfg = shipped(name)
+    t = cfg.train
+    if t.batch_size % world:  # the demos' small batches: not a 64-GPU recipe
+        pytest.skip(f"batch {t.batch_size} on {world} ranks")
+    micro, accum = cfg.micro_batch(world)
+    assert micro * accum * world == t.batch_size
+    assert micro <= (t.max_micro_batch_size or t.micro_batch_size or micro)
+    if t.max_micro_batch_size:  # fewest accumulation steps under the bound
+        assert accum == 1 or t.batch_size // world // (accum - 1) > t.max_micro_batch_size or (
+            (t.batch_size // world) % (accum - 1)
+        )
+
+
+def test_max_micro_batch_size_picks_the_fewest_accumulation_steps():
+    cfg = shipped("mpp_b16")  # 4096, at most 256 per rank
+    assert [cfg.micro_batch(w) for w in (8, 16, 64)] == [(256, 2), (256, 1), (64, 1)]
+    cfg.train.max_micro_batch_size = 100
+    assert cfg.micro_batch(8) == (512 // 8, 8)  # 512 per rank: 6 steps of 85.3 do not split; 8 of 64 do
+    with pytest.raises(ValueError, match="world size 3"):
+        cfg.micro_batch(3)
+    with pytest.raises(ValueError, match="not both"):
+        shipped("mpp_b16").train.model_validate({"batch_size": 8, "micro_batch_size": 2,
+                                                 "max_micro_batch_size": 4, "max_steps": 1})
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepspeed_config_for_gpus(stage):
+    """No throughput timer (two device syncs per micro-step); overlapped 5e7-element buckets at
+    ZeRO-1/2; bf16 gradients reduced in fp32 everywhere and accumulated in fp32 at ZeRO-2/3."""
+    cfg = shipped("mae_b16")
+    cfg.deepspeed = {"zero_optimization": {"stage": stage}}
+    ds = cfg.deepspeed_config(8, "cuda")
+    assert ds["timers"] == {"throughput": {"enabled": False}}
+    assert ds["bf16"] == {"enabled": True} and ds["communication_data_type"] == "fp32"
+    assert ("data_types" in ds) == (stage >= 2)
+    zero = ds["zero_optimization"]
+    assert (zero.get("overlap_comm"), zero.get("reduce_bucket_size")) == (
+        (True, int(5e7)) if stage in (1, 2) else (None, None)
+    )
+    assert "communication_data_type" not in cfg.deepspeed_config(8, "cpu")  # fp32 on the CPU: nothing to say
+    cfg.deepspeed = {"zero_optimization": {"stage": 2, "overlap_comm": False}, "communication_data_type": "bf16"}
+    ds = cfg.deepspeed_config(8, "cuda")  # the user's word wins
+    assert ds["zero_optimization"]["overlap_comm"] is False and ds["communication_data_type"] == "bf16"
+
+
+def test_zero_offload_runs_with_our_optimizer(tmp_path, digits16, dist_group):
+    """ZeRO-Offload raised at initialize (zero_force_ds_cpu_optimizer with a torch optimizer);
+    and a bf16 ZeRO-2 engine accumulates and reduces in fp32 with its throughput timer off."""
+    import deepspeed
+    from conftest import tiny_config
+
+    from mpp.build import build_objective
+    from mpp.optim import build_optimizer
+
+    raw = tiny_config(digits16, train={"precision": "bf16", "micro_batch_size": 8},
+                      deepspeed={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    cfg = Config.model_validate(raw)
+    objective = build_objective(cfg)
+    ds = cfg.deepspeed_config(1, "cpu")  # bf16 asked for: fp32 reductions and accumulation, as on a GPU
+    engine, *_ = deepspeed.initialize(model=objective, optimizer=build_optimizer(cfg, objective), config=ds)
+    assert engine.communication_data_type == torch.float32
+    assert engine.optimizer.gradient_accumulation_dtype == torch.float32
+    assert engine.tput_timer.config.enabled is False
+    x = torch.randn(8, 3, 16, 16, dtype=torch.bfloat16)
+    for _ in range(2):  # two micro-batches, one step
+        engine.backward(engine(x)[0])
+        engine.step()
+    assert engine.global_steps == 1
+
+
+class TensorsFromHost(torch.overrides.TorchFunctionMode):
+    """Counts tensors built from Python / NumPy data: on a GPU each is a blocking host-to-device copy."""
+
+    MAKERS = {torch.tensor, torch.as_tensor, torch.from_numpy, torch.Tensor.new_tensor}
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.MAKERS:
+            self.made.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("objective", [{"name": "mpp"}, {"name": "mae"}, {"name": "hpm", "base": "mpp"},
+                                       {"name": "hpm", "base": "mae"}])
+def test_a_training_step_builds_no_tensor_from_host_data(digits16, objective):
+    """MPP's unnormalize built mean/std from lists every step (also under HPM with base mpp)."""
+    from conftest import tiny_config
+
+    from mpp.build import build_objective
+
+    model = build_objective(Config.model_validate(tiny_config(digits16, objective=objective)))
+    images = torch.randn(4, 3, 16, 16)
+    counts = []
+    for _ in range(2):  # the first step may fill per-device caches
+        with TensorsFromHost() as mode:
+            loss, _ = model(images)
+            loss.backward()
+        counts.append(mode.made)
+    assert counts[1] == []
+
+
+def test_rng_restore_with_fewer_visible_gpus_than_at_save(monkeypatch):
+    """set_rng_state_all raised IndexError when a rank saw fewer GPUs than at save (8 x 8
+    resumed as 16 x 4, or one visible GPU per SLURM task): each rank keeps its own device's."""
+    from mpp import rng
+
+    states = [torch.full((4,), i, dtype=torch.uint8) for i in range(8)]
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": states[3])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # one GPU visible to this task
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": set_to.append(int(s[0])))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda s: pytest.fail("restores every device"))
+    saved = rng.rng_state()
+    assert [int(s[0]) for s in saved["cuda"]] == [3]  # only the rank's own device
+    rng.set_rng_state(saved)
+    rng.set_rng_state({**saved, "cuda": states})  # a checkpoint in the old all-devices format
+    assert set_to == [3, 0]
+
+
+def test_gloo_side_group_only_where_gloo_can_connect_the_nodes(monkeypatch):
+    """The preemption flag's gloo group failed across nodes whose hostname maps to 127.0.1.1
+    ("connectFullMesh failed"): there the ranks agree to use the default group instead."""
+    import socket
+
+    from mpp import preemption
+
+    monkeypatch.setattr(preemption.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(preemption.dist, "get_world_size", lambda: 16)
+    for var in ("GLOO_SOCKET_IFNAME", "LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(socket, "gethostbyname", lambda host: "127.0.1.1")
+    assert not preemption.gloo_reachable()  # two nodes, Debian's /etc/hosts
+    monkeypatch.setenv("LOCAL_SIZE", "16")  # DeepSpeed's launcher: one node holds every rank
+    assert preemption.gloo_reachable()
+    monkeypatch.setenv("LOCAL_SIZE", "8")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib0")
+    assert preemption.gloo_reachable()
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    monkeypatch.setattr(socket, "gethostbyname", lambda host: "10.1.2.3")
+    assert preemption.gloo_reachable()
+
+
+def test_zero3_gather_stream_is_where_the_ema_ordering_looks(digits16, dist_group):
+    """HPM's EMA writes ZeRO-3 shards on the default stream; the next gather runs on DeepSpeed's
+    own stream (overlap_comm) and does not wait for it. ``order_gathers_after_writes`` makes it
+    wait: pin the private attribute it reads, so a DeepSpeed upgrade that renames it fails here."""
+    import deepspeed
+    from conftest import tiny_config, zero
+
+    from mpp import zero as zero_internals
+    from mpp.build import build_objective
+    from mpp.optim import build_optimizer
+
+    cfg = Config.model_validate(tiny_config(digits16, objective={"name": "hpm", "base": "mae"},
+                                            deepspeed={"zero_optimization": zero(3)}))
+    objective = build_objective(cfg)
+    _, optimizer, _, _ = deepspeed.initialize(model=objective, optimizer=build_optimizer(cfg, objective),
+                                              config=cfg.deepspeed_config(1, "cpu"))
+    coordinator = optimizer.parameter_offload.get_param_coordinator()
+    assert hasattr(coordinator, "_PartitionedParameterCoordinator__allgather_stream")  # None on the CPU
+    zero_internals.order_gathers_after_writes(optimizer)  # a no-op here, and no error
+
+
+def test_fine_tune_evaluation_reads_with_the_configured_workers(monkeypatch, tmp_path, digits16, dist_group):
+    """The evaluation loader was capped at one worker per rank: on a GPU node, one process decoding
+    a 50k-image validation set while the GPUs wait."""
+    from types import SimpleNamespace
+
+    from conftest import tiny_config
+
+    from mpp import evaluate
+
+    seen = {}
+
+    class Enough(Exception):  # the loader's settings are what this test reads
+        pass
+
+    def loader(shards, **kwargs):
+        seen.update(kwargs)
+        raise Enough
+
+    monkeypatch.setattr(evaluate, "make_eval_loader", loader)
+    raw = tiny_config(digits16, data={"num_workers": 6})
+    raw.pop("objective"), raw.pop("masking")
+    cfg = FinetuneConfig.model_validate(raw)
+    plan = SimpleNamespace(img_size=16, micro_batch=8, steps_per_epoch=1)
+    ev = evaluate.EpochEvaluator(cfg, plan, tmp_path, torch.device("cpu"), {})
+    with pytest.raises(Enough):
+        ev(SimpleNamespace(module=SimpleNamespace(num_classes=10)), SimpleNamespace(step=1))
+    assert seen["num_workers"] == 6
