@@ -41,7 +41,8 @@ def build_classifier(cfg: FinetuneConfig) -> Classifier:
     num_classes = resolve_classes(cfg, expand_shards(spec))
     encoder = build_encoder(cfg, num_classes=num_classes, global_pool=cfg.finetune.global_pool)
     f = cfg.finetune
-    return Classifier(encoder, f.label_smoothing, f.mixup, f.cutmix, f.mixup_prob, f.mixup_switch_prob, f.reprob)
+    return Classifier(encoder, f.label_smoothing, f.mixup, f.cutmix, f.mixup_prob, f.mixup_switch_prob, f.reprob,
+                      f.head_init_std)
 
 
 def run_finetune(cfg: FinetuneConfig, model: Classifier, plan: Plan, run_dir: Path, device: torch.device,

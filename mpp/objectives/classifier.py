@@ -26,15 +26,16 @@ class Classifier(Objective):
         mixup_prob: float = 1.0,
         mixup_switch_prob: float = 0.5,
         reprob: float = 0.25,
+        head_init_std: float = 2e-5,
     ) -> None:
         super().__init__()
         if encoder.num_classes < 1:
             raise ValueError("the classifier's encoder needs num_classes >= 1")
         self.encoder = encoder
         self.num_classes = encoder.num_classes
-        # a fresh head, as MAE's fine-tuning makes it: tiny weights, so the first steps do not
-        # push large random gradients into the pretrained blocks
-        nn.init.trunc_normal_(encoder.head.weight, std=2e-5)
+        # a fresh head; by default as MAE's fine-tuning makes it: tiny weights, so the first steps
+        # do not push large random gradients into the pretrained blocks
+        nn.init.trunc_normal_(encoder.head.weight, std=head_init_std)
         nn.init.zeros_(encoder.head.bias)
         self.label_smoothing, self.reprob = label_smoothing, reprob
         self.mixup, self.cutmix, self.mixup_prob, self.switch_prob = mixup, cutmix, mixup_prob, mixup_switch_prob
