@@ -193,18 +193,35 @@ def test_gpu_step_refuses_cleanly_without_a_gpu(tmp_path):
 
 
 def test_gpu_step_code_runs_on_the_cpu(tmp_path, capsys):
-    """The suite's own code (contenders, bf16 autocast steps, FLOPs, goals, table) on a tiny
-    model on the CPU, so the first run on a GPU machine does not die on a typo."""
+    """The suite's own code (the shipped configs through DeepSpeed's bf16 engine, FLOPs, goals,
+    table) on a tiny model on the CPU, so the first run on a GPU machine does not die on a typo."""
     out = tmp_path / "gpu.json"
     assert main(["gpu-step", "--device", "cpu", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
-    assert r["setting"]["device"] == "cpu" and r["setting"]["model"] == "vit_tiny_patch16_64"
+    s = r["setting"]
+    assert s["device"] == "cpu" and s["model"] == "vit_tiny_patch16_64"
+    # the training path: DeepSpeed's bf16 mode at the shipped configs' ZeRO stage, TF32 untouched
+    assert s["precision"] == "bf16" and s["zero_stage"] == 1 and s["tf32"] is False
+    assert "measured" in s["peak_source"] and s["peak_flops"] is None
     assert [row["objective"] for row in r["rows"]] == ["mpp", "mae", "hpm"]
     for row in r["rows"]:
         assert row["step_s"] > 0 and row["mfu"] > 0 and row["peak_mem_gib"] is None
     (g,) = r["goals"]
     assert g["hpm_vs_mae_time"] == pytest.approx(r["rows"][2]["step_s"] / r["rows"][1]["step_s"])
     assert "HPM ÷ MAE time" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_step_times_the_deepspeed_bf16_step_against_the_datasheet_peak(tmp_path):
+    out = tmp_path / "gpu.json"
+    assert main(["gpu-step", "--quick", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    s = r["setting"]
+    assert s["precision"] == "bf16" and s["tf32"] is False
+    assert s["peak_flops"] is None or "datasheet" in s["peak_source"]
+    for row in r["rows"]:
+        assert row["peak_mem_gib"] > 0 and row["host_syncs_per_step"] <= 1  # the finite check's one
+        assert row["mfu"] is None or 0 < row["mfu"] < 1
 
 
 def test_cli_lists_every_suite():

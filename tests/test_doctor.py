@@ -1,0 +1,182 @@
+"""python -m mpp.doctor: run once here (CPU: the GPU rows say so, the rest runs), and its
+verdicts checked on inputs whose answer is known (a wrong attention kernel fails)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import run_cli
+from torch.nn.attention import SDPBackend
+
+from mpp.benchmarks.engine_step import spec_peak
+from mpp.doctor import FAIL, NEEDS_GPU, PASS, VERDICTS, WARN, Row
+from mpp.doctor.engine_gpu import memory_row, mfu_row, sync_row
+from mpp.doctor.engine_run import plan_for
+from mpp.doctor.environment import parse_xformers_info, xformers_build_problems
+from mpp.doctor.parity import TOLERANCE, NoKernel, parity_row, relative_error, sdpa_with
+
+CPU = torch.device("cpu")
+GPU_ROWS = {
+    "CUDA / NCCL / GPU", "bf16", "MFU vs plan", "peak memory vs plan", "host syncs per step", "torch.compile",
+    *(f"{k} {d}" for k in ("sdpa efficient", "sdpa cudnn", "xformers") for d in ("fp32", "bf16")),
+}  # fmt: skip
+CPU_PARITY_ROWS = {
+    f"{k} {d}" for k in ("sdpa math", "sdpa flash", "mpp sdpa") for d in ("fp32", "bf16")
+}
+
+
+@pytest.fixture(scope="module")
+def doctor_here(tmp_path_factory):
+    """One ``python -m mpp.doctor --quick`` on this machine: (exit status, stdout, doctor.json)."""
+    out = tmp_path_factory.mktemp("doctor")
+    r = run_cli(["python", "-m", "mpp.doctor", "--quick", "--out", str(out)], timeout=300)
+    report = (
+        json.loads((out / "doctor.json").read_text()) if (out / "doctor.json").is_file() else None
+    )
+    return r, report, out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form: GPU rows not run")
+def test_doctor_on_the_cpu_runs_what_it_can_and_says_what_needs_a_gpu(doctor_here):
+    r, report, out = doctor_here
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {row["check"]: row for row in report["rows"]}
+    assert all(row["verdict"] in VERDICTS and row["reason"] for row in rows.values())
+    assert {c for c, row in rows.items() if row["verdict"] == NEEDS_GPU} == GPU_ROWS
+    for (
+        check
+    ) in CPU_PARITY_ROWS:  # the kernels CPU SDPA has, forward and backward, against mpp's math
+        row = rows[check]
+        assert row["verdict"] == PASS, row
+        tol = TOLERANCE[row["values"]["dtype"]]
+        assert 0 < row["values"]["worst_fwd"] < tol and 0 < row["values"]["worst_bwd"] < tol
+        ns = {(c["n"], c["masked"]) for c in row["values"]["cases"]}
+        assert ns == {(n, m) for n in (50, 197, 257) for m in (False, True)}
+    assert rows["auto vs fastest"]["values"]["auto"] == "sdpa"
+    assert rows["DeepSpeed ops"]["verdict"] == PASS and rows["DeepSpeed ops"]["values"][
+        "needed"
+    ] == ["deepspeed_shm_comm"]
+    assert rows["xformers wheel"]["verdict"] in (PASS, WARN)
+    run = rows[
+        "deepspeed launcher run"
+    ]  # the real CLI under the real launcher, read from its metrics.jsonl
+    assert run["verdict"] in (PASS, WARN), run
+    assert run["values"]["imgs_per_sec"] > 0 and 0 <= run["values"]["data_wait_frac"] < 1
+    assert run["values"]["steps"] == 4 and run["values"]["batch"] == 16
+    assert (out / "engine" / "run" / "metrics.jsonl").is_file()
+    assert "| verdict" in r.stdout and "needs a GPU" in r.stdout and "doctor.json" in r.stdout
+
+
+def _wrong_scale(q, k, v, keep):  # forgets 1/sqrt(d): a plausible kernel bug
+    return sdpa_with(SDPBackend.MATH)(q * q.shape[-1] ** 0.5, k, v, keep)
+
+
+def _no_key_gradient(q, k, v, keep):  # the forward is right, d k is lost
+    return sdpa_with(SDPBackend.MATH)(q, k.detach(), v, keep)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_parity_fails_a_kernel_that_computes_a_wrong_result(dtype):
+    assert parity_row("right", sdpa_with(SDPBackend.MATH), dtype, CPU).verdict == PASS
+    off_by_a_bit = lambda q, k, v, keep: sdpa_with(SDPBackend.MATH)(q, k, v, keep) * 1.05  # noqa: E731
+    for kernel, where in [(_wrong_scale, "fwd"), (_no_key_gradient, "bwd"), (off_by_a_bit, "fwd")]:
+        row = parity_row("wrong", kernel, dtype, CPU)
+        assert row.verdict == FAIL and "wrong result at N=50" in row.reason, row.reason
+        case = row.values["cases"][0]
+        assert case[where] > TOLERANCE[dtype]
+    if dtype == "fp32":  # 1e-3 relative: far below bf16's rounding, far above fp32's
+        slightly = lambda q, k, v, keep: sdpa_with(SDPBackend.MATH)(q, k, v, keep) * 1.001  # noqa: E731
+        assert parity_row("wrong", slightly, dtype, CPU).verdict == FAIL
+
+
+def test_parity_names_a_crash_and_a_missing_kernel():
+    def crashes(q, k, v, keep):
+        raise ValueError("bad stride")
+
+    def absent(q, k, v, keep):
+        raise NoKernel("no kernel for these inputs")
+
+    row = parity_row("crash", crashes, "fp32", CPU)
+    assert row.verdict == FAIL and "ValueError: bad stride" in row.reason
+    assert parity_row("absent", absent, "fp32", CPU).verdict == WARN
+
+
+def test_relative_error_is_on_the_scale_of_the_reference():
+    ref = torch.tensor([1.0, -4.0], dtype=torch.float64)
+    assert relative_error(torch.tensor([1.0, -4.0]), ref) == 0.0
+    assert relative_error(torch.tensor([1.4, -4.0]), ref) == pytest.approx(0.1)
+    q = torch.randn(1, 3, 2, 8)
+    out = F.scaled_dot_product_attention(*(q.transpose(1, 2),) * 3).transpose(1, 2)
+    assert relative_error(out, out.double()) == 0.0
+
+
+XFORMERS_INFO = """xFormers 0.0.35
+memory_efficient_attention.cutlassF-pt:            available
+memory_efficient_attention.fa3F@0.0.0:             unavailable
+pytorch.version:                                   2.13.0+cpu
+build.torch_version:                               2.10.0+cu128
+build.python_version:                              3.10.19
+build.env.TORCH_CUDA_ARCH_LIST:                    7.5 8.0+PTX 8.0 9.0a
+"""
+
+
+def test_xformers_build_is_checked_against_torch_python_and_gpu():
+    info = parse_xformers_info(XFORMERS_INFO)
+    assert info["build.torch_version"] == "2.10.0+cu128"
+    assert info["memory_efficient_attention.cutlassF-pt"] == "available"
+    assert (
+        xformers_build_problems(info, "2.10.0+cu128", "3.10.4", "9.0") == []
+    )  # an H100: sm 9.0a built
+    problems = xformers_build_problems(info, "2.13.0+cu128", "3.11.7", "12.0")
+    assert len(problems) == 3 and "torch 2.10.0+cu128" in problems[0] and "sm 12.0" in problems[2]
+
+
+def test_spec_peaks_are_datasheet_dense_bf16_by_device_name():
+    assert spec_peak("NVIDIA H100 80GB HBM3")[0] == 989e12  # the SXM part's name
+    assert spec_peak("NVIDIA H100 PCIe")[0] == 756e12
+    assert spec_peak("NVIDIA H200")[0] == 989e12 and spec_peak("NVIDIA A100-SXM4-80GB")[0] == 312e12
+    assert "datasheet" in spec_peak("NVIDIA H100 80GB HBM3")[1]
+    assert spec_peak("Tesla V100-SXM2-32GB")[0] is None
+
+
+def test_engine_verdicts_against_the_plan():
+    """The comparisons a GPU run makes, on figures whose verdict is known."""
+    step = {"peak_mem_gib": 10.0, "reserved_gib": 12.0}
+    assert memory_row(step, ({"peak_gib": 9.0}, "")).verdict == FAIL  # the plan under-predicts
+    assert memory_row(step, ({"peak_gib": 11.0}, "")).verdict == PASS
+    assert memory_row(step, ({"peak_gib": 30.0}, "")).verdict == WARN  # far too pessimistic
+    unavailable = memory_row(step, (None, "plan unavailable: no planner"))
+    assert unavailable.verdict == WARN and "plan unavailable" in unavailable.reason
+    run = Row("engine", "deepspeed launcher run", PASS, "", {"imgs_per_sec": 1000.0})
+    h100 = spec_peak("NVIDIA H100 80GB HBM3")
+    row = mfu_row(run, 300e9, ({"mfu_ceiling": 0.6}, ""), h100)  # 0.3 PFLOP/s of 989
+    assert row.verdict == PASS and row.values["mfu"] == pytest.approx(300e12 / 989e12)
+    assert mfu_row(run, 100e9, ({"mfu_ceiling": 0.6}, ""), h100).verdict == WARN
+    assert "plan unavailable" in mfu_row(run, 300e9, (None, "plan unavailable: x"), h100).reason
+    assert (
+        sync_row({"host_syncs": {"with_finite_check": 1, "without_finite_check": 0}}).verdict
+        == PASS
+    )
+    assert (
+        sync_row({"host_syncs": {"with_finite_check": 3, "without_finite_check": 2}}).verdict
+        == WARN
+    )
+    spec, why = plan_for(__file__, "Tesla V100-SXM2-32GB", None)
+    assert spec is None and why.startswith("plan unavailable")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_doctor_on_a_gpu_runs_every_row(doctor_here):
+    r, report, _ = doctor_here
+    assert report is not None, r.stderr[-2000:]
+    rows = {row["check"]: row for row in report["rows"]}
+    assert not [c for c, row in rows.items() if row["verdict"] == NEEDS_GPU]
+    for check in CPU_PARITY_ROWS | {"sdpa efficient bf16", "sdpa cudnn bf16", "xformers bf16"}:
+        assert rows[check]["verdict"] in (PASS, WARN), rows[
+            check
+        ]  # WARN: no kernel for this input here
+    assert rows["host syncs per step"]["values"]["without_finite_check"] == 0
+    assert rows["deepspeed launcher run"]["verdict"] in (PASS, WARN)
