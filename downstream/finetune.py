@@ -2,6 +2,7 @@
 
     deepspeed downstream/finetune.py --config finetune_b16.json --set init=RUN_DIR|CKPT_DIR|FILE.safetensors|scratch
     python downstream/finetune.py --config finetune_demo.json --set init=runs/mpp_demo
+    python downstream/finetune.py --config finetune_b16.json --set init=RUN_DIR --submit slurm --gpus-per-node 8 --time 24:00:00
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from mpp.preemption import PREEMPTED_EXIT, Preempted
 from mpp.rng import seed_everything
 from mpp.runlock import release
 from mpp.storage import CheckpointError, DiskFullError
+from mpp.submit import submit
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = run_parser(__doc__, "finetune_b16, finetune_demo").parse_args(argv)
+    args = run_parser(__doc__, "finetune_b16, finetune_demo", submit=True).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     rank, world = world_from_env()
     try:
@@ -35,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.submit:  # checked here, run there: each task runs this command without --submit (mpp.submit)
+        return submit(__file__, argv, cfg)
     device = init_distributed()
     try:  # the shards' samples counted by the ranks together (mpp.data.census); rank 0's plan on every rank
         img_size = model.encoder.patch_embed.img_size[0]

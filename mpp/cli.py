@@ -12,8 +12,9 @@ from pydantic import BaseModel
 from mpp.config import Config, ConfigError, load_config, save_config
 
 
-def run_parser(doc: str, configs: str, resume: bool = True) -> argparse.ArgumentParser:
-    """--config, --set, --output-dir, the launcher's --local_rank, and for training runs --resume."""
+def run_parser(doc: str, configs: str, resume: bool = True, submit: bool = False) -> argparse.ArgumentParser:
+    """--config, --set, --output-dir, the launcher's --local_rank, for training runs --resume, and
+    with ``submit`` the job flags (``add_submit_arguments``) of a CLI that hands them to mpp.submit."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help=f"a JSON file, or a name in configs/ ({configs})")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key, value as JSON")
@@ -21,7 +22,24 @@ def run_parser(doc: str, configs: str, resume: bool = True) -> argparse.Argument
     if resume:
         p.add_argument("--resume", help="'auto' (newest complete checkpoint of this run) or a checkpoint path")
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)  # the launcher's
+    if submit:
+        add_submit_arguments(p)
     return p
+
+
+def add_submit_arguments(p: argparse.ArgumentParser) -> None:
+    """--submit and the job's shape: run this command as a SLURM job (or through submitit's local
+    executor) that requeues itself on preemption (mpp.submit)."""
+    g = p.add_argument_group("submitting as a job (submitit: pip install 'mpp[slurm]')")
+    g.add_argument("--submit", choices=("slurm", "local"),
+                   help="run as a job on SLURM, or through submitit's local executor on this machine")  # fmt: skip
+    g.add_argument("--nodes", type=int, default=1, help="nodes of the job (default 1)")
+    g.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node, one task (rank) each (default 1)")
+    g.add_argument("--partition", help="the SLURM partition")
+    g.add_argument("--time", help="the job's time limit, [D-]HH:MM:SS or minutes (required with --submit slurm)")
+    g.add_argument("--slurm-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other sbatch option, e.g. cpus-per-task=10, account=A, constraint=volta32gb")  # fmt: skip
+    g.add_argument("--wait", action="store_true", help="return when the job has ended, with its exit status")
 
 
 def _output_key(cls: type[BaseModel]) -> str:
@@ -46,8 +64,7 @@ def open_run_dir(cfg, rank: int) -> Path:
     from mpp.distributed import from_rank0
     from mpp.runlock import RunHeld, hold
 
-    template = cfg.train.output_dir if hasattr(cfg, "train") else cfg.output_dir
-    run_dir = Path(template.format(name=cfg.name))
+    run_dir = run_dir_of(cfg)
     held = None
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -59,3 +76,9 @@ def open_run_dir(cfg, rank: int) -> Path:
     if held := from_rank0(held):
         raise RunHeld(held)
     return run_dir
+
+
+def run_dir_of(cfg) -> Path:
+    """The run directory a validated config names (its output_dir, ``{name}`` filled in)."""
+    template = cfg.train.output_dir if hasattr(cfg, "train") else cfg.output_dir
+    return Path(template.format(name=cfg.name))

@@ -1,6 +1,7 @@
 """Stopping a run cleanly when the cluster asks (SLURM sends SIGUSR1 ahead of time with
-``#SBATCH --signal=USR1@120``, SIGTERM at the end; DeepSpeed's launcher forwards SIGTERM), when
-a terminal closes (SIGHUP) or on Ctrl-C (SIGINT; a second one interrupts at once).
+``#SBATCH --signal=USR1@120``, SIGTERM at the end; DeepSpeed's launcher forwards SIGTERM; a job
+submitted through submitit gets SIGUSR2, ``--signal=USR2@90``: mpp.submit), when a terminal
+closes (SIGHUP) or on Ctrl-C (SIGINT; a second one interrupts at once).
 
 A signal only sets a flag; at every optimiser step the ranks agree on it (one all-reduce of
 one CPU number, on a gloo group so it never waits for the GPU), so they all stop after the
@@ -32,7 +33,10 @@ import torch.distributed as dist
 log = logging.getLogger("mpp.preemption")
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: try again (a requeue wrapper tests for it)
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
+# SIGUSR2 is submitit's preemption/timeout signal (its sbatch asks SLURM for --signal=USR2@90, and
+# its local executor sends it the same way): without it here, submitit's own handler would requeue
+# the job mid-step with no checkpoint. Here it takes the same path; mpp.submit then requeues.
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGINT)
 WATCH_EVERY_S = 1.0
 
 
@@ -49,6 +53,8 @@ class Preempted(Exception):
 class StopRequest:
     """Installs the handlers (every rank, before the data workers start: they inherit them and
     only set their own copy of the flag, so they keep serving until the rank stops)."""
+
+    last_agreed = 0  # the signal this process's last stop was agreed on: mpp.submit requeues on its own only
 
     def __init__(self) -> None:
         self.signum, self.reason = 0, None
@@ -79,7 +85,9 @@ class StopRequest:
                 reasons = [None] * dist.get_world_size()
                 dist.all_gather_object(reasons, self.reason, group=self.group)
                 self.reason = next((r for r in reasons if r), None)
-        return int(flag.item())
+        if signum := int(flag.item()):
+            StopRequest.last_agreed = signum
+        return signum
 
     def restore(self) -> None:
         self.done.set()
