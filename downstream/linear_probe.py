@@ -1,11 +1,17 @@
-"""Linear probe (BatchNorm without affine + Linear, SGD) of a frozen encoder.
+"""Linear probe of a frozen encoder; README "Probe protocols" says which paper each reproduces.
 
     python downstream/linear_probe.py --config linear_demo --set init=runs/mpp_demo [--output-dir DIR]
+        [--protocol fast|mae|dinov2] [--layers last|all]
+
+fast (default): BatchNorm without affine + Linear, SGD, on cached center-crop features.
+mae: MAE's (BatchNorm + LARS, images augmented on the fly through the frozen encoder).
+dinov2: DINOv2's grid of learning rates x last 1/4 blocks x cls/cls+avg, trained in one pass.
+--layers all: a head per block, one feature pass; results.md and per_block.png.
 """
 
 import sys
 
-from mpp.probe import run_probe
+from mpp.probe_cli import run_probe
 
 if __name__ == "__main__":
     sys.exit(run_probe("linear"))

@@ -161,6 +161,7 @@ class TrainConfig(_Section):
     rollback_lr_scale: float = Field(1.0, gt=0.0, le=1.0)  # lr x this after each rollback
     max_rollbacks: int = Field(3, ge=0)
     skip_nonfinite: bool = True  # check every micro-step's loss (one host sync) and skip NaN/Inf steps
+    preview_every: int = Field(1000, ge=0)  # pictures of the objective on fixed val images (mpp.preview); 0: none
     report_to: list[Literal["tensorboard", "wandb"]] = ["tensorboard"]  # besides metrics.jsonl; wandb is optional
 
     @model_validator(mode="after")
@@ -295,6 +296,11 @@ class ProbeSection(_Section):
     warmup_epochs: int = Field(10, ge=0)
     k: int = Field(20, gt=0)
     temperature: float = Field(0.07, gt=0.0)
+    # the linear probe's recipe (README "Probe protocols"): cached features + SGD, MAE's
+    # (BatchNorm + LARS, augmented images through the frozen encoder), DINOv2's (a grid in one pass)
+    protocol: Literal["fast", "mae", "dinov2"] = "fast"
+    layers: Literal["last", "all"] = "last"  # all: every block's features, probed in one feature pass
+    holdout: float = Field(0.1, gt=0.0, lt=1.0)  # dinov2: the share of train that picks the grid's best head
 
 
 class ProbeConfig(_Section):

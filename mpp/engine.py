@@ -32,6 +32,7 @@ from mpp.ops import normalize
 from mpp.optim import build_optimizer, lr_at, peak_lr, set_lr
 from mpp.plan import Plan, RunState
 from mpp.preemption import Preempted, StopRequest, write_marker
+from mpp.preview import build_preview
 from mpp.rng import rng_state, seed_everything
 
 log = logging.getLogger("mpp.engine")
@@ -56,6 +57,7 @@ def train(cfg: RunConfig, objective: torch.nn.Module, plan: Plan, run_dir: Path,
     schedule = dict(peak=peak_lr(cfg), total=plan.total_steps, warmup=plan.warmup_steps, min_lr=cfg.optim.min_lr)
     set_lr(optimizer, lr := lr_at(state.step, **schedule) * state.lr_scale)
     metrics_log = MetricLog(run_dir, rank, state, t.report_to, cfg.model_dump(mode="json"))
+    preview = build_preview(cfg, plan.img_size, model, device, rank)
     bar = tqdm(total=plan.total_steps, initial=state.step, disable=rank != 0, dynamic_ncols=True, desc=cfg.name)
     # one loader, its workers kept across epochs (MAE's 1600 epochs would restart them 1600 times)
     stop_request = StopRequest()  # SIGTERM / SIGUSR1: finish the step, checkpoint, exit (before the workers fork)
@@ -82,6 +84,7 @@ def train(cfg: RunConfig, objective: torch.nn.Module, plan: Plan, run_dir: Path,
                     epoch_done = advance(state, plan, cfg, stepped)
                     if stepped:
                         lr = after_step(model, optimizer, state, plan, t, schedule, lr, metrics_log, bar, skipped, stop)
+                        preview(model, state.step, metrics_log.reporters)  # every train.preview_every steps
                     if on_epoch_end is not None and (epoch_done or (stepped and state.step == stop)):
                         metrics_log.write(state, plan, on_epoch_end(engine, state))
                     if stepped:

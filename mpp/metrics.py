@@ -45,6 +45,13 @@ class TensorBoard:
         for k, v in values.items():
             self.writer.add_scalar(k, v, step)
 
+    def image(self, tag: str, image: torch.Tensor, step: int, caption: str | None = None) -> None:
+        """A (3, H, W) uint8 picture at ``step``; the caption once, as the tag's text."""
+        self.writer.add_image(tag, image, step)
+        if caption:
+            self.writer.add_text(tag, caption, step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -69,6 +76,11 @@ class WandB:
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log({**values, "step": step})
+
+    def image(self, tag: str, image: torch.Tensor, step: int, caption: str | None = None) -> None:
+        import wandb
+
+        self.run.log({tag: wandb.Image(image.permute(1, 2, 0).numpy(), caption=caption), "step": step})
 
     def close(self) -> None:
         self.run.finish()

@@ -1,43 +1,111 @@
 """Frozen-encoder evaluations (DESIGN.md §4.6): features extracted once from center crops,
-then a linear probe (BatchNorm without affine + Linear, SGD, cosine) or a weighted k-NN vote
+then linear probes (BatchNorm without affine + Linear, SGD, cosine) or a weighted k-NN vote
 (cosine similarity, k = 20, temperature 0.07, as DINO's). k-NN and linear probes understate
-pixel-MIM methods; fine-tuning is the main metric."""
+pixel-MIM methods; fine-tuning is the main metric.
+
+A feature *slot* is one pooled feature of one block, ``(block, "token" | "avg")``: one forward
+pass gives every slot asked for (``--layers all``: every block's), and any number of linear
+heads, each reading some slots, train together on the same batches (``HeadTrainer``)."""
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mpp.lars import LARS
 from mpp.models.vit import VisionTransformer
+from mpp.optim import lr_at
+
+Slot = tuple[int, str]  # (block index, "token" | "avg")
+# images per encoder forward: MAE's per-GPU probe batch; a 16384-image step in one forward
+# would hold ~40 GB of ViT-B MLP activations in fp32
+FORWARD_CHUNK = 512
+
+
+def scaled_lr(base_lr: float, batch_size: int) -> float:
+    """The linear scaling rule, base x batch / 256: MAE's lr from blr, DINOv2's scale_lr."""
+    return base_lr * batch_size / 256
+
+
+def feature_slots(depth: int, pool: str, layers: str = "last") -> list[Slot]:
+    """The last block's ``pool`` feature, or every block's (``layers="all"``)."""
+    return [(b, pool) for b in (range(depth) if layers == "all" else [depth - 1])]
+
+
+def _keep(store: dict[int, Tensor], block: int, _module, _inputs, output: Tensor) -> None:
+    store[block] = output
+
+
+@torch.no_grad()
+def pooled_features(encoder: VisionTransformer, images: Tensor, slots: Sequence[Slot]) -> Tensor:
+    """Normalised images (B, C, H, W) -> features (B, S, D), one per slot: the block's tokens
+    through the encoder's final norm (DINOv2's get_intermediate_layers(norm=True); the last
+    block's are forward_features'), then the cls token or the mean of the patch tokens."""
+    blocks = sorted({b for b, _ in slots})
+    outputs: dict[int, Tensor] = {}
+    hooks = [encoder.blocks[b].register_forward_hook(partial(_keep, outputs, b)) for b in blocks]
+    prefix, chunks = encoder.num_prefix_tokens, []
+    try:
+        for part in images.split(FORWARD_CHUNK):
+            encoder.forward_features(part)  # the hooks keep each wanted block's output
+            tokens = {b: encoder.norm(outputs[b]) for b in blocks}  # (B, 1 + N, D) each
+            pooled = [
+                tokens[b][:, 0] if pool == "token" else tokens[b][:, prefix:].mean(1)
+                for b, pool in slots
+            ]
+            chunks.append(torch.stack(pooled, 1).float())
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.cat(chunks)
 
 
 @torch.no_grad()
 def extract_features(
-    encoder: VisionTransformer, shards, *, img_size: int, batch_size: int, mean, std, pool: str = "token",
-    num_workers: int = 1, allow_pipe: bool = False, rank: int = 0, world_size: int = 1,
+    encoder: VisionTransformer,
+    shards,
+    *,
+    slots: Sequence[Slot],
+    img_size: int,
+    batch_size: int,
+    mean,
+    std,
+    num_workers: int = 1,
+    allow_pipe: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> tuple[Tensor, Tensor]:
-    """(features (N, D), labels (N,)) over one exact pass of ``shards`` (eval transform), on the
-    encoder's device. Each rank reads its share of the shards; the shares are gathered on every
-    rank and put in sample-key order, so any number of ranks gives the same features in the same
-    order (1.28M ImageNet images are hours on one GPU, days on a CPU)."""
+    """(features (N, S, D), labels (N,)) over one exact pass of ``shards`` (eval transform), on the
+    encoder's device when they fit (``place``). Each rank reads its share of the shards; the shares
+    are gathered on every rank and put in sample-key order, so any number of ranks gives the same
+    features in the same order (1.28M ImageNet images are hours on one GPU, days on a CPU)."""
     from mpp.data import make_eval_loader
     from mpp.ops import normalize
 
     encoder.eval()
     device = next(encoder.parameters()).device
     feats, labels, keys = [], [], []
-    loader = make_eval_loader(shards, batch_size=batch_size, img_size=img_size, num_workers=num_workers,
-                              allow_pipe=allow_pipe, rank=rank, world_size=world_size, with_keys=True)  # fmt: skip
+    loader = make_eval_loader(
+        shards,
+        batch_size=batch_size,
+        img_size=img_size,
+        num_workers=num_workers,
+        allow_pipe=allow_pipe,
+        rank=rank,
+        world_size=world_size,
+        with_keys=True,
+    )
     for batch in loader:
-        tokens = encoder.forward_features(normalize(batch["image"].to(device, non_blocking=True), mean, std))
-        feats.append((tokens[:, 0] if pool == "token" else tokens[:, encoder.num_prefix_tokens :].mean(1)).float())
+        images = normalize(batch["image"].to(device, non_blocking=True), mean, std)
+        feats.append(pooled_features(encoder, images, slots).cpu())
         labels.append(batch["label"])
         keys += batch["key"]
-    dim = encoder.embed_dim
-    feats_cpu = torch.cat(feats).cpu() if feats else torch.empty(0, dim)
+    feats_cpu = torch.cat(feats) if feats else torch.empty(0, len(slots), encoder.embed_dim)
     labels_cpu = torch.cat(labels) if labels else torch.empty(0, dtype=torch.int64)
     if world_size > 1:
         import torch.distributed as dist
@@ -48,7 +116,15 @@ def extract_features(
         labels_cpu = torch.cat([y for _, y, _ in shares])
         keys = [k for _, _, ks in shares for k in ks]
     order = torch.tensor(sorted(range(len(keys)), key=keys.__getitem__), dtype=torch.long)
-    return feats_cpu[order].to(device), labels_cpu[order].to(device)
+    return place(feats_cpu[order], device), labels_cpu[order].to(device)
+
+
+def place(x: Tensor, device: torch.device) -> Tensor:
+    """``x`` on ``device`` when it takes under half of the free memory there, else left on the
+    host (every slot of ViT-B over ImageNet's train set is 47 GB in fp32): the probes move each
+    batch to the device."""
+    too_big = device.type == "cuda" and x.numel() * x.element_size() > torch.cuda.mem_get_info(device)[0] / 2
+    return x if too_big else x.to(device)
 
 
 def topk_accuracy(scores: Tensor, labels: Tensor) -> dict[str, float]:
@@ -59,135 +135,192 @@ def topk_accuracy(scores: Tensor, labels: Tensor) -> dict[str, float]:
     }
 
 
-def knn_classify(
-    train_x: Tensor, train_y: Tensor, test_x: Tensor, test_y: Tensor, num_classes: int, k: int = 20, temperature: float = 0.07
-) -> dict[str, float]:
-    """Weighted k-NN: each of the k most cosine-similar training features votes for its class
-    with weight exp(similarity / T)."""
-    train_x, test_x = F.normalize(train_x, dim=1), F.normalize(test_x, dim=1)
+def knn_scores(
+    train_x: Tensor,
+    train_y: Tensor,
+    test_x: Tensor,
+    num_classes: int,
+    k: int = 20,
+    temperature: float = 0.07,
+) -> Tensor:
+    """(n_test, num_classes) votes: each of the k most cosine-similar training features votes for
+    its class with weight exp(similarity / T) (DINO's weighted k-NN, k = 20, T = 0.07)."""
+    device = test_x.device
+    train_x, train_y = F.normalize(train_x.to(device), dim=1), train_y.to(device)
+    test_x = F.normalize(test_x, dim=1)
     k = min(k, train_x.shape[0])
-    scores = torch.zeros(test_x.shape[0], num_classes, device=test_x.device)
+    scores = torch.zeros(test_x.shape[0], num_classes, device=device)
     for start in range(0, test_x.shape[0], 1024):  # chunks bound the (n, N_train) similarity matrix
         sim = test_x[start : start + 1024] @ train_x.T
         top_sim, top_idx = sim.topk(k, dim=1)
-        votes = torch.zeros(sim.shape[0], num_classes, device=sim.device)
+        votes = torch.zeros(sim.shape[0], num_classes, device=device)
         votes.scatter_add_(1, train_y[top_idx], (top_sim / temperature).exp())
         scores[start : start + 1024] = votes
-    return topk_accuracy(scores, test_y)
+    return scores
+
+
+def knn_classify(
+    train_x: Tensor,
+    train_y: Tensor,
+    test_x: Tensor,
+    test_y: Tensor,
+    num_classes: int,
+    k: int = 20,
+    temperature: float = 0.07,
+) -> dict[str, float]:
+    """Top-1/top-5 of the weighted k-NN vote (``knn_scores``)."""
+    return topk_accuracy(
+        knn_scores(train_x, train_y, test_x, num_classes, k, temperature), test_y.to(test_x.device)
+    )
 
 
 class LinearHead(nn.Module):
-    """MAE's linear probe head: BatchNorm1d(affine=False) then Linear."""
+    """MAE's linear probe head: BatchNorm1d(affine=False, eps=1e-6) then Linear, weight
+    trunc_normal_(std=0.01), bias 0 (main_linprobe.py)."""
 
-    def __init__(self, dim: int, num_classes: int) -> None:
+    def __init__(
+        self, dim: int, num_classes: int, generator: torch.Generator | None = None
+    ) -> None:
         super().__init__()
         self.bn = nn.BatchNorm1d(dim, affine=False, eps=1e-6)
         self.fc = nn.Linear(dim, num_classes)
-        nn.init.trunc_normal_(self.fc.weight, std=0.01)
+        nn.init.trunc_normal_(self.fc.weight, std=0.01, generator=generator)
         nn.init.zeros_(self.fc.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fc(self.bn(x))
 
 
-def linear_probe(
-    train_x: Tensor, train_y: Tensor, val_x: Tensor, val_y: Tensor, num_classes: int, *, epochs: int = 90,
-    batch_size: int = 256, blr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0,
-    warmup_epochs: int = 10, seed: int = 0,
-) -> dict[str, float]:
-    """Train the head with SGD (lr = blr x batch / 256, warm-up + cosine) on the cached
-    features; top-1/top-5 of the last epoch on ``val``."""
+@dataclass
+class Probe:
+    """One linear head reading the concatenation of some feature slots, at its own peak lr."""
+
+    name: str
+    slots: list[int]  # indices into the features' slot axis, concatenated in this order
+    lr: float
+    head: nn.Module
+    facts: dict = field(default_factory=dict)  # what results.json says of it (lr, blocks, pooling)
+
+    def inputs(self, feats: Tensor) -> Tensor:
+        """(B, S, D) -> (B, len(slots) * D)."""
+        return feats[:, self.slots].flatten(1)
+
+
+class HeadTrainer:
+    """Heads trained together on the same batches, each with its own peak lr on one schedule
+    (linear warm-up, then cosine to 0; MAE's per-iteration rule): one pass over the features
+    serves a whole grid (DINOv2's linear evaluation). The loss is the sum of the heads' losses,
+    so each head gets exactly the gradient it would get alone."""
+
+    def __init__(
+        self,
+        probes: list[Probe],
+        *,
+        total_steps: int,
+        warmup_steps: int,
+        momentum: float,
+        weight_decay: float,
+        optimizer: str = "sgd",
+    ) -> None:
+        self.probes, self.heads = probes, nn.ModuleList(p.head for p in probes)
+        groups = [{"params": list(p.head.parameters()), "peak": p.lr} for p in probes]
+        if optimizer == "lars":
+            self.optimizer = LARS(groups, weight_decay=weight_decay, momentum=momentum)
+        else:
+            self.optimizer = torch.optim.SGD(
+                groups, lr=0.0, momentum=momentum, weight_decay=weight_decay
+            )
+        self.total, self.warmup, self.steps = total_steps, warmup_steps, 0
+        self.last_losses = torch.full((len(probes),), float("nan"))  # each head's, at its last step
+
+    def step(self, feats: Tensor, labels: Tensor) -> None:
+        """One optimiser step of every head on features (B, S, D); a batch of one is skipped
+        (BatchNorm needs two samples)."""
+        if labels.numel() < 2:
+            return
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(
+                self.steps, peak=group["peak"], total=self.total, warmup=self.warmup
+            )
+        self.heads.train()
+        # each distinct input built once: the grid's 13 learning rates share one
+        inputs = {s: feats[:, list(s)].flatten(1) for s in {tuple(p.slots) for p in self.probes}}
+        losses = [F.cross_entropy(p.head(inputs[tuple(p.slots)]), labels) for p in self.probes]
+        self.optimizer.zero_grad()
+        sum(losses).backward()
+        self.optimizer.step()
+        self.steps += 1
+        self.last_losses = torch.stack(losses).detach()
+
+    @torch.no_grad()
+    def evaluate(self, feats: Tensor, labels: Tensor) -> list[dict[str, float]]:
+        """Top-1/top-5 of every head on (N, S, D) features, in the probes' order."""
+        self.heads.eval()
+        device = next(self.heads.parameters()).device
+        scores: list[list[Tensor]] = [[] for _ in self.probes]
+        for start in range(0, len(labels), 8192):
+            x = feats[start : start + 8192].to(device)
+            for i, p in enumerate(self.probes):
+                scores[i].append(p.head(p.inputs(x)))
+        return [topk_accuracy(torch.cat(s), labels.to(device)) for s in scores]
+
+
+def train_on_features(
+    trainer: HeadTrainer, x: Tensor, y: Tensor, *, epochs: int, batch_size: int, seed: int
+) -> None:
+    """``epochs`` shuffled passes over cached features (N, S, D); the order depends on ``seed``
+    alone (a CPU generator: the same on any device)."""
     g = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    head = LinearHead(train_x.shape[1], num_classes).to(train_x.device)
-    peak = blr * batch_size / 256
-    opt = torch.optim.SGD(head.parameters(), lr=peak, momentum=momentum, weight_decay=weight_decay)
-    steps_per_epoch = max(1, math.ceil(train_x.shape[0] / batch_size))
-    total, warmup = epochs * steps_per_epoch, warmup_epochs * steps_per_epoch
-    step = 0
+    device = next(trainer.heads.parameters()).device
     for _ in range(epochs):
-        head.train()
-        order = torch.randperm(train_x.shape[0], generator=g).to(train_x.device)  # the same on any device
-        for start in range(0, train_x.shape[0], batch_size):
+        order = torch.randperm(x.shape[0], generator=g)
+        for start in range(0, x.shape[0], batch_size):
             idx = order[start : start + batch_size]
-            if idx.numel() < 2:  # BatchNorm needs two samples
-                continue
-            lr = peak * step / warmup if step < warmup else 0.5 * peak * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-            for group in opt.param_groups:
-                group["lr"] = lr
-            loss = F.cross_entropy(head(train_x[idx]), train_y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            step += 1
-    head.eval()
-    with torch.no_grad():
-        return {**topk_accuracy(head(val_x), val_y), "train_loss": loss.item()}
+            trainer.step(x[idx.to(x.device)].to(device), y[idx.to(y.device)].to(device))
 
 
-# ---- the two command-line tools (downstream/linear_probe.py, downstream/knn.py) -------------
+def linear_probes(
+    train_x: Tensor,
+    train_y: Tensor,
+    val_x: Tensor,
+    val_y: Tensor,
+    num_classes: int,
+    *,
+    epochs: int = 90,
+    batch_size: int = 256,
+    blr: float = 0.1,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    warmup_epochs: int = 10,
+    seed: int = 0,
+) -> list[dict[str, float]]:
+    """A BatchNorm + Linear head per slot of the cached features (N, S, D), all trained in one
+    pass with SGD (lr = blr x batch / 256, warm-up + cosine); top-1/top-5 of the last epoch on
+    ``val`` per slot. Each head starts from the same seed, as it would alone."""
+    device = train_y.device
+    peak = scaled_lr(blr, batch_size)
+    dim, slots = train_x.shape[2], range(train_x.shape[1])
+    probes = [Probe(f"slot{s}", [s], peak, LinearHead(dim, num_classes, torch.Generator().manual_seed(seed))) for s in slots]
+    for p in probes:
+        p.head.to(device)
+    steps_per_epoch = max(1, -(-train_x.shape[0] // batch_size))
+    trainer = HeadTrainer(
+        probes,
+        total_steps=epochs * steps_per_epoch,
+        warmup_steps=warmup_epochs * steps_per_epoch,
+        momentum=momentum,
+        weight_decay=weight_decay,
+    )
+    train_on_features(trainer, train_x, train_y, epochs=epochs, batch_size=batch_size, seed=seed)
+    losses = trainer.last_losses.tolist()
+    return [
+        {**r, "train_loss": loss}
+        for r, loss in zip(trainer.evaluate(val_x, val_y), losses, strict=True)
+    ]
 
 
-def run_probe(kind: str, argv: list[str] | None = None) -> int:
-    """``kind`` = "linear" or "knn": parse, load the encoder from ``init``, extract features on
-    every rank (``deepspeed --num_gpus N`` / torchrun; one process otherwise) and the GPU when
-    there is one, evaluate on rank 0, write results.json. Exit status 2 on a bad config or init."""
-    import json
-    import sys
-
-    from mpp.cli import config_from_args, open_run_dir, run_parser
-    from mpp.config import ConfigError, ProbeConfig
-    from mpp.distributed import init_distributed, world_from_env
-    from mpp.runlock import release
-
-    args = run_parser(f"{kind} evaluation of a frozen encoder", "linear_demo, linear_b16", resume=False).parse_args(argv)
-    rank, world = world_from_env()
-    try:
-        cfg = config_from_args(args, ProbeConfig)
-        encoder, spec, num_classes = _probe_setup(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    device = init_distributed() if world > 1 else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        run_dir = open_run_dir(cfg, rank)  # held by this job: a second one on it stops here
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    encoder.to(device)
-    d, pr = cfg.data, cfg.probe
-    common = dict(img_size=encoder.patch_embed.img_size[0], batch_size=pr.batch_size, mean=d.mean, std=d.std,
-                  pool=pr.pool, num_workers=d.num_workers, allow_pipe=d.allow_pipe, rank=rank, world_size=world)  # fmt: skip
-    train_x, train_y = extract_features(encoder, spec["train"], **common)
-    val_x, val_y = extract_features(encoder, spec["val"], **common)
-    if rank != 0:
-        return 0
-    if kind == "knn":
-        res = knn_classify(train_x, train_y, val_x, val_y, num_classes, pr.k, pr.temperature)
-    else:
-        res = linear_probe(train_x, train_y, val_x, val_y, num_classes, epochs=pr.epochs, batch_size=pr.batch_size,
-                           blr=pr.blr, momentum=pr.momentum, weight_decay=pr.weight_decay,
-                           warmup_epochs=pr.warmup_epochs, seed=cfg.seed)  # fmt: skip
-    results = {**res, "eval": kind, "init": cfg.init, "num_train": len(train_y), "num_val": len(val_y), "ranks": world}
-    (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    release(run_dir)
-    print(json.dumps(results))
-    return 0
-
-
-def _probe_setup(cfg) -> tuple[VisionTransformer, dict[str, object], int]:
-    """(the encoder from ``init``, the train/val shard specs, the class count); ConfigError names the key."""
-    from mpp.build import build_encoder
-    from mpp.config import ConfigError
-    from mpp.data import digits_shards, expand_shards, read_sizes
-
-    torch.manual_seed(cfg.seed)
-    encoder = build_encoder(cfg)
-    img = encoder.patch_embed.img_size[0]
-    d = cfg.data
-    spec = {"train": d.train_shards or digits_shards(img)["train"], "val": d.val_shards or digits_shards(img)["val"]}
-    names = (read_sizes(expand_shards(spec["train"])) or {}).get("class_names") or []
-    num_classes = d.num_classes or len(names)
-    if not num_classes:
-        raise ConfigError(f"{cfg._source}: data.num_classes: not set and the shards carry no class list")
-    return encoder, spec, num_classes
+def linear_probe(
+    train_x: Tensor, train_y: Tensor, val_x: Tensor, val_y: Tensor, num_classes: int, **kw
+) -> dict[str, float]:
+    """``linear_probes`` on one feature per sample (N, D)."""
+    return linear_probes(train_x[:, None], train_y, val_x[:, None], val_y, num_classes, **kw)[0]

@@ -229,3 +229,12 @@ def test_cli_lists_every_suite():
     assert r.returncode == 0
     for name in SUITES:
         assert name in r.stdout
+
+
+def test_preview_suite_measures_the_overhead_of_a_preview():
+    from mpp.benchmarks import preview
+
+    r = preview.run(quick=True)
+    (row,) = r["rows"]
+    assert row["step_ms"] > 0 and row["preview_ms"] > 0
+    assert row["overhead_pct"] == pytest.approx(100 * row["preview_ms"] / (1000 * row["step_ms"]))

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from mpp import export, viz
 from mpp.models import create_vit
 from mpp.models.vit import VisionTransformer
+from mpp.panels import picture_size
 from mpp.pretrained import load_pretrained
 
 transformers = pytest.importorskip("transformers")
@@ -157,13 +158,52 @@ def test_probes_read_the_run_and_its_exports_alike(demo_runs, tmp_path):
         assert json.loads((tmp_path / f"knn_{fmt}" / "results.json").read_text())["top1"] == knn["top1"]
 
 
+def test_probe_protocols_and_per_block_tables_on_the_demo_run(demo_runs, tmp_path):
+    """--protocol mae and dinov2, --layers all for the linear probe and k-NN, on the MPP demo
+    run (4 blocks): each writes what its protocol promises; the per-block k-NN's last block is
+    the plain k-NN run's vote (the hooks' features are forward_features')."""
+    probe = ["--config", "linear_demo", "--set", f"init={demo_runs['mpp']}", "--set", "probe.epochs=2",
+             "--set", "probe.warmup_epochs=1"]  # fmt: skip
+    commands = {
+        "mae": ["linear_probe.py", "--protocol", "mae"],
+        "dinov2": ["linear_probe.py", "--protocol", "dinov2"],
+        "linear_all": ["linear_probe.py", "--layers", "all"],
+        "knn_all": ["knn.py", "--layers", "all"],
+    }
+    res = {}
+    for name, (tool, *flags) in commands.items():
+        r = run_cli(["python", f"downstream/{tool}", *probe, *flags, "--output-dir", str(tmp_path / name)])
+        assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
+        res[name] = json.loads((tmp_path / name / "results.json").read_text())
+    mae = res["mae"]  # 1497 images, batch 256: 5 steps an epoch (the last partial batch dropped), lr 0.1 x 256 / 256
+    assert (mae["protocol"], mae["steps_per_epoch"], mae["lr"], mae["num_val"]) == ("mae", 5, 0.1, 300)
+    assert mae["max_top1"] >= mae["top1"] and "per_block" not in mae
+    dino = res["dinov2"]
+    assert len(dino["grid"]) == 52 and dino["num_holdout"] == 150 and dino["num_train"] == 1497
+    best = max(dino["grid"], key=lambda g: g["holdout_top1"])
+    assert dino["best"]["holdout_top1"] == best["holdout_top1"] and dino["top1"] == best["val_top1"]
+    assert {(g["n_blocks"], g["avgpool"]) for g in dino["grid"]} == {(1, False), (1, True), (4, False), (4, True)}
+    knn_last = json.loads((demo_runs["knn"] / "results.json").read_text())
+    for name in ("linear_all", "knn_all"):
+        rows = res[name]["per_block"]
+        assert [r["block"] for r in rows] == [0, 1, 2, 3] and res[name]["top1"] == rows[-1]["top1"]
+        table = (tmp_path / name / "results.md").read_text()
+        assert all(f"| {r['block']} | {r['top1']:.2f} |" in table for r in rows)
+        with Image.open(tmp_path / name / "per_block.png") as pic:
+            assert pic.format == "PNG" and pic.width > 200
+    assert res["knn_all"]["per_block"][-1]["top1"] == knn_last["top1"]
+    r = run_cli(["python", "downstream/linear_probe.py", *probe, "--protocol", "dinov2", "--layers", "all",
+                 "--output-dir", str(tmp_path / "refused")])  # fmt: skip
+    assert "probe.layers: 'all' with probe.protocol 'dinov2'" in the_error(r.returncode, r.stderr)
+
+
 @pytest.mark.parametrize("objective", PRETRAIN)
 def test_viz_draws_each_pretraining_run(demo_runs, objective, tmp_path):
     png = tmp_path / "x.png"
     assert viz.main(["--checkpoint", str(demo_runs[objective]), "--out", str(png), "--images", "2"]) == 0
     panels = 4 if objective == "hpm" else 3  # HPM adds the teacher's predicted loss
     with Image.open(png) as pic:
-        assert pic.format == "PNG" and pic.size == viz.picture_size(2, 32, 32, 3, panels)
+        assert pic.format == "PNG" and pic.size == picture_size(2, 32, 32, 3, panels)
 
 
 @pytest.mark.parametrize("kind,stage", [("hpm", "pretrain/run.py"), ("finetune", "downstream/finetune.py")])

@@ -21,7 +21,7 @@ from mpp.objectives.hpm import (
     zscore_mse_loss,
 )
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
-from mpp.viz import hpm_panels, hpm_picture, picture_size
+from mpp.panels import hpm_panels, hpm_picture, picture_size
 
 SMALL = dict(decoder_dim=32, decoder_depth=1, decoder_heads=4)
 

@@ -17,6 +17,7 @@ SUITES = {
     "data": "mpp.benchmarks.data",
     "zero": "mpp.benchmarks.zero",
     "gpu-step": "mpp.benchmarks.gpu_step",
+    "preview": "mpp.benchmarks.preview",
 }
 
 

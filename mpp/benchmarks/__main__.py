@@ -1,6 +1,6 @@
 """python -m mpp.benchmarks SUITE [--quick] [--out FILE.json] [suite options]
 
-Suites: cpu-step, attention, data, zero, gpu-step (GPU only). Prints the suite's tables and
+Suites: cpu-step, attention, data, zero, preview, gpu-step (GPU only). Prints the suite's tables and
 writes its JSON (default runs/benchmarks/SUITE[-quick].json).
 """
 

@@ -1,0 +1,226 @@
+"""The two frozen-encoder tools, downstream/linear_probe.py and downstream/knn.py: parse, load
+the encoder from ``init``, extract features on every rank (``deepspeed --num_gpus N`` /
+torchrun; one process otherwise) and the GPU when there is one, evaluate, write results.json
+(and, with ``--layers all``, results.md and per_block.png)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from mpp.config import ConfigError, ProbeConfig
+from mpp.data import make_train_loader
+from mpp.models.vit import VisionTransformer
+from mpp.probe import (
+    HeadTrainer,
+    extract_features,
+    feature_slots,
+    knn_classify,
+    linear_probes,
+    scaled_lr,
+)
+from mpp.probe_protocols import (
+    MAE_CROP_SCALE,
+    dinov2_probe,
+    dinov2_slots,
+    mae_heads,
+    mae_probe,
+    micro_batches,
+)
+
+
+def probe_parser(kind: str):
+    """The training CLIs' arguments, plus --layers (and --protocol for the linear probe)."""
+    from mpp.cli import run_parser
+
+    p = run_parser(
+        f"{kind} evaluation of a frozen encoder", "linear_demo, linear_b16", resume=False
+    )
+    if kind == "linear":
+        p.add_argument(
+            "--protocol",
+            choices=["fast", "mae", "dinov2"],
+            help="probe.protocol: fast (cached features + SGD), mae (BN + LARS, augmented), dinov2 (a grid)",
+        )
+    p.add_argument(
+        "--layers",
+        choices=["last", "all"],
+        help="probe.layers: the last block's features, or every block's",
+    )
+    return p
+
+
+def run_probe(kind: str, argv: list[str] | None = None) -> int:
+    """``kind`` = "linear" or "knn". Exit status 2 on a bad config or init."""
+    from mpp.cli import config_from_args, open_run_dir
+    from mpp.distributed import init_distributed, world_from_env
+    from mpp.runlock import release
+
+    args = probe_parser(kind).parse_args(argv)
+    args.set += [
+        f"probe.{key}={value}"
+        for key in ("protocol", "layers")
+        if (value := getattr(args, key, None))
+    ]
+    rank, world = world_from_env()
+    try:
+        cfg = config_from_args(args, ProbeConfig)
+        encoder, spec, num_classes = _probe_setup(cfg, kind)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    device = (
+        init_distributed()
+        if world > 1
+        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    try:
+        run_dir = open_run_dir(cfg, rank)  # held by this job: a second one on it stops here
+        results = _evaluate(kind, cfg, encoder.to(device), spec, num_classes, rank, world)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if rank != 0:
+        return 0
+    results = {**results, "eval": kind, "init": cfg.init, "ranks": world}
+    if "per_block" in results:
+        from mpp.probe_report import write_per_block
+
+        print(
+            write_per_block(run_dir, results["per_block"], f"{kind} top-1 per block of {cfg.init}")
+        )
+    (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    release(run_dir)
+    print(json.dumps({k: v for k, v in results.items() if k not in ("grid", "per_block")}))
+    return 0
+
+
+def _evaluate(
+    kind: str, cfg, encoder: VisionTransformer, spec: dict, num_classes: int, rank: int, world: int
+) -> dict:
+    """The results of this kind and protocol (every rank takes part; only rank 0's count)."""
+    d, pr = cfg.data, cfg.probe
+    depth = len(encoder.blocks)
+    protocol = pr.protocol if kind == "linear" else "knn"
+    if protocol == "dinov2":
+        slots = dinov2_slots(depth)
+    else:
+        slots = feature_slots(depth, pr.pool, pr.layers)
+    extract = dict(
+        slots=slots,
+        img_size=encoder.patch_embed.img_size[0],
+        batch_size=min(pr.batch_size, 1024),  # a loader batch, not the probe's step (mae: 16384)
+        mean=d.mean,
+        std=d.std,
+        num_workers=d.num_workers,
+        allow_pipe=d.allow_pipe,
+        rank=rank,
+        world_size=world,
+    )
+    val = extract_features(encoder, spec["val"], **extract)
+    facts = {"protocol": protocol} if kind == "linear" else {}
+    facts |= {"layers": pr.layers, "num_val": len(val[1])}
+    if protocol == "mae":
+        return facts | _mae(cfg, encoder, spec, val, num_classes, slots, rank, world)
+    train = extract_features(encoder, spec["train"], **extract)
+    facts["num_train"] = len(train[1])
+    if rank != 0:
+        return facts
+    if protocol == "dinov2":
+        return facts | dinov2_probe(train, val, num_classes, depth=depth, settings=pr, seed=cfg.seed)
+    if protocol == "knn":
+        (train_x, train_y), (val_x, val_y) = train, val
+        per_slot = [
+            knn_classify(train_x[:, s], train_y, val_x[:, s], val_y, num_classes, pr.k, pr.temperature)
+            for s in range(len(slots))
+        ]
+    else:
+        per_slot = linear_probes(
+            *train, *val, num_classes, epochs=pr.epochs, batch_size=pr.batch_size, blr=pr.blr,
+            momentum=pr.momentum, weight_decay=pr.weight_decay, warmup_epochs=pr.warmup_epochs,
+            seed=cfg.seed,
+        )  # fmt: skip
+    return facts | _headline(per_slot, slots)
+
+
+def _headline(per_slot: list[dict], slots: list) -> dict:
+    """The last block's results at the top level; with several blocks, ``per_block`` too."""
+    out = dict(per_slot[-1])
+    if len(slots) > 1:
+        out["per_block"] = [{"block": b, **r} for (b, _), r in zip(slots, per_slot, strict=True)]
+    return out
+
+
+def _mae(
+    cfg, encoder: VisionTransformer, spec: dict, val: tuple, num_classes: int, slots: list, rank: int,
+    world: int,
+) -> dict:  # fmt: skip
+    """MAE's protocol: the training stream augmented on the fly (mpp.data's RandomResizedCrop +
+    flip at MAE_CROP_SCALE), a step of probe.batch_size images across the ranks, LARS."""
+    from mpp.data import expand_shards
+    from mpp.data.census import census
+
+    d, pr = cfg.data, cfg.probe
+    shards = expand_shards(spec["train"])
+    counted = census(shards, d.allow_pipe)
+    steps = counted.total // pr.batch_size  # MAE's loader drops the last partial batch
+    if steps < 1 or pr.batch_size % world:
+        raise ConfigError(
+            f"{cfg._source}: probe.batch_size: {pr.batch_size} must be at most the {counted.total} "
+            f"training samples and a multiple of the {world} ranks (the mae protocol's step)"
+        )
+    lr = scaled_lr(pr.blr, pr.batch_size)
+    heads = mae_heads(slots, encoder.embed_dim, num_classes, lr, cfg.seed)
+    for p in heads:
+        p.head.to(next(encoder.parameters()).device)
+    trainer = HeadTrainer(
+        heads, total_steps=pr.epochs * steps, warmup_steps=pr.warmup_epochs * steps,
+        momentum=pr.momentum, weight_decay=pr.weight_decay, optimizer="lars",
+    )  # fmt: skip
+    accum = micro_batches(pr.batch_size // world)
+    loader = make_train_loader(
+        shards, batch_size=pr.batch_size // world // accum, num_batches=steps * accum,
+        global_batch=pr.batch_size, img_size=encoder.patch_embed.img_size[0], rank=rank,
+        world_size=world, with_labels=True, num_classes=num_classes, seed=cfg.seed,
+        crop_scale=MAE_CROP_SCALE, shard_sizes=tuple(counted.sizes), num_workers=d.num_workers,
+        persistent=True, allow_pipe=d.allow_pipe,
+    )  # fmt: skip
+    try:
+        res = mae_probe(encoder, loader, trainer, val, epochs=pr.epochs, accum=accum, slots=slots,
+                        mean=d.mean, std=d.std)  # fmt: skip
+    finally:
+        loader.close()
+    per_slot = [
+        {**r, "max_top1": m, "train_loss": loss}
+        for r, m, loss in zip(res["last"], res["max_top1"], res["train_loss"], strict=True)
+    ]
+    return {"num_train": counted.total, "lr": lr, "steps_per_epoch": steps} | _headline(per_slot, slots)
+
+
+def _probe_setup(cfg, kind: str) -> tuple[VisionTransformer, dict[str, object], int]:
+    """(the encoder from ``init``, the train/val shard specs, the class count); ConfigError names the key."""
+    from mpp.build import build_encoder
+    from mpp.data import digits_shards, expand_shards, read_sizes
+
+    if kind == "linear" and cfg.probe.protocol == "dinov2" and cfg.probe.layers == "all":
+        raise ConfigError(
+            f"{cfg._source}: probe.layers: 'all' with probe.protocol 'dinov2', which chooses its own "
+            "blocks (the last 1 and 4): use the fast or mae protocol for a per-block table"
+        )
+    torch.manual_seed(cfg.seed)
+    encoder = build_encoder(cfg)
+    img = encoder.patch_embed.img_size[0]
+    d = cfg.data
+    spec = {
+        "train": d.train_shards or digits_shards(img)["train"],
+        "val": d.val_shards or digits_shards(img)["val"],
+    }
+    names = (read_sizes(expand_shards(spec["train"])) or {}).get("class_names") or []
+    num_classes = d.num_classes or len(names)
+    if not num_classes:
+        raise ConfigError(
+            f"{cfg._source}: data.num_classes: not set and the shards carry no class list"
+        )
+    return encoder, spec, num_classes
