@@ -96,7 +96,8 @@ def two_rank_runs(tmp_path_factory, digits16):
     tmp = tmp_path_factory.mktemp("zero")
     runs: dict = {"ports": []}
     for stage in (2, 3):
-        cfg = tiny_config(digits16, train={"max_steps": 3, "ckpt_every": 2},
+        # a preview at step 2: under ZeRO-3 its forward gathers the partitioned parameters on both ranks
+        cfg = tiny_config(digits16, train={"max_steps": 3, "ckpt_every": 2, "preview_every": 2},
                           deepspeed={"zero_optimization": zero(stage)})
         path = write_config(tmp / f"z{stage}.json", cfg)
         out = tmp / f"z{stage}"

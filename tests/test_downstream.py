@@ -32,6 +32,9 @@ def test_zero_checkpoints_give_the_exported_weights(two_rank_runs, stage):
         for k in sd:
             torch.testing.assert_close(sd[k], exported[k], rtol=0, atol=0)
     assert load_pretrained(run_dir)[0].keys() == exported.keys()  # a run directory
+    from test_preview import tb_images
+
+    assert [e.step for e in tb_images(run_dir)[0]] == [2]  # the preview, under ZeRO-3 too
 
 
 def test_layer_decay_lr_of_block_i_is_base_times_decay_to_depth_minus_i():
