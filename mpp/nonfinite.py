@@ -23,8 +23,9 @@ from mpp.elastic import restore
 from mpp.plan import Plan, RunState
 
 log = logging.getLogger("mpp.nonfinite")
-# tests only: the check reports a non-finite loss when optimiser step k is first attempted
-_INJECT_AT_STEP = int(os.environ.get("MPP_TEST_NONFINITE_AT_STEP", "0"))
+# a fault-injection hook (README, NaN recovery): MPP_INJECT_NONFINITE_AT_STEP=k makes the check
+# report a non-finite loss when optimiser step k is first attempted, to try train.on_nonfinite
+INJECT_ENV = "MPP_INJECT_NONFINITE_AT_STEP"
 
 
 class NonFiniteLossError(RuntimeError):
@@ -35,7 +36,7 @@ def all_finite(loss: torch.Tensor, state: RunState) -> bool:
     """True when the loss is finite on every rank. One small all-reduce and host sync per
     micro-step: the price of never applying a NaN update (``train.skip_nonfinite``)."""
     bad = (~torch.isfinite(loss.detach())).float().reshape(1)
-    if _INJECT_AT_STEP and state.step + 1 == _INJECT_AT_STEP and not state.rollback_steps:
+    if state.step + 1 == int(os.environ.get(INJECT_ENV, 0)) and not state.rollback_steps:
         bad.fill_(1.0)
     dist.all_reduce(bad)
     return bad.item() == 0.0

@@ -6,6 +6,7 @@ import functools
 import http.server
 import io
 import logging
+import signal
 import socket
 import tarfile
 import threading
@@ -339,3 +340,35 @@ def test_http_shards_and_unreachable_url(tmp_path, data_http_server, caplog):
                 max_consecutive_errors=3,
             )
         )
+
+
+def _sleep_forever():
+    import time
+
+    time.sleep(600)
+
+
+def test_the_exit_hook_kills_our_workers_only(tmp_path):
+    """At exit the loader kills the workers it started (they ignore SIGTERM, and multiprocessing's
+    own hook would wait on them); it killed every daemon child of the process, others' included."""
+    import multiprocessing
+
+    from mpp.data import loader as loader_module
+
+    paths, _ = make_shards(tmp_path, [5, 7])
+    kept = make_train_loader(paths, persistent=True, batch_size=3, num_batches=2, img_size=16, num_workers=2)
+    next(iter(kept))
+    ours = list(kept._loader._iterator._workers)
+    theirs = multiprocessing.get_context("fork").Process(target=_sleep_forever, daemon=True)
+    theirs.start()
+    sigchld = signal.getsignal(signal.SIGCHLD)  # the hook resets DataLoader's handler: put it back after
+    try:
+        assert {w.pid for w in ours} <= {w.pid for w in loader_module._WORKERS}
+        loader_module._kill_workers_at_exit()
+        for w in ours:
+            w.join(10)
+        assert not any(w.is_alive() for w in ours) and theirs.is_alive()
+    finally:
+        signal.signal(signal.SIGCHLD, sigchld)
+        theirs.kill()
+        kept._loader = None  # its workers are gone: nothing for close() to shut down

@@ -180,7 +180,7 @@ def test_the_run_writes_only_under_its_output_directory(tmp_path, digits16):
 def test_a_nan_at_step_5_rolls_back_and_finishes_or_stops_naming_the_step(tmp_path, digits16):
     """train.on_nonfinite: rollback reloads the step-4 checkpoint, moves the data past the failed
     window, scales the lr, records the event and finishes; stop exits 1 naming the step."""
-    env = {"MPP_TEST_NONFINITE_AT_STEP": "5"}  # the check reports a NaN when step 5 is first tried
+    env = {"MPP_INJECT_NONFINITE_AT_STEP": "5"}  # the check reports a NaN when step 5 is first tried
     cfg = tiny_config(digits16, train={"max_steps": 8, "ckpt_every": 2, "max_bad_steps": 0, "on_nonfinite": "rollback",
                                        "rollback_lr_scale": 0.5})  # fmt: skip
     path = write_config(tmp_path / "r.json", cfg)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import atexit
 import json
-import multiprocessing
 import random
 import signal
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from functools import partial
@@ -210,13 +210,18 @@ class _EvalStream(_Stream):
         yield {"_worker": worker, "_skipped": errors.skipped, "_end": True}
 
 
+_WORKERS: weakref.WeakSet = weakref.WeakSet()  # the worker processes our loaders started
+
+
 def _kill_workers_at_exit() -> None:
     # multiprocessing's exit hook SIGTERMs daemon children and waits: our workers ignore SIGTERM,
     # so a loader still alive at exit (kept by a traceback) would hang the process. This hook is
-    # registered later, so it runs first.
-    for child in multiprocessing.active_children():
-        if child.daemon:
-            child.kill()
+    # registered later, so it runs first. Only our workers: another library's daemons are its own.
+    # DataLoader's SIGCHLD handler would report each kill as a worker failure: at exit, nobody asks
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for worker in list(_WORKERS):
+        if worker.is_alive():
+            worker.kill()
 
 
 atexit.register(_kill_workers_at_exit)
@@ -289,6 +294,7 @@ class Loader:
         self._skipped = {}
         count, parts = 0, []
         items = iter(loader)
+        _WORKERS.update(getattr(items, "_workers", ()))  # DataLoader's worker processes (none in-process)
         try:
             for item in items:
                 self._skipped[item.pop("_worker")] = item.pop("_skipped")
