@@ -37,6 +37,7 @@ def build_encoder(cfg: Any, **overrides: Any) -> VisionTransformer:
         encoder = create_vit(cfg.model.name, **cfg.model.vit_kwargs(), **overrides)
     except ValueError as e:
         raise ConfigError(f"{source}: model: {e}") from None
+    encoder.set_grad_checkpointing(cfg.model.grad_checkpointing)
     if init != "scratch":
         try:
             load_into(encoder, init)
@@ -95,4 +96,12 @@ def build_objective(cfg: Config) -> Objective:
             init_objective(objective, cfg.model.init)
         except (FileNotFoundError, ValueError, CheckpointError) as e:
             raise ConfigError(f"{source}: model.init: {e}") from None
+    set_grad_checkpointing(objective, cfg.model.grad_checkpointing)  # the decoders too (HPM's teacher runs no-grad)
     return objective
+
+
+def set_grad_checkpointing(module: Any, enable: bool) -> None:
+    """``model.grad_checkpointing`` on every part of ``module`` that has the switch (timm's)."""
+    for part in module.modules():
+        if hasattr(part, "set_grad_checkpointing"):
+            part.set_grad_checkpointing(enable)

@@ -58,13 +58,16 @@ class ModelConfig(_Section):
     # checkpoints), else the ViT's own 1e-6 / True; a value here that contradicts the file is an error
     norm_eps: float | None = Field(None, gt=0.0)
     qkv_bias: bool | None = None
+    # activation checkpointing per block (timm's name), encoder and decoders: recompute each
+    # block's activations in the backward instead of keeping them; not architecture
+    grad_checkpointing: bool = False
     # pretraining only: continue from published weights (an encoder file, a Hugging Face ViT
     # folder, MAE's / HPM's release .pth whose decoder also initialises an MAE decoder, a run)
     init: str | None = None
 
     def vit_kwargs(self) -> dict[str, Any]:
         """Overrides for ``create_vit(self.name, **overrides)``: only what was set."""
-        return self.model_dump(exclude={"name", "init"}, exclude_none=True)
+        return self.model_dump(exclude={"name", "init", "grad_checkpointing"}, exclude_none=True)
 
 
 class ObjectiveConfig(BaseModel):

@@ -7,6 +7,7 @@ Never unpickles arbitrary objects."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -93,7 +94,8 @@ def _run_model_kwargs(ckpt_root: Path) -> dict:
     if not cfg_file.is_file():
         return {}
     model = json.loads(cfg_file.read_text()).get("model", {})
-    return {k: v for k, v in model.items() if v is not None}
+    architecture = {"name", *inspect.signature(VisionTransformer).parameters}  # not init, grad_checkpointing
+    return {k: v for k, v in model.items() if v is not None and k in architecture}
 
 
 def read_model_kwargs(init: str | Path) -> dict:

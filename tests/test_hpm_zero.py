@@ -21,6 +21,7 @@ def hpm_runs(tmp_path_factory, digits16):
             objective={"name": "hpm", "base": "mae", "decoder_dim": 32, "decoder_depth": 1, "decoder_heads": 2,
                        "momentum_start": 0.99, "momentum_end": 0.999, "momentum_epochs": 1},
             deepspeed={"zero_optimization": zero(stage)},
+            model={"grad_checkpointing": stage == 3},  # ZeRO-3 gathers again for each block's recompute
         )
         cfg.pop("masking")
         path = write_config(tmp / f"h{stage}.json", cfg)

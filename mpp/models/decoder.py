@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from mpp.models.vit import Block, init_linear_and_norm, sincos_pos_embed
+from mpp.models.vit import Block, init_linear_and_norm, run_blocks, sincos_pos_embed
 
 
 class DecoderEmbed(nn.Module):
@@ -76,7 +76,11 @@ class Decoder(nn.Module):
         self.blocks = nn.Sequential(*[Block(dim, num_heads, mlp_ratio, **block) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim, eps=norm_eps)
         self.pred = nn.Linear(dim, out_dim)
+        self.grad_checkpointing = False
         init_linear_and_norm(self)
 
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
     def forward(self, x: Tensor) -> Tensor:
-        return self.pred(self.norm(self.blocks(self.in_proj(x))))
+        return self.pred(self.norm(run_blocks(self.blocks, self.in_proj(x), self.grad_checkpointing)))

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from mpp.models.attention import Attention
 from mpp.ops import to_2tuple
@@ -107,6 +108,17 @@ class Block(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.drop_path(self.attn(self.norm1(x)))
         return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+def run_blocks(blocks: nn.Sequential, x: Tensor, checkpointing: bool) -> Tensor:
+    """``blocks(x)``; with ``checkpointing`` (and grad enabled) each block's activations are
+    recomputed in the backward instead of kept: ~1/3 more compute, activations of one block
+    instead of all. Non-reentrant checkpointing replays drop path's RNG state exactly."""
+    if not (checkpointing and torch.is_grad_enabled()):
+        return blocks(x)
+    for block in blocks:
+        x = checkpoint(block, x, use_reentrant=False)
+    return x
 
 
 def sincos_pos_embed(embed_dim: int, grid_size: tuple[int, int], cls_token: bool = True) -> Tensor:
@@ -204,6 +216,7 @@ class VisionTransformer(nn.Module):
         self.global_pool = global_pool
         self.num_prefix_tokens = 1
         self.pos_embed_type = pos_embed
+        self.grad_checkpointing = False
 
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
@@ -246,6 +259,10 @@ class VisionTransformer(nn.Module):
         nn.init.normal_(self.cls_token, std=0.02)
         init_linear_and_norm(self)
 
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """timm's switch: activation checkpointing per block (``run_blocks``)."""
+        self.grad_checkpointing = enable
+
     def no_weight_decay(self) -> set[str]:
         """Parameter names exempt from weight decay beyond biases and norms (timm's hook)."""
         return {"pos_embed", "cls_token"}
@@ -258,7 +275,7 @@ class VisionTransformer(nn.Module):
             x = torch.gather(x, 1, visible_idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # (B, N_vis, D)
         cls = (self.cls_token + self.pos_embed[:, : self.num_prefix_tokens]).expand(x.shape[0], -1, -1)
         x = torch.cat([cls, x], dim=1)
-        x = self.blocks(x)
+        x = run_blocks(self.blocks, x, self.grad_checkpointing)
         return self.norm(x)
 
     def forward_features(self, images: Tensor, visible_idx: Tensor | None = None) -> Tensor:
