@@ -55,7 +55,7 @@ SCRIPTS = {
 EvalKind = Literal["finetune", "linear", "knn"]
 # Model keys an evaluation keeps from its own config: how it runs and regularises, not the
 # architecture the pretrained weights need (fine-tuning's drop path 0.1, DESIGN.md §4.6).
-EVAL_OWN_MODEL_KEYS = {"attn_backend", "drop_path_rate", "init", "grad_checkpointing"}
+EVAL_OWN_MODEL_KEYS = {"attn_backend", "drop_path_rate", "init", "grad_checkpointing", "compile"}
 
 
 class AblationSpec(BaseModel):

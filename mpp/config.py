@@ -61,13 +61,14 @@ class ModelConfig(_Section):
     # activation checkpointing per block (timm's name), encoder and decoders: recompute each
     # block's activations in the backward instead of keeping them; not architecture
     grad_checkpointing: bool = False
+    compile: bool = False  # torch.compile through DeepSpeed's engine.compile(); off until a GPU measures it
     # pretraining only: continue from published weights (an encoder file, a Hugging Face ViT
     # folder, MAE's / HPM's release .pth whose decoder also initialises an MAE decoder, a run)
     init: str | None = None
 
     def vit_kwargs(self) -> dict[str, Any]:
         """Overrides for ``create_vit(self.name, **overrides)``: only what was set."""
-        return self.model_dump(exclude={"name", "init", "grad_checkpointing"}, exclude_none=True)
+        return self.model_dump(exclude={"name", "init", "grad_checkpointing", "compile"}, exclude_none=True)
 
 
 class ObjectiveConfig(BaseModel):

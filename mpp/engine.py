@@ -184,6 +184,8 @@ def start_engine(cfg: RunConfig, objective: torch.nn.Module, plan: Plan, ckpt_ro
 
     optimizer = build_optimizer(cfg, objective)
     engine, optimizer, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, config=plan.ds_config)
+    if cfg.model.compile:  # the training forward has no graph break (tests/test_compile.py)
+        engine.compile()
     state = RunState()
     found = from_rank0(_resolve_on_rank0(resume, ckpt_root))
     if isinstance(found, str):

@@ -69,7 +69,8 @@ def resolve_backend(requested: str, device: torch.device) -> str:
             resolved = "sdpa"
     else:
         resolved, why = requested, ""
-    _log_once(requested, resolved, dev, why)
+    if not torch.compiler.is_compiling():  # a logger call would break torch.compile's graph at every block
+        _log_once(requested, resolved, dev, why)
     return resolved
 
 
