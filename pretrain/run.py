@@ -2,6 +2,7 @@
 
     deepspeed pretrain/run.py --config mpp_b16.json [--set key=value ...] [--output-dir DIR] [--resume auto|PATH]
     python pretrain/run.py --config mpp_demo.json          # one process
+    python pretrain/run.py --config mpp_b16.json --plan --gpus 64   # the GPU plan (python -m mpp.plan): nothing runs
     python pretrain/run.py --config mpp_b16.json --submit slurm --nodes 8 --gpus-per-node 8 --partition P --time 72:00:00
 """
 
@@ -18,6 +19,7 @@ from mpp.distributed import device_type, from_rank0, init_distributed, world_fro
 from mpp.engine import train
 from mpp.nonfinite import NonFiniteLossError
 from mpp.plan import check_resume, plan_run
+from mpp.plan.cli import add_plan_arguments, plan_main
 from mpp.preemption import PREEMPTED_EXIT, Preempted
 from mpp.rng import seed_everything
 from mpp.runlock import release
@@ -26,7 +28,12 @@ from mpp.submit import submit
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = run_parser(__doc__, "mpp_b16, mpp_demo, ...", submit=True).parse_args(argv)
+    parser = run_parser(__doc__, "mpp_b16, mpp_demo, ...", submit=True)
+    parser.add_argument("--plan", action="store_true", help="print the GPU plan (python -m mpp.plan) and exit")
+    add_plan_arguments(parser.add_argument_group("--plan"))
+    args = parser.parse_args(argv)
+    if args.plan:  # nothing created: no process group, no run directory
+        return plan_main(args.config, args.set, args.gpus, args.gpu, args.out)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     rank, world = world_from_env()
     try:  # every check before the run directory exists

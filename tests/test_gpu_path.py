@@ -51,8 +51,8 @@ def test_max_micro_batch_size_picks_the_fewest_accumulation_steps():
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_deepspeed_config_for_gpus(stage):
-    """No throughput timer (two device syncs per micro-step); overlapped 5e7-element buckets at
-    ZeRO-1/2; bf16 gradients reduced in fp32 everywhere and accumulated in fp32 at ZeRO-2/3."""
+    """No throughput timer (two device syncs per micro-step); 5e7-element buckets at ZeRO-1/2/3,
+    overlapped at 1/2; bf16 gradients reduced in fp32 everywhere and accumulated in fp32 at ZeRO-2/3."""
     cfg = shipped("mae_b16")
     cfg.deepspeed = {"zero_optimization": {"stage": stage}}
     ds = cfg.deepspeed_config(8, "cuda")
@@ -60,9 +60,8 @@ def test_deepspeed_config_for_gpus(stage):
     assert ds["bf16"] == {"enabled": True} and ds["communication_data_type"] == "fp32"
     assert ("data_types" in ds) == (stage >= 2)
     zero = ds["zero_optimization"]
-    assert (zero.get("overlap_comm"), zero.get("reduce_bucket_size")) == (
-        (True, int(5e7)) if stage in (1, 2) else (None, None)
-    )
+    assert zero.get("overlap_comm") == (True if stage in (1, 2) else None)  # DeepSpeed's own default at 3
+    assert zero.get("reduce_bucket_size") == (int(5e7) if stage else None)
     assert "communication_data_type" not in cfg.deepspeed_config(8, "cpu")  # fp32 on the CPU: nothing to say
     cfg.deepspeed = {"zero_optimization": {"stage": 2, "overlap_comm": False}, "communication_data_type": "bf16"}
     ds = cfg.deepspeed_config(8, "cuda")  # the user's word wins

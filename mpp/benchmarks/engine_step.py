@@ -28,28 +28,10 @@ from mpp.engine import to_device
 from mpp.nonfinite import all_finite
 from mpp.optim import build_optimizer
 from mpp.plan import RunState
+from mpp.plan.hardware import spec_peak  # noqa: F401  (gpu_step and the doctor take it from here)
 
-# Dense (no 2:4 sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, which print the sparse
-# figure (2x) first. Matched against torch.cuda.get_device_name() in this order ("H100 NVL"
-# before "H100"; the SXM part is named "H100 80GB HBM3"). Not measured: this project has no GPU.
-SPEC_BF16_DENSE = (
-    ("H100 PCIe", 756e12, "H100 PCIe datasheet: bf16 1,513 TFLOP/s sparse, 756 dense"),
-    ("H100 NVL", 835e12, "H100 NVL datasheet: bf16 1,671 TFLOP/s sparse, 835 dense"),
-    ("H100", 989e12, "H100 SXM datasheet: bf16 1,979 TFLOP/s sparse, 989 dense"),
-    ("H200 NVL", 835e12, "H200 NVL datasheet: bf16 1,671 TFLOP/s sparse, 835 dense"),
-    ("H200", 989e12, "H200 SXM datasheet: bf16 1,979 TFLOP/s sparse, 989 dense"),
-    ("A100", 312e12, "A100 datasheet: bf16 312 TFLOP/s dense"),
-)
 # validated by the config, never read: the step's images are made on the device
 DUMMY_SHARDS = "unused-{000000..000000}.tar"
-
-
-def spec_peak(device_name: str) -> tuple[float | None, str]:
-    """(dense bf16 FLOP/s, its source) of the GPU called ``device_name``; (None, why) if unknown."""
-    for key, flops, source in SPEC_BF16_DENSE:
-        if key in device_name:
-            return flops, source
-    return None, f"no datasheet peak for {device_name!r} in engine_step.SPEC_BF16_DENSE: no MFU"
 
 
 def step_config(

@@ -3,12 +3,13 @@ config; any problem a ConfigError naming the key), and the run's position in it.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpp.config import ConfigError, RunConfig
+from mpp.config import Config, ConfigError, RunConfig
 from mpp.data import StreamConfig, digits_shards, expand_shards
 from mpp.data.census import Census, census
 
@@ -147,3 +148,21 @@ class RunState:
     overflow_steps: int = 0  # fp16 steps DeepSpeed skipped on a gradient overflow
     rollback_steps: list[int] = field(default_factory=list)  # steps whose non-finite losses were rolled back
     lr_scale: float = 1.0  # train.rollback_lr_scale per rollback
+
+
+# a stand-in for the shards a shipped *_b16 config leaves to the user: the planner needs the
+# model and the batch, not the data (steps per epoch are then unknown)
+PLACEHOLDER_SHARDS = "planned-without-data-{000000..000000}.tar"
+
+
+def load_plan_config(config: str, overrides: list[str]) -> tuple[Config, bool]:
+    """(the validated config, whether its data is known) for planning: a config without
+    ``data.train_shards`` (the shipped ``*_b16``) is planned with a stand-in. ConfigError as
+    ``load_config``."""
+    from mpp.config import apply_overrides, load_config, resolve_config_path
+
+    raw = apply_overrides(json.loads(resolve_config_path(config).read_text()), overrides)
+    data = raw.get("data") or {}
+    known = data.get("train_shards") is not None or data.get("builtin") is not None
+    extra = [] if known else [f"data.train_shards={PLACEHOLDER_SHARDS}"]
+    return load_config(config, [*overrides, *extra]), known
