@@ -189,3 +189,29 @@ def test_pretrain_plan_flag_creates_nothing(tmp_path, capsys):
     args = ["--config", "mae_demo", "--plan", "--gpus", "2", "--output-dir", str(tmp_path / "run")]
     assert main([*args, "--out", str(out)]) == 0
     assert not (tmp_path / "run").exists() and json.loads(out.read_text())["gpus"] == 2
+
+
+def test_comm_per_step_is_what_deepspeeds_comms_logger_records(tmp_path):
+    """The planner's collectives per ZeRO stage against DeepSpeed's own comms_logger on a real
+    engine under a fake process group of 8 ranks, 2 accumulation steps: the logged messages (each
+    rank's buffer) turned into ring traffic match the planner's bytes per op within 5 %. It found
+    that ZeRO-1/2 all-reduce (once per step at 1, every micro-batch at 2), not reduce-scatter."""
+    from mpp.plan.cost import comm_bytes
+
+    out = tmp_path / "comms.json"
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "zero_comms_probe.py"), "8", str(out)], cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    share = 7 / 8
+    for row in json.loads(out.read_text()):
+        logged, stage = row["logged"], row["stage"]
+        planned = comm_bytes(row["trainable"], 0, 8, stage, row["accum"], "bf16")["ops"]
+        ring = {  # what each logged op moves per rank on a ring (all-gather: its input is the shard)
+            "grads": 2 * share * logged.get("all_reduce", 0) if stage < 3 else share * logged["reduce_scatter_tensor"],
+            "params": (8 * share * logged["all_gather_into_tensor"]),
+        }
+        grads = sum(v for k, v in planned.items() if "grads" in k)
+        params = sum(v for k, v in planned.items() if "params" in k)
+        assert grads == pytest.approx(ring["grads"], rel=0.05), (stage, planned, logged)
+        assert params == pytest.approx(ring["params"], rel=0.05), (stage, planned, logged)
+        assert ("all_reduce grads" in planned) == (stage < 3)

@@ -112,10 +112,11 @@ def comm_bytes(
     """Bytes each rank sends per optimiser step, by collective, with ring formulas: all-reduce
     2(N-1)/N of the buffer, reduce-scatter and all-gather (N-1)/N. Gradients are reduced in fp32
     (``mpp.ds_config`` sets communication_data_type), parameters gathered in the model's dtype.
-    ZeRO-0 all-reduces once per step, at the accumulation boundary; ZeRO-1/2 reduce in the
-    backward hooks of every micro-batch (overlap_comm, as ``mpp.ds_config`` sets it), ZeRO-3 too;
-    ZeRO-1/2 all-gather the updated parameters after the step; ZeRO-3 gathers them in every
-    forward and backward (HPM's teacher: its forward)."""
+    The collectives are DeepSpeed 0.19.8's as its comms_logger records them (tests/test_plan_gpu.py):
+    ZeRO-0 and ZeRO-1 all-reduce the gradients once per step, at the accumulation boundary; ZeRO-2
+    all-reduces them in the backward of every micro-batch; ZeRO-3 reduce-scatters them every
+    micro-batch; ZeRO-1/2 all-gather the updated parameters after the step; ZeRO-3 gathers them
+    in every forward and backward (HPM's teacher: its forward)."""
     n, w = ranks, 4 if precision == "fp32" else 2
     share = (n - 1) / n
     grads, params = 4 * trainable, w * trainable
@@ -124,7 +125,8 @@ def comm_bytes(
     elif stage == 0:
         ops = {"all_reduce grads": 2 * share * grads}
     elif stage in (1, 2):
-        ops = {"reduce_scatter grads": accum * share * grads, "all_gather params": share * params}
+        reductions = 1 if stage == 1 else accum
+        ops = {"all_reduce grads": reductions * 2 * share * grads, "all_gather params": share * params}
     else:
         ops = {
             "reduce_scatter grads": accum * share * grads,
