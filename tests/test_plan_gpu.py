@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 REQUIRED = (
     "peak_gib", "activations_gib", "model_states_gib", "fits", "max_micro_batch", "flops_per_image",
     "step_time_lower_bound_s", "mfu_ceiling", "comm_bytes_per_step", "needs_grad_checkpointing", "recipe",
+    "host_syncs_per_step",
 )  # fmt: skip
 
 
@@ -163,6 +164,7 @@ def test_cli_writes_the_plan(tmp_path):
     assert set(REQUIRED) <= set(plan)
     assert plan["fits"] and plan["max_micro_batch"] > plan["recipe"]["micro_batch"]
     assert plan["recipe"]["split"] == "32 x 1 x 2 = 64"
+    assert plan["host_syncs_per_step"] == 1  # the non-finite check's, one per micro-batch (issue 22 §5.16)
     assert 0 < plan["mfu_ceiling"] <= 1
     assert "memory per GPU" in r.stdout
 
