@@ -1,6 +1,7 @@
 """k-NN evaluation (cosine, k = 20, T = 0.07) of a frozen encoder.
 
-    python downstream/knn.py --config linear_demo --set init=runs/mpp_demo [--output-dir DIR] [--layers all]
+    python downstream/knn.py --config linear_demo --set init=runs/mpp_demo [--output-dir DIR]
+        [--submit slurm|local --gpus-per-node N --time T [--wait]] [--layers all]
 
 --layers all: every block's features from one feature pass, a vote per block; results.md and per_block.png.
 """
@@ -9,5 +10,10 @@ import sys
 
 from mpp.probe_cli import run_probe
 
+
+def main(argv: list[str] | None = None) -> int:
+    return run_probe("knn", argv, __file__)
+
+
 if __name__ == "__main__":
-    sys.exit(run_probe("knn"))
+    sys.exit(main())

@@ -1,6 +1,7 @@
 """Linear probe of a frozen encoder; README "Probe protocols" says which paper each reproduces.
 
     python downstream/linear_probe.py --config linear_demo --set init=runs/mpp_demo [--output-dir DIR]
+        [--submit slurm|local --gpus-per-node N --time T [--wait]]
         [--protocol fast|mae|dinov2] [--layers last|all]
 
 fast (default): BatchNorm without affine + Linear, SGD, on cached center-crop features.
@@ -13,5 +14,10 @@ import sys
 
 from mpp.probe_cli import run_probe
 
+
+def main(argv: list[str] | None = None) -> int:
+    return run_probe("linear", argv, __file__)
+
+
 if __name__ == "__main__":
-    sys.exit(run_probe("linear"))
+    sys.exit(main())

@@ -10,7 +10,15 @@ named from its grid overrides only (the shared ``set`` ones are not in the names
     masking.strategy=block,objective.mask_ratio=0.5/seed0/
         pretrain/   finetune/   linear/   knn/     the runs (each eval writes results.json)
         pretrain.log  knn.log ...                  each launch's stdout + stderr
+    baseline=scratch_own/seed0/finetune/         fine-tuning from scratch, its own schedule
+    baseline=scratch_same/seed0/finetune/        ... and the pretrained cells' schedule
+    ablation.json  jobs.json                     the resolved spec; --submit's job ids
     results.csv  results.md  results.png
+
+With fine-tuning among the evaluations, two baselines per seed (``baselines``): the base
+architecture fine-tuned from scratch on its own recipe (``scratch_config``: longer, timm's head
+init) -- the fair comparison -- and on the pretrained cells' recipe (``finetune_config``), which
+under-trains scratch and overstates pretraining's gain; results.md labels which is which.
 
 Every cell is validated in-process (config + objective + the evaluations' configs) before
 anything is launched. A finished cell+seed is skipped on a rerun, a half-done pretraining run
@@ -55,6 +63,7 @@ SCRIPTS = {
 EvalKind = Literal["finetune", "linear", "knn"]
 # Model keys an evaluation keeps from its own config: how it runs and regularises, not the
 # architecture the pretrained weights need (fine-tuning's drop path 0.1, DESIGN.md §4.6).
+SPEC_FILE = "ablation.json"  # the resolved spec, in the output folder
 EVAL_OWN_MODEL_KEYS = {"attn_backend", "drop_path_rate", "init", "grad_checkpointing", "compile"}
 
 
@@ -71,6 +80,9 @@ class AblationSpec(BaseModel):
     launcher_args: list[str] | None = None  # None: --num_gpus <GPU count>, or 2 CPU ranks
     finetune_config: str = "finetune_demo"
     probe_config: str = "linear_demo"  # linear probe and k-NN
+    # fine-tuning from scratch, run when "finetune" is in eval (see BASELINES)
+    baselines: list[Literal["scratch_own", "scratch_same"]] = ["scratch_own", "scratch_same"]
+    scratch_config: str = "finetune_scratch_demo"  # scratch's own recipe (its epochs, head init)
     # default runs/ablation-<base name>; "out" is the older name of the key
     output_dir: str | None = Field(default=None, validation_alias=AliasChoices("output_dir", "out"))
 
@@ -88,7 +100,14 @@ class AblationSpec(BaseModel):
             raise ValueError(f"seeds must be >= 1 (or a non-empty list of seeds), got {self.seeds!r}")
         if not self.eval or len(set(self.eval)) != len(self.eval):
             raise ValueError(f"eval: expected one or more of finetune, linear, knn, each once; got {self.eval}")
+        if len(set(self.baselines)) != len(self.baselines):
+            raise ValueError(f"baselines: each of scratch_own, scratch_same once; got {self.baselines}")
         return self
+
+    @property
+    def baseline_names(self) -> list[str]:
+        """The baselines that run: fine-tuning's, so none without it."""
+        return list(self.baselines) if "finetune" in self.eval else []
 
     @property
     def seed_list(self) -> list[int]:
@@ -97,26 +116,6 @@ class AblationSpec(BaseModel):
     @property
     def out_dir(self) -> Path:
         return Path(self.output_dir or f"runs/ablation-{Path(self.base).stem}")
-
-
-def split_values(text: str) -> list[str]:
-    """``random,block`` -> ["random", "block"]; commas inside [], {} or quotes stay (``[0.2,1.0],[0.5,1.0]``)."""
-    values, depth, quote, current = [], 0, None, ""
-    for ch in text:
-        if quote:
-            quote = None if ch == quote else quote
-        elif ch in "\"'":
-            quote = ch
-        elif ch in "[{":
-            depth += 1
-        elif ch in "]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            values.append(current)
-            current = ""
-            continue
-        current += ch
-    return [*values, current]
 
 
 def load_spec(path: str | None, cli: dict[str, Any]) -> AblationSpec:
@@ -179,6 +178,29 @@ class Job:
         return f"{self.cell.name}/seed{self.seed}"
 
 
+# the baselines' labels in the tables, and the config each fine-tunes with
+BASELINES = {"scratch_own": ("scratch, own schedule", "scratch_config"),
+             "scratch_same": ("scratch, same schedule", "finetune_config")}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """Fine-tuning the base architecture from scratch (one of BASELINES) with one seed."""
+
+    name: str
+    seed: int
+    dir: Path
+
+    @property
+    def label(self) -> str:
+        return f"baseline={self.name}/seed{self.seed}"
+
+
+def plan_baselines(spec: AblationSpec) -> list[Baseline]:
+    return [Baseline(n, s, spec.out_dir / f"baseline={n}" / f"seed{s}") for n in spec.baseline_names
+            for s in spec.seed_list]  # fmt: skip
+
+
 def plan_cells(spec: AblationSpec) -> list[Cell]:
     """The grid's cells, first key varying slowest."""
     as_set = lambda v: v if isinstance(v, str) else json.dumps(v)  # noqa: E731  (what --set would read)
@@ -191,6 +213,9 @@ def plan_jobs(spec: AblationSpec, cells: list[Cell]) -> list[Job]:
 
 
 def eval_config(spec: AblationSpec, kind: str) -> tuple[str, type[BaseModel]]:
+    """An evaluation's (or a baseline's: its name) config and its type."""
+    if kind in BASELINES:
+        return getattr(spec, BASELINES[kind][1]), FinetuneConfig
     return (spec.finetune_config, FinetuneConfig) if kind == "finetune" else (spec.probe_config, ProbeConfig)
 
 
@@ -212,26 +237,32 @@ def pretrain_args(spec: AblationSpec, job: Job) -> list[str]:
     return ["--config", str(spec.base), *sets, "--output-dir", str(job.dir / "pretrain"), "--resume", "auto"]
 
 
-def check_cells(spec: AblationSpec, cells: list[Cell]) -> dict[Cell, list[str]]:
+def check_cells(spec: AblationSpec, cells: list[Cell]) -> dict[Cell | None, list[str]]:
     """Validate every cell in-process, before any launch: its config (the spec's ``set`` and the
     cell's grid values), its objective (mask strategy, ratio, unit size) and its evaluations'
     configs with its model. Returns each cell's ``model.*`` overrides for the evaluations (from
-    the resolved config, so ``set`` model keys are in them); ConfigError lists every bad cell."""
+    the resolved config, so ``set`` model keys are in them), and under None the base's (with
+    ``set``, no grid value) for the baselines; ConfigError lists every bad cell."""
     from mpp.build import build_objective
 
     model_sets, bad = {}, []
-    for cell in cells:
+    seed = spec.seed_list[0]
+    for cell in [*cells, None]:
+        if cell is None and (bad or not spec.baseline_names):  # the baselines' after good cells only
+            break
         try:
-            cfg = load_config(spec.base, pretrain_overrides(spec, cell, spec.seed_list[0]))
-            build_objective(cfg)
+            cfg = load_config(spec.base, pretrain_overrides(spec, cell or Cell(()), seed))
+            if cell is not None:
+                build_objective(cfg)
             model = cfg.model.model_dump(mode="json")
             sets = [f"model.{k}={json.dumps(v)}" for k, v in model.items() if k not in EVAL_OWN_MODEL_KEYS]
-            for kind in spec.eval:
+            kinds = spec.eval if cell is not None else spec.baseline_names
+            for kind in kinds:
                 path, cls = eval_config(spec, kind)
-                load_config(path, eval_overrides(kind, sets, "scratch", spec.seed_list[0]), cls=cls)
+                load_config(path, eval_overrides("finetune" if cell is None else kind, sets, "scratch", seed), cls=cls)
             model_sets[cell] = sets
         except ConfigError as e:
-            bad.append(f"  {cell.name}: {e}")
+            bad.append(f"  {cell.name if cell is not None else 'the baselines'}: {e}")
     if bad:
         head = f"{len(bad)} of {len(cells)} cells have a bad config; nothing was run:"
         if spec.set:
@@ -282,12 +313,19 @@ def run_job(spec: AblationSpec, job: Job, model_overrides: list[str], launcher_a
         if code:
             print(f"{tag} {job.label}: pretrain FAILED (exit {code}), log: {job.dir / 'pretrain.log'}", flush=True)
             return [result_row(job, kind, "failed", job.dir / "pretrain.log") for kind in spec.eval]
+    return evaluate(spec, job, model_overrides, launcher_args, tag)
+
+
+def evaluate(spec: AblationSpec, job: Job | Baseline, model_overrides: list[str], launcher_args: list[str],
+             tag: str) -> list[dict]:  # fmt: skip
+    """Each evaluation of a pretrained job (or a baseline's fine-tuning) not yet done; a row each."""
     rows = []
-    for kind in spec.eval:
+    init = job.dir / "pretrain" if isinstance(job, Job) else "scratch"
+    for kind in spec.eval if isinstance(job, Job) else ["finetune"]:
         out, log = job.dir / kind, job.dir / f"{kind}.log"
         if not is_done(kind, out):
-            path, _ = eval_config(spec, kind)
-            args = ["--config", str(path), *[a for o in eval_overrides(kind, model_overrides, pre, job.seed) for a in ("--set", o)],
+            path, _ = eval_config(spec, kind if isinstance(job, Job) else job.name)
+            args = ["--config", str(path), *[a for o in eval_overrides(kind, model_overrides, init, job.seed) for a in ("--set", o)],
                     "--output-dir", str(out)]
             if kind == "finetune":
                 code = _run(deepspeed_cmd(launcher_args, SCRIPTS[kind], [*args, "--resume", "auto"]), log, f"{job.label}: {kind}")
@@ -303,28 +341,48 @@ def run_job(spec: AblationSpec, job: Job, model_overrides: list[str], launcher_a
     return rows
 
 
-def result_row(job: Job, kind: str, status: str, path: Path) -> dict:
+def result_row(job: Job | Baseline, kind: str, status: str, path: Path) -> dict:
+    """One row of results.csv: the cell's grid values (a baseline's: its name), seed, eval, top-1/5."""
     res = json.loads(path.read_text()) if status == "ok" else {}
-    return {**dict(job.cell.values), "seed": job.seed, "eval": kind, "top1": res.get("top1"), "top5": res.get("top5"),
+    where = dict(job.cell.values) if isinstance(job, Job) else {"baseline": job.name}
+    return {**where, "seed": job.seed, "eval": kind, "top1": res.get("top1"), "top5": res.get("top5"),
             "status": status, "path": str(path)}
 
 
-def run_ablation(spec: AblationSpec) -> tuple[list[dict], int]:
-    """Validate every cell, then run them all; (rows, number of failed rows). ConfigError
-    before anything is created when a cell is bad."""
+def resolved(spec: AblationSpec) -> AblationSpec:
+    """The spec with its configs as absolute paths (the runs start in the repository root)."""
     needed = ["base", *{"finetune_config" if kind == "finetune" else "probe_config" for kind in spec.eval}]
-    spec = spec.model_copy(update={k: str(resolve_config_path(getattr(spec, k)).resolve()) for k in needed})
+    needed += [BASELINES[name][1] for name in spec.baseline_names]
+    return spec.model_copy(update={k: str(resolve_config_path(getattr(spec, k)).resolve()) for k in needed})
+
+
+def prepare(spec: AblationSpec) -> tuple[AblationSpec, list[Job], list[Baseline], dict]:
+    """Resolve and validate (ConfigError before anything is created), then save the spec as
+    ``ablation.json`` (what ``--status`` reads): (spec, jobs, baselines, model overrides)."""
+    spec = resolved(spec)
     cells = plan_cells(spec)
     model_sets = check_cells(spec, cells)
+    spec.out_dir.mkdir(parents=True, exist_ok=True)
+    path, text = spec.out_dir / SPEC_FILE, spec.model_dump_json(indent=2) + "\n"
+    if not path.is_file() or path.read_text() != text:  # a rerun rewrites nothing
+        path.write_text(text)
+    return spec, plan_jobs(spec, cells), plan_baselines(spec), model_sets
+
+
+def run_ablation(spec: AblationSpec) -> tuple[list[dict], int]:
+    """Validate every cell, then run them all and the baselines on this machine; (rows, number
+    of failed rows). ConfigError before anything is created when a cell is bad."""
+    spec, jobs, baselines, model_sets = prepare(spec)
     launcher_args = spec.launcher_args if spec.launcher_args is not None else default_launcher_args()
-    jobs = plan_jobs(spec, cells)
-    rows = []
+    rows, n = [], len(jobs) + len(baselines)
     # the cluster's stop signal reaches every process of the job: the running cell checkpoints
     # and exits 75; the runner waits for it instead of dying, then stops (AblationStopped)
     previous = {s: signal.signal(s, lambda signum, frame: _stop_signal.append(signum)) for s in SIGNALS}
     try:
         for i, job in enumerate(jobs, 1):
-            rows += run_job(spec, job, model_sets[job.cell], launcher_args, f"[{i}/{len(jobs)}]")
+            rows += run_job(spec, job, model_sets[job.cell], launcher_args, f"[{i}/{n}]")
+        for i, base in enumerate(baselines, len(jobs) + 1):
+            rows += evaluate(spec, base, model_sets[None], launcher_args, f"[{i}/{n}]")
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

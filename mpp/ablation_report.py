@@ -14,10 +14,27 @@ if TYPE_CHECKING:
 
 
 def write_csv(rows: list[dict], keys: list[str], path: Path) -> None:
+    """A row per cell, seed and evaluation; a baseline's row has its name under ``baseline``."""
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, [*keys, "seed", "eval", "top1", "top5", "status", "path"])
+        w = csv.DictWriter(f, [*keys, "baseline", "seed", "eval", "top1", "top5", "status", "path"], restval="")
         w.writeheader()
         w.writerows(rows)
+
+
+def baseline_lines(rows: list[dict], title: str) -> list[str]:
+    """The fine-tuning-from-scratch table: mean ± std (n) per baseline, each labelled."""
+    from mpp.ablation import BASELINES
+
+    if not rows:
+        return []
+    stats = summarize(rows, ["baseline"], "top1")
+    lines = ["", f"## {title}: fine-tuning from scratch (top-1 %)", "",
+             "The fair comparison is **own schedule** (its config's longer recipe); **same schedule** "
+             "uses the pretrained cells' fine-tuning recipe, which under-trains scratch and overstates "
+             "pretraining's gain.", "", "| baseline | finetune |", "|---|---|"]  # fmt: skip
+    for (name, _), (mean, std, n) in stats.items():
+        lines.append(f"| {BASELINES[name][0]} | {f'{mean:.2f} ± {std:.2f} ({n})' if n else 'failed (0)'} |")
+    return lines
 
 
 def summarize(rows: list[dict], keys: list[str], metric: str) -> dict[tuple, tuple[float, float, int]]:
@@ -34,6 +51,8 @@ def summarize(rows: list[dict], keys: list[str], metric: str) -> dict[tuple, tup
 def write_markdown(rows: list[dict], keys: list[str], evals: list[str], path: Path, title: str,
                    shared: list[str] = ()) -> None:
     """The tables; ``shared`` (the spec's ``set``) is listed under the title."""
+    baselines = [r for r in rows if r.get("baseline")]
+    rows = [r for r in rows if not r.get("baseline")]
     cells = list(dict.fromkeys(tuple(r[k] for k in keys) for r in rows))
     lines = [f"# {title}", ""]
     if shared:
@@ -48,10 +67,13 @@ def write_markdown(rows: list[dict], keys: list[str], evals: list[str], path: Pa
                 mean, std, n = stats[(*cell, kind)]
                 entries.append(f"{mean:.2f} ± {std:.2f} ({n})" if n else "failed (0)")
             lines.append("| " + " | ".join([*cell, *entries]) + " |")
-    failed = [r for r in rows if r["status"] != "ok"]
+        if metric == "top1":
+            lines += baseline_lines(baselines, "Baselines")
+    failed = [r for r in [*rows, *baselines] if r["status"] != "ok"]
     if failed:
-        lines += ["", "## Failed", ""]
-        lines += [f"- {', '.join(r[k] for k in keys) or 'base'}, seed {r['seed']}, {r['eval']}: `{r['path']}`" for r in failed]
+        lines += ["", "## Failed or not finished", ""]
+        where = lambda r: r.get("baseline") or ", ".join(r[k] for k in keys) or "base"  # noqa: E731
+        lines += [f"- {where(r)}, seed {r['seed']}, {r['eval']}: {r['status']} `{r['path']}`" for r in failed]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -64,6 +86,10 @@ def plot(rows: list[dict], keys: list[str], evals: list[str], path: Path, group_
     grouped by ``group_key`` (the strategy; else the first grid key) and coloured by the others."""
     from PIL import Image, ImageDraw, ImageFont
 
+    from mpp.ablation import BASELINES
+
+    scratch = summarize([r for r in rows if r.get("baseline")], ["baseline"], "top1")
+    rows = [r for r in rows if not r.get("baseline")]
     font, small = ImageFont.load_default(size=15), ImageFont.load_default(size=12)
     gkey = group_key if group_key in keys else (keys[0] if keys else None)
     others = [k for k in keys if k != gkey]
@@ -81,21 +107,13 @@ def plot(rows: list[dict], keys: list[str], evals: list[str], path: Path, group_
     img = Image.new("RGB", (width, 40 + legend_h + panel_h * len(evals)), "white")
     d = ImageDraw.Draw(img)
     d.text((left, 10), "top-1 (%) per cell, mean ± std over seeds", fill="black", font=font)
-    for j, label in enumerate(labels):  # legend: a colour per setting of the other grid keys, then the error bar
-        x, y = left + (j % per_row) * 200, 38 + 24 * (j // per_row)
-        if j < len(series):
-            d.rectangle([x, y, x + 14, y + 14], fill=PALETTE[j % len(PALETTE)])
-        else:
-            d.line([x + 7, y, x + 7, y + 14], fill="black", width=2)
-            d.line([x + 2, y, x + 12, y], fill="black", width=2)
-            d.line([x + 2, y + 14, x + 12, y + 14], fill="black", width=2)
-        d.text((x + 20, y), label, fill="black", font=small)
+    legend(d, labels, len(series), left, per_row, small)
     ylabel = Image.new("RGB", (plot_h, 16), "white")
     ImageDraw.Draw(ylabel).text((plot_h // 2, 0), "top-1 (%)", fill="black", font=small, anchor="ma")
     ylabel = ylabel.rotate(90, expand=True)
     for p, kind in enumerate(evals):
         y0 = 40 + legend_h + p * panel_h + 24  # top of this panel's plot area
-        found = [m + sd for (*_, k), (m, sd, n) in stats.items() if k == kind and n]
+        found = [m + sd for (*_, k), (m, sd, n) in [*stats.items(), *scratch.items()] if k == kind and n]
         ymax = max(10.0, -(-max(found, default=10.0) // 10) * 10)
         y_of = lambda v, y0=y0, ymax=ymax: y0 + plot_h - min(v, ymax) / ymax * plot_h  # noqa: E731
         d.text((left, y0 - 22), kind, fill="black", font=font)
@@ -118,7 +136,30 @@ def plot(rows: list[dict], keys: list[str], evals: list[str], path: Path, group_
                     d.line(line, fill="black", width=2)
             d.text((left + (gi + 0.5) * group_w, y0 + plot_h + 6), str(g), fill="black", font=small, anchor="mt")
         d.text(((left + width) / 2, y0 + plot_h + 24), gkey or "", fill="black", font=small, anchor="mt")
+        for j, ((name, k), (mean, _, n)) in enumerate(scratch.items()):  # the baselines: dashed lines
+            if k == kind and n:
+                dashed_line(d, left, width - 20, y_of(mean), BASELINES[name][0], small, below=j % 2 == 1)
     img.save(path)
+
+
+def legend(d, labels: list[str], n_series: int, left: int, per_row: int, font) -> None:
+    """A colour per setting of the other grid keys, then the error bar's sign."""
+    for j, label in enumerate(labels):
+        x, y = left + (j % per_row) * 200, 38 + 24 * (j // per_row)
+        if j < n_series:
+            d.rectangle([x, y, x + 14, y + 14], fill=PALETTE[j % len(PALETTE)])
+        else:
+            d.line([x + 7, y, x + 7, y + 14], fill="black", width=2)
+            d.line([x + 2, y, x + 12, y], fill="black", width=2)
+            d.line([x + 2, y + 14, x + 12, y + 14], fill="black", width=2)
+        d.text((x + 20, y), label, fill="black", font=font)
+
+
+def dashed_line(d, x0: float, x1: float, y: float, label: str, font, below: bool = False) -> None:
+    """A grey dashed line at height ``y``, its label right-aligned above it (or below)."""
+    for x in range(int(x0), int(x1), 12):
+        d.line([x, y, min(x + 6, x1), y], fill=(90, 90, 90), width=2)
+    d.text((x1 - 2, y + 3 if below else y - 2), label, fill=(90, 90, 90), font=font, anchor="rt" if below else "rb")
 
 
 def write_report(spec: AblationSpec, rows: list[dict]) -> list[Path]:

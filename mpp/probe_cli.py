@@ -36,7 +36,7 @@ def probe_parser(kind: str):
     from mpp.cli import run_parser
 
     p = run_parser(
-        f"{kind} evaluation of a frozen encoder", "linear_demo, linear_b16", resume=False
+        f"{kind} evaluation of a frozen encoder", "linear_demo, linear_b16", resume=False, submit=True
     )
     if kind == "linear":
         p.add_argument(
@@ -52,8 +52,9 @@ def probe_parser(kind: str):
     return p
 
 
-def run_probe(kind: str, argv: list[str] | None = None) -> int:
-    """``kind`` = "linear" or "knn". Exit status 2 on a bad config or init."""
+def run_probe(kind: str, argv: list[str] | None = None, script: str | None = None) -> int:
+    """``kind`` = "linear" or "knn". Exit status 2 on a bad config or init. With --submit, the
+    validated run is submitted as a job (``script``: the CLI, which the job runs)."""
     from mpp.cli import config_from_args, open_run_dir
     from mpp.distributed import init_distributed, world_from_env
     from mpp.runlock import release
@@ -71,6 +72,10 @@ def run_probe(kind: str, argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.submit:  # checked here, run there: each task runs the CLI without --submit (mpp.submit)
+        from mpp.submit import submit
+
+        return submit(script or sys.argv[0], argv, cfg, resumable=False)
     device = (
         init_distributed()
         if world > 1

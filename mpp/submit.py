@@ -102,8 +102,10 @@ def sbatch_options(pairs: list[str]) -> dict[str, Any]:
     return options
 
 
-def make_executor(sub: argparse.Namespace, folder: Path, name: str) -> Any:
-    """submitit's executor for ``sub.submit``: ``nodes`` x ``gpus_per_node`` tasks, one per GPU."""
+def make_executor(sub: argparse.Namespace, folder: Path, name: str, tasks_per_node: int | None = None,
+                  sbatch_extra: dict[str, str] | None = None) -> Any:  # fmt: skip
+    """submitit's executor for ``sub.submit``: ``nodes`` x ``gpus_per_node`` tasks, one per GPU
+    (or ``tasks_per_node`` tasks sharing them); ``sbatch_extra`` adds sbatch options (a dependency)."""
     if sub.nodes < 1 or sub.gpus_per_node < 1:
         raise SubmitError(f"--nodes {sub.nodes} --gpus-per-node {sub.gpus_per_node}: one task per GPU, at least one")
     if sub.submit == "slurm" and not sub.time:
@@ -117,23 +119,25 @@ def make_executor(sub: argparse.Namespace, folder: Path, name: str) -> Any:
     executor.update_parameters(
         name=name,
         nodes=sub.nodes,
-        tasks_per_node=sub.gpus_per_node,
+        tasks_per_node=tasks_per_node or sub.gpus_per_node,
         gpus_per_node=sub.gpus_per_node,
         timeout_min=timeout_minutes(sub.time) if sub.time else LOCAL_TIME_LIMIT_MIN,
         slurm_partition=sub.partition,
-        slurm_additional_parameters=sbatch_options(sub.slurm_arg) or None,
+        slurm_additional_parameters={**sbatch_options(sub.slurm_arg), **(sbatch_extra or {})} or None,
     )
     return executor
 
 
-def submit(script: str, argv: list[str] | None, cfg: Any) -> int:
+def submit(script: str, argv: list[str] | None, cfg: Any, resumable: bool = True) -> int:
     """Submit ``script``'s run (``argv`` less the submission flags) for the validated ``cfg``:
-    the job id and its log folder, and 0; with --wait, the job's exit status once it has ended."""
+    the job id and its log folder, and 0; with --wait, the job's exit status once it has ended.
+    A run that is not ``resumable`` (the probes: minutes, no checkpoints) restarts when requeued."""
     sub, rest = split_argv(sys.argv[1:] if argv is None else argv)
     run_dir = run_dir_of(cfg).resolve()
     # --resume auto from the first start: a restart SLURM makes on its own (a node lost, a
     # preemption's SIGTERM under PreemptMode=REQUEUE) continues too, rather than from step 0
-    run = SubmittedRun(str(Path(script).resolve()), with_resume_auto(rest, keep_given=True))
+    argv = with_resume_auto(rest, keep_given=True) if resumable else rest
+    run = SubmittedRun(str(Path(script).resolve()), argv, resumable)
     try:
         job = make_executor(sub, run_dir / "submitit", cfg.name).submit(run)
     except SubmitError as e:
@@ -176,8 +180,8 @@ class SubmittedRun:
     """What every task of the job runs: the CLI's ``main(argv)`` in-process, in the job's
     process group. submitit's Checkpointable protocol: ``checkpoint()`` is the requeued job."""
 
-    def __init__(self, script: str, argv: list[str]) -> None:
-        self.script, self.argv = script, list(argv)
+    def __init__(self, script: str, argv: list[str], resumable: bool = True) -> None:
+        self.script, self.argv, self.resumable = script, list(argv), resumable
 
     def __call__(self) -> int:
         join_job_process_group()
@@ -190,10 +194,12 @@ class SubmittedRun:
         return status
 
     def checkpoint(self) -> Any:
-        """The job to requeue: this command, resuming from this run's newest complete checkpoint."""
+        """The job to requeue: this command, resuming from this run's newest complete checkpoint
+        (a run that is not resumable: from its start)."""
         from submitit.helpers import DelayedSubmission
 
-        return DelayedSubmission(SubmittedRun(self.script, with_resume_auto(self.argv)))
+        argv = with_resume_auto(self.argv) if self.resumable else self.argv
+        return DelayedSubmission(SubmittedRun(self.script, argv, self.resumable))
 
     def _requeue_if_asked(self) -> None:
         """After a stop on the job's preemption signal: rank 0 calls submitit's handler for it

@@ -19,11 +19,11 @@ from conftest import REPO, cli_env, read_metrics, run_cli, tiny_config, write_co
 from PIL import Image
 
 import mpp.ablation
-from mpp.ablation import AblationSpec, Cell, Job, load_spec, pretrain_args, split_values
+from mpp.ablation import AblationSpec, Cell, Job, load_spec, pretrain_args
 from mpp.ablation_report import PALETTE
 from mpp.config import ConfigError
 from mpp.preemption import PREEMPTED_EXIT
-from pretrain.ablate import main, parse_args
+from pretrain.ablate import main, parse_args, split_values
 
 # The evaluations' own configs name a different (larger) model on purpose: the runner must
 # hand them the pretraining's architecture.
@@ -123,13 +123,17 @@ def test_rerun_skips_finished_cells_and_resumes_a_half_done_one(ablation):
 def test_a_failed_cell_is_reported_and_the_others_go_on(tmp_path, digits16):
     """The first cell's lr diverges at runtime (NaN at step 2, train.max_bad_steps=0): it fails
     in pretraining, is recorded with its log, and the next cell is still pretrained,
-    fine-tuned and probed."""
+    fine-tuned and probed. The baselines fine-tune the base architecture from scratch, one on
+    its own (longer) recipe and one on the cells', each labelled."""
     base = write_config(tmp_path / "base.json", tiny_config(
         digits16, optim={"warmup_steps": 0}, train={"max_steps": 3, "ckpt_every": 100, "max_bad_steps": 0}))
     spec = {"base": str(base), "grid": {"optim.lr": [1e30, 1e-3]}, "seeds": 1, "eval": ["finetune", "linear"],
             "launcher_args": ["--num_gpus", "1"], "output_dir": str(tmp_path / "abl"),
             "finetune_config": str(write_config(tmp_path / "ft.json", finetune_config(digits16))),
             "probe_config": str(write_config(tmp_path / "probe.json", probe_config(digits16)))}
+    own = finetune_config(digits16)
+    own["train"]["max_steps"] = 4
+    spec["scratch_config"] = str(write_config(tmp_path / "scratch.json", own))
     r = run_cli(["python", "pretrain/ablate.py", "--spec", str(write_config(tmp_path / "spec.json", spec))], timeout=600)
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     out = tmp_path / "abl"
@@ -145,6 +149,18 @@ def test_a_failed_cell_is_reported_and_the_others_go_on(tmp_path, digits16):
     assert (ft["model"]["name"], ft["model"]["depth"], ft["model"]["embed_dim"]) == ("vit_tiny_patch4_16", 2, 32)
     assert ft["model"]["drop_path_rate"] == 0.1  # the fine-tuning recipe's own, not the pretraining's 0
     assert Image.open(out / "results.png").format == "PNG"
+
+    baselines = {row["baseline"]: row for row in read_rows(out) if row["baseline"]}
+    assert set(baselines) == {"scratch_own", "scratch_same"}
+    for name, steps in (("scratch_own", 4), ("scratch_same", 2)):  # own recipe vs the cells'
+        assert baselines[name]["status"] == "ok" and baselines[name]["eval"] == "finetune"
+        cfg = json.loads((out / f"baseline={name}" / "seed0" / "finetune" / "config.json").read_text())
+        assert cfg["init"] == "scratch" and cfg["train"]["max_steps"] == steps
+        assert (cfg["model"]["depth"], cfg["model"]["embed_dim"]) == (2, 32)  # the base's architecture
+    md = (out / "results.md").read_text()
+    assert "## Baselines: fine-tuning from scratch (top-1 %)" in md
+    assert f"| scratch, own schedule | {float(baselines['scratch_own']['top1']):.2f} ± 0.00 (1) |" in md
+    assert "| scratch, same schedule |" in md
 
 
 @pytest.mark.parametrize("grid,bad,good,message", [
@@ -246,7 +262,7 @@ def test_set_reaches_every_pretraining_before_the_grid_and_its_model_keys_the_ev
     for cmd in knns:
         assert "model.depth=3" in cmd and "model.embed_dim=32" in cmd  # the pretraining's model, --set included
     assert sorted(p.name for p in out.iterdir()) == [
-        "masking.strategy=block", "masking.strategy=random", "results.csv", "results.md", "results.png"]
+        "ablation.json", "masking.strategy=block", "masking.strategy=random", "results.csv", "results.md", "results.png"]
     table = (out / "results.md").read_text()
     assert "Every cell: `train.max_steps=7`, `masking.strategy=grid`, `model.depth=3`" in table
 

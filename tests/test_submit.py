@@ -2,6 +2,7 @@
 SLURM signals a job before its time limit, requeues itself and finishes, each step once; the SLURM
 path writes the sbatch file a cluster needs; the submission flags never reach the job."""
 
+import csv
 import json
 import re
 import signal
@@ -149,3 +150,111 @@ def wait_for_step(out, step: int, timeout: float = 120) -> None:
             return
         time.sleep(0.02)
     raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+# ---- the ablation as jobs (pretrain/ablate.py --submit / --status) ---------------------------------
+
+
+def ablation_cmd(tmp_path, digits16, grid: str, *extra: str) -> tuple[list[str], object]:
+    from test_ablate import probe_config
+
+    base = write_config(tmp_path / "base.json", tiny_config(digits16, train={"max_steps": 3, "ckpt_every": 100}))
+    probe = write_config(tmp_path / "probe.json", probe_config(digits16))
+    out = tmp_path / "abl"
+    return [sys.executable, "pretrain/ablate.py", "--base", str(base), "--grid", grid, "--eval", "knn",
+            "--probe-config", str(probe), "--output-dir", str(out), *extra], out  # fmt: skip
+
+
+def test_a_submitted_ablation_shows_a_killed_cell_and_a_rerun_submits_only_that_one(tmp_path, digits16):
+    """Two cells as local jobs (a pretraining job and a dependent evaluation job each); the long
+    cell's pretraining job is killed mid-run as ``scancel -s KILL`` would; --status names it and
+    its job, and builds the table from the other; the same command again submits only the killed
+    cell, which resumes, and with --wait completes the table."""
+    from mpp.ablation_jobs import saved_spec, status_rows
+
+    cmd, out = ablation_cmd(tmp_path, digits16, "train.max_steps=3,600", "--submit", "local", "--time", "00:20:00")
+    with open(tmp_path / "submit.log", "w+") as log:  # not a pipe: the local jobs inherit the submitter's stdout
+        assert subprocess.run(cmd, cwd=REPO, env=cli_env(), stdout=log, stderr=subprocess.STDOUT, timeout=240).returncode == 0
+    assert "2 submitted; pretrain/ablate.py --status" in (tmp_path / "submit.log").read_text()
+    record = json.loads((out / "jobs.json").read_text())
+    assert record["backend"] == "local" and set(record["jobs"]) == {"train.max_steps=3/seed0", "train.max_steps=600/seed0"}
+    killed = record["jobs"]["train.max_steps=600/seed0"]["pretrain"]
+    pretrain = out / "train.max_steps=600" / "seed0" / "pretrain"
+    deadline = time.monotonic() + 300
+    while not (pretrain / "job.lock").is_file():  # the run has started (600 steps take > 10 s more)
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    controller = psutil.Process(int(killed))
+    for proc in [controller, *controller.children(recursive=True)]:
+        proc.kill()
+
+    deadline = time.monotonic() + 600
+    while any(state in ("queued", "running") for _, state, _ in status_rows(saved_spec(out))[1]):
+        assert time.monotonic() < deadline, status_rows(saved_spec(out))[1]
+        time.sleep(2)
+    status = run_cli([sys.executable, "pretrain/ablate.py", "--status", str(out)])
+    assert status.returncode == 1, status.stdout + status.stderr  # one failed
+    assert re.search(r"train.max_steps=3/seed0\s+done\n", status.stdout), status.stdout
+    assert re.search(rf"train.max_steps=600/seed0\s+failed\s+pretrain job {killed} killed, log: \S+", status.stdout)
+    assert "2 runs: 1 done, 1 failed" in status.stdout
+    md = (out / "results.md").read_text()
+    assert re.search(r"\| 3 \| \d+\.\d\d ± 0\.00 \(1\) \|", md) and "| 600 | failed (0) |" in md
+    assert "- 600, seed 0, knn: failed" in md
+
+    rerun = run_cli([*cmd, "--wait"], timeout=600)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "train.max_steps=3/seed0: done; not submitted" in rerun.stdout
+    assert "train.max_steps=600/seed0: submitted (pretrain " in rerun.stdout and "1 submitted" in rerun.stdout
+    assert "2 runs: 2 done" in rerun.stdout
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["train.max_steps"], r["status"]) for r in rows] == [("3", "ok"), ("600", "ok")]
+    # the killed cell resumed (--resume auto) and logged every step once
+    assert [m["step"] for m in read_metrics(pretrain)] == list(range(1, 601))
+
+    # a probe as a job (--submit on downstream/*.py) computes what the ablation's direct run did
+    knn = run_cli([sys.executable, "downstream/knn.py", "--config", str(pretrain.parent / "knn" / "config.json"),
+                   "--output-dir", str(tmp_path / "knn"), "--submit", "local", "--wait"])  # fmt: skip
+    assert knn.returncode == 0 and "ended: exit status 0" in knn.stdout, knn.stdout[-3000:] + knn.stderr[-3000:]
+    assert json.loads((tmp_path / "knn" / "results.json").read_text())["top1"] == float(rows[1]["top1"])
+
+
+def test_a_slurm_ablation_submits_each_cells_evaluation_after_its_pretraining(tmp_path, digits16):
+    """No SLURM here: a stand-in ``sbatch`` numbers the jobs and keeps the files submitit writes."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        f"#!/bin/sh\nn=$(($(cat {tmp_path}/n 2>/dev/null || echo 100) + 1)); echo $n > {tmp_path}/n\n"
+        f"cp \"$1\" {tmp_path}/job$n.sh\necho \"Submitted batch job $n\"\n")  # fmt: skip
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")
+    for tool in ("sbatch", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    cmd, out = ablation_cmd(tmp_path, digits16, "masking.strategy=random,block", "--submit", "slurm", "--gpus-per-node", "8", "--time", "4:00:00",
+                            "--partition", "learn")  # fmt: skip
+    r = run_cli(cmd, env={"PATH": f"{bin_dir}:{cli_env()['PATH']}"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "masking.strategy=random/seed0: submitted (pretrain 101, evaluate 102)" in r.stdout
+    assert "masking.strategy=block/seed0: submitted (pretrain 103, evaluate 104)" in r.stdout
+    pretrain, evaluate = (tmp_path / "job101.sh").read_text(), (tmp_path / "job102.sh").read_text()
+    for line in ("--ntasks-per-node=8", "--gpus-per-node=8", "--partition=learn", "--signal=USR2@90"):
+        assert f"#SBATCH {line}\n" in pretrain, line
+    for line in ("--ntasks-per-node=1", "--gpus-per-node=8", "--dependency=afterok:101", "--kill-on-invalid-dep=yes"):
+        assert f"#SBATCH {line}\n" in evaluate, line
+    assert "dependency" not in pretrain
+    job = submitit.helpers.DelayedSubmission.load(out / "masking.strategy=random" / "seed0" / "submitit" / "102_submitted.pkl")
+    assert job.function.pretrain_id == "101" and job.function.item.label == "masking.strategy=random/seed0"
+
+    # sacct says: the random cell pretrains, the block cell's pretraining was cancelled (and with
+    # it its evaluation, kill_on_invalid_dep): --status says so, a rerun resubmits only the block cell
+    (bin_dir / "sacct").write_text("#!/bin/sh\necho 'JobID|State|NodeList'\necho '101|RUNNING|n1'\n"
+                                   "echo '102|PENDING|(None)'\necho '103|CANCELLED by 0|n2'\necho '104|CANCELLED|(None)'\n")  # fmt: skip
+    (bin_dir / "sacct").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{cli_env()['PATH']}"}
+    status = run_cli([sys.executable, "pretrain/ablate.py", "--status", str(out)], env=env)
+    assert status.returncode == 3, status.stdout + status.stderr  # some still queued or running
+    assert re.search(r"masking.strategy=random/seed0\s+running\s+pretraining: job 101\n", status.stdout), status.stdout
+    assert re.search(r"masking.strategy=block/seed0\s+failed\s+pretrain job 103 cancelled, log: ", status.stdout)
+    rerun = run_cli(cmd, env=env)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "masking.strategy=random/seed0: running (pretraining: job 101); not submitted" in rerun.stdout
+    assert "masking.strategy=block/seed0: submitted (pretrain 105, evaluate 106)" in rerun.stdout
