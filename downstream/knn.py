@@ -8,7 +8,7 @@
 
 import sys
 
-from mpp.probe_cli import run_probe
+from mpp.downstream.probe_cli import run_probe
 
 
 def main(argv: list[str] | None = None) -> int:

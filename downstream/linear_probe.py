@@ -12,7 +12,7 @@ dinov2: DINOv2's grid of learning rates x last 1/4 blocks x cls/cls+avg, trained
 
 import sys
 
-from mpp.probe_cli import run_probe
+from mpp.downstream.probe_cli import run_probe
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,18 +11,18 @@ import inspect
 from typing import Any
 
 from mpp.config import Config, ConfigError, ModelConfig
+from mpp.hub.pretrained import init_objective, load_into, read_model_kwargs
 from mpp.masking import build_mask_generator
 from mpp.models.vit import VisionTransformer, create_vit
 from mpp.objectives import OBJECTIVES, Objective
 from mpp.objectives import build_objective as build_objective_by_name
-from mpp.pretrained import init_objective, load_into, read_model_kwargs
-from mpp.storage import CheckpointError
+from mpp.train.storage import CheckpointError
 
 
 def build_encoder(cfg: Any, **overrides: Any) -> VisionTransformer:
     """``cfg.model``'s encoder (plus ``overrides``, e.g. a classification head); for downstream
     configs with an ``init`` other than "scratch", its pretrained weights loaded
-    (``mpp.pretrained.load_into``). Errors are ConfigError naming the file and the key."""
+    (``mpp.hub.pretrained.load_into``). Errors are ConfigError naming the file and the key."""
     source = getattr(cfg, "_source", "<config>")
     init = getattr(cfg, "init", "scratch")
     if hasattr(cfg, "init") and cfg.model.init:
@@ -54,7 +54,7 @@ def adopt_stated_architecture(model: ModelConfig, weights: str) -> None:
     """The LayerNorm eps and qkv bias ``weights`` states (a Hugging Face folder's layer_norm_eps,
     a run's metadata) where the config leaves them unset, written into the config so the run's
     config.json and its exported encoder state them too. A config that sets another value is
-    left as it is: loading the weights then fails naming both (``mpp.pretrained``)."""
+    left as it is: loading the weights then fails naming both (``mpp.hub.pretrained``)."""
     stated = read_model_kwargs(weights)
     for key in FILE_FACTS:
         if getattr(model, key) is None and stated.get(key) is not None:

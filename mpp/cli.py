@@ -58,11 +58,11 @@ def config_from_args(args: argparse.Namespace, cls: type[BaseModel] = Config):
 
 
 def open_run_dir(cfg, rank: int) -> Path:
-    """The run directory, created by rank 0, held by this job (``mpp.runlock``: RunHeld, a
+    """The run directory, created by rank 0, held by this job (``mpp.train.runlock``: RunHeld, a
     ConfigError, on every rank when another live job holds it) and the resolved config saved in
     it. A collective under a process group."""
-    from mpp.distributed import from_rank0
-    from mpp.runlock import RunHeld, hold
+    from mpp.parallel.distributed import from_rank0
+    from mpp.train.runlock import RunHeld, hold
 
     run_dir = run_dir_of(cfg)
     held = None

@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from mpp.ds_config import derive
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
+from mpp.parallel.ds_config import derive
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -165,7 +165,7 @@ class TrainConfig(_Section):
     rollback_lr_scale: float = Field(1.0, gt=0.0, le=1.0)  # lr x this after each rollback
     max_rollbacks: int = Field(3, ge=0)
     skip_nonfinite: bool = True  # check every micro-step's loss (one host sync) and skip NaN/Inf steps
-    preview_every: int = Field(1000, ge=0)  # pictures of the objective on fixed val images (mpp.preview); 0: none
+    preview_every: int = Field(1000, ge=0)  # pictures of the objective on fixed val images (mpp.train.preview); 0: none
     report_to: list[Literal["tensorboard", "wandb"]] = ["tensorboard"]  # besides metrics.jsonl; wandb is optional
 
     @model_validator(mode="after")
@@ -245,7 +245,7 @@ class RunConfig(_Section):
         return p
 
     def deepspeed_config(self, world_size: int, device_type: str) -> dict[str, Any]:
-        """The dict for ``deepspeed.initialize(config=...)`` (``mpp.ds_config``)."""
+        """The dict for ``deepspeed.initialize(config=...)`` (``mpp.parallel.ds_config``)."""
         micro, accum = self.micro_batch(world_size)
         return derive(self.deepspeed, self.train.batch_size, micro, accum, self.optim.grad_clip,
                       self.resolved_precision(device_type))  # fmt: skip

@@ -9,7 +9,7 @@ exact), ``grid`` (MAE's 2×2 grid), ``center`` (a central block), ``units`` (Sim
 mask units) and ``hpm`` (HPM's easy-to-hard mask from predicted losses, §4.4). Every one
 draws its randomness from ``torch.rand(..., generator=generator)`` on the target device,
 so a seeded generator reproduces its masks. Bad settings raise ``ValueError`` at
-construction, before any run starts. ``python -m mpp.masking_viz`` draws them.
+construction, before any run starts. ``python -m mpp.tools.masking_viz`` draws them.
 """
 
 from __future__ import annotations

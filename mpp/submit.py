@@ -4,7 +4,7 @@ path through submitit's local executor on this machine (what the tests use).
 
 Requeue on preemption, with no wrapper script: SLURM sends SIGUSR2 ``signal_delay_s`` (90 s)
 before the time limit (submitit's sbatch asks for ``--signal=USR2@90``; the local executor
-sends it the same way). Every rank takes the project's stop path (mpp.preemption: the step
+sends it the same way). Every rank takes the project's stop path (mpp.train.preemption: the step
 finished, one complete checkpoint, ``preempted.json``, exit status 75); then rank 0 hands over
 to the handler submitit installed for SIGUSR2, which calls ``SubmittedRun.checkpoint`` (this
 command with ``--resume auto``), saves it as the job's pickle and requeues the job (``scontrol
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from mpp.cli import add_submit_arguments, run_dir_of
-from mpp.launch import DIST_VARS
-from mpp.preemption import PREEMPTED_EXIT, StopRequest
+from mpp.parallel.launch import DIST_VARS
+from mpp.train.preemption import PREEMPTED_EXIT, StopRequest
 
 LOCAL_TIME_LIMIT_MIN = 7 * 24 * 60  # --submit local without --time: the local executor needs some limit
 # how many times a job may reach its time limit and requeue (submitit's default, 3, would end a
@@ -221,7 +221,7 @@ class SubmittedRun:
 
 def join_job_process_group() -> None:
     """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT from the job (SLURM's or the local
-    executor's) for mpp.distributed.init_distributed, none of the submitting shell's. Every rank
+    executor's) for mpp.parallel.distributed.init_distributed, none of the submitting shell's. Every rank
     sees the node's GPUs and takes cuda:LOCAL_RANK, as under the deepspeed launcher."""
     from submitit.helpers import TorchDistributedEnvironment
 

@@ -29,11 +29,11 @@ import shlex
 import sys
 from pathlib import Path
 
-from mpp.ablation import AblationStopped, load_spec, run_ablation
-from mpp.ablation_report import write_report
 from mpp.cli import add_submit_arguments
 from mpp.config import ConfigError
-from mpp.preemption import PREEMPTED_EXIT
+from mpp.tools.ablation import AblationStopped, load_spec, run_ablation
+from mpp.tools.ablation_report import write_report
+from mpp.train.preemption import PREEMPTED_EXIT
 
 
 def split_values(text: str) -> list[str]:
@@ -126,8 +126,8 @@ def cli_values(args: argparse.Namespace) -> dict:
 
 def submit(spec, args: argparse.Namespace) -> int:
     """Each cell a job (--submit), then with --wait the table once they have ended."""
-    from mpp.ablation_jobs import submit_ablation, wait_all
     from mpp.submit import SubmitError
+    from mpp.tools.ablation_jobs import submit_ablation, wait_all
 
     try:
         submitted, _ = submit_ablation(spec, args)
@@ -148,7 +148,7 @@ def submit(spec, args: argparse.Namespace) -> int:
 def show_status(out_dir: str) -> int:
     """Each cell's state and the report from what has finished: 0 when all are done, 1 when
     some failed, 3 while some are still queued or running."""
-    from mpp.ablation_jobs import saved_spec, status_rows
+    from mpp.tools.ablation_jobs import saved_spec, status_rows
 
     spec = saved_spec(Path(out_dir))
     rows, lines = status_rows(spec)

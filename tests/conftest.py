@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpp.launch import free_port, job_env  # noqa: F401  (free_port: for the tests)
+from mpp.parallel.launch import free_port, job_env  # noqa: F401  (free_port: for the tests)
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -69,7 +69,7 @@ def run_cli(args: list[str], timeout: int = 240, env: dict | None = None, **kw) 
 def restamp(tag_dir: Path) -> None:
     """Rewrite a checkpoint's COMPLETE marker to match its files, as whoever tampers with a file can:
     the manifest finds damage, it is no defence against a crafted file (weights_only loading is)."""
-    from mpp.storage import manifest
+    from mpp.train.storage import manifest
 
     marker = Path(tag_dir) / "COMPLETE"
     record = json.loads(marker.read_text())
@@ -84,7 +84,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="session")
 def dist_group():
     """A one-process gloo group, as ``python pretrain/run.py`` makes, for in-process DeepSpeed."""
-    from mpp.distributed import init_distributed
+    from mpp.parallel.distributed import init_distributed
 
     init_distributed()
     yield

@@ -18,11 +18,11 @@ import pytest
 from conftest import REPO, cli_env, read_metrics, run_cli, tiny_config, write_config
 from PIL import Image
 
-import mpp.ablation
-from mpp.ablation import AblationSpec, Cell, Job, load_spec, pretrain_args
-from mpp.ablation_report import PALETTE
+import mpp.tools.ablation
 from mpp.config import ConfigError
-from mpp.preemption import PREEMPTED_EXIT
+from mpp.tools.ablation import AblationSpec, Cell, Job, load_spec, pretrain_args
+from mpp.tools.ablation_report import PALETTE
+from mpp.train.preemption import PREEMPTED_EXIT
 from pretrain.ablate import main, parse_args, split_values
 
 # The evaluations' own configs name a different (larger) model on purpose: the runner must
@@ -243,7 +243,7 @@ def test_set_reaches_every_pretraining_before_the_grid_and_its_model_keys_the_ev
             (run / "results.json").write_text(json.dumps({"top1": 50.0, "top5": 90.0}))
         return 0
 
-    monkeypatch.setattr(mpp.ablation, "launch", fake_launch)
+    monkeypatch.setattr(mpp.tools.ablation, "launch", fake_launch)
     base = write_config(tmp_path / "base.json", tiny_config(digits16))
     probe = write_config(tmp_path / "probe.json", probe_config(digits16))
     out = tmp_path / "abl"

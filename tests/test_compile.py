@@ -40,7 +40,7 @@ def test_engine_compile_trains_a_step(digits16, dist_group):
     graph capture and autograd, without inductor's minute of C++ builds on this CPU)."""
     import deepspeed
 
-    from mpp.optim import build_optimizer
+    from mpp.train.optim import build_optimizer
 
     torch._dynamo.reset()
     cfg = Config.model_validate(tiny_config(digits16, objective={"name": "mae"}))

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from mpp.config import FinetuneConfig, load_config
-from mpp.demo import ROWS, render, stages, summary
+from mpp.tools.demo import ROWS, render, stages, summary
 
 
 def test_scratch_gets_its_own_schedule_and_the_equal_schedule_row_stays(tmp_path):
@@ -36,7 +36,7 @@ def test_the_table_labels_both_comparisons(tmp_path):
 
 
 def test_head_init_std_is_the_recipes():
-    from mpp.finetune import Classifier
+    from mpp.downstream.finetune import Classifier
     from mpp.models import create_vit
 
     for std in (2e-5, 0.02):

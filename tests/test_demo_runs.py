@@ -17,11 +17,12 @@ from conftest import free_port, read_metrics, run_cli
 from PIL import Image
 from safetensors.torch import load_file
 
-from mpp import export, viz
+from mpp.hub import export
+from mpp.hub.pretrained import load_pretrained
 from mpp.models import create_vit
 from mpp.models.vit import VisionTransformer
-from mpp.panels import picture_size
-from mpp.pretrained import load_pretrained
+from mpp.tools import viz
+from mpp.train.panels import picture_size
 
 transformers = pytest.importorskip("transformers")
 

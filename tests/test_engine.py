@@ -8,11 +8,11 @@ from conftest import read_metrics, run_cli, tiny_config, write_config, zero
 from safetensors.torch import load_file
 
 from mpp.build import build_objective
-from mpp.checkpoint import load_encoder_file, weights_only_loads
 from mpp.config import validate
+from mpp.hub.pretrained import load_pretrained
 from mpp.models import create_vit
-from mpp.optim import build_optimizer, lr_at, param_groups, set_lr
-from mpp.pretrained import load_pretrained
+from mpp.train.checkpoint import load_encoder_file, weights_only_loads
+from mpp.train.optim import build_optimizer, lr_at, param_groups, set_lr
 
 
 def test_lr_schedule_warmup_then_cosine():
@@ -136,9 +136,9 @@ def test_bf16_objectives_take_their_targets_from_the_exact_pixels(name):
     patch embedding, so MPP's colour classes and MAE's norm-pix targets equal fp32's bitwise."""
     import copy
 
-    from mpp.engine import to_device
     from mpp.objectives import build_objective as build_by_name
     from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
+    from mpp.train.engine import to_device
 
     g = torch.Generator().manual_seed(0)
     ramp = torch.linspace(0, 255, 64).view(1, 1, 1, 64) + 40 * torch.rand(8, 3, 64, 1, generator=g)

@@ -192,7 +192,7 @@ def test_a_nan_at_step_5_rolls_back_and_finishes_or_stops_naming_the_step(tmp_pa
     (event,) = [m for m in records if m.get("event") == "rollback"]
     assert event["failed_step"] == 5 and event["to_step"] == 4 and event["lr_scale"] == 0.5
     assert np.isfinite(train[-1]["loss"]) and train[-1]["samples"] == 8 * 16
-    from mpp.optim import lr_at
+    from mpp.train.optim import lr_at
 
     schedule = dict(peak=1e-3, total=8, warmup=2)  # tiny_config's; the lr logged at step s is lr_at(s - 1)
     assert train[3]["lr"] == pytest.approx(lr_at(3, **schedule))

@@ -75,7 +75,7 @@ def test_zero_offload_runs_with_our_optimizer(tmp_path, digits16, dist_group):
     from conftest import tiny_config
 
     from mpp.build import build_objective
-    from mpp.optim import build_optimizer
+    from mpp.train.optim import build_optimizer
 
     raw = tiny_config(digits16, train={"precision": "bf16", "micro_batch_size": 8},
                       deepspeed={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
@@ -130,7 +130,7 @@ def test_a_training_step_builds_no_tensor_from_host_data(digits16, objective):
 def test_rng_restore_with_fewer_visible_gpus_than_at_save(monkeypatch):
     """set_rng_state_all raised IndexError when a rank saw fewer GPUs than at save (8 x 8
     resumed as 16 x 4, or one visible GPU per SLURM task): each rank keeps its own device's."""
-    from mpp import rng
+    from mpp.train import rng
 
     states = [torch.full((4,), i, dtype=torch.uint8) for i in range(8)]
     set_to = []
@@ -151,7 +151,7 @@ def test_gloo_side_group_only_where_gloo_can_connect_the_nodes(monkeypatch):
     ("connectFullMesh failed"): there the ranks agree to use the default group instead."""
     import socket
 
-    from mpp import preemption
+    from mpp.train import preemption
 
     monkeypatch.setattr(preemption.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(preemption.dist, "get_world_size", lambda: 16)
@@ -176,9 +176,9 @@ def test_zero3_gather_stream_is_where_the_ema_ordering_looks(digits16, dist_grou
     import deepspeed
     from conftest import tiny_config, zero
 
-    from mpp import zero as zero_internals
     from mpp.build import build_objective
-    from mpp.optim import build_optimizer
+    from mpp.parallel import zero as zero_internals
+    from mpp.train.optim import build_optimizer
 
     cfg = Config.model_validate(tiny_config(digits16, objective={"name": "hpm", "base": "mae"},
                                             deepspeed={"zero_optimization": zero(3)}))
@@ -197,7 +197,7 @@ def test_fine_tune_evaluation_reads_with_the_configured_workers(monkeypatch, tmp
 
     from conftest import tiny_config
 
-    from mpp import evaluate
+    from mpp.downstream import evaluate
 
     seen = {}
 

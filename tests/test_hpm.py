@@ -1,4 +1,4 @@
-"""HPM (mpp/objectives/hpm.py) and its picture (mpp/viz.py)."""
+"""HPM (mpp/objectives/hpm.py) and its picture (mpp/tools/viz.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from mpp.objectives.hpm import (
     zscore_mse_loss,
 )
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
-from mpp.panels import hpm_panels, hpm_picture, picture_size
+from mpp.train.panels import hpm_panels, hpm_picture, picture_size
 
 SMALL = dict(decoder_dim=32, decoder_depth=1, decoder_heads=4)
 
@@ -424,7 +424,7 @@ def test_picture(tmp_path):
 
 
 def test_picture_command(tmp_path, capsys):
-    from mpp.viz import main
+    from mpp.tools.viz import main
 
     out = tmp_path / "cli.png"
     main(
@@ -447,7 +447,7 @@ def test_picture_command(tmp_path, capsys):
 
 
 def test_picture_loads_weights(tmp_path):
-    from mpp.viz import load_weights
+    from mpp.tools.viz import load_weights
 
     trained, fresh = tiny_hpm(), tiny_hpm()
     with torch.no_grad():

@@ -8,13 +8,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mpp.checkpoint import save_weights
 from mpp.config import validate
-from mpp.export import export, timm_model_args
-from mpp.hf import from_hf, to_hf
+from mpp.hub.export import export, timm_model_args
+from mpp.hub.hf import from_hf, to_hf
+from mpp.hub.pretrained import load_pretrained
 from mpp.models import create_vit
 from mpp.models.vit import VisionTransformer
-from mpp.pretrained import load_pretrained
+from mpp.train.checkpoint import save_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -203,7 +203,7 @@ def test_wandb_offline_run_has_the_config_and_the_loss_series(tmp_path, digits16
 
 def test_a_real_pretraining_run_exports_to_hf_with_its_features(two_rank_runs, tmp_path):
     """The ZeRO-3 2-rank pretraining run of the suite, straight from its run directory."""
-    from mpp.pretrained import load_into
+    from mpp.hub.pretrained import load_into
 
     run = two_rank_runs[3][0]
     folder = export(run, "hf", tmp_path / "hf")
@@ -261,7 +261,7 @@ def test_a_config_that_contradicts_the_weights_file_is_an_error_naming_both_valu
 
 
 def test_an_eps_timm_cannot_state_is_kept_for_hf_and_refused_for_timm(tmp_path):
-    from mpp.pretrained import timm_model_kwargs
+    from mpp.hub.pretrained import timm_model_kwargs
 
     run, ours = fake_run(tmp_path, norm_eps=1e-12)
     hf = transformers.ViTModel.from_pretrained(export(run, "hf"), add_pooling_layer=False).eval()

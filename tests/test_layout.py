@@ -1,10 +1,12 @@
 """The library's shape (STYLE.md): every module imports on its own, no import circle in mpp/,
-no file past ~400 lines and no function past ~60."""
+each layer imports only the layers below it (LAYERS), and nothing of the library imports the
+tools. A file past ~400 lines or a function past ~60 is a warning naming it, not a failure."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import warnings
 from pathlib import Path
 
 import pytest
@@ -71,8 +73,71 @@ def test_the_cycle_finder_finds_a_circle():
 
 def test_no_import_circle_in_mpp():
     graph = {name: imports_of(name, path) for name, path in MODULES.items()}
-    assert graph["mpp.engine"] >= {"mpp.plan", "mpp.optim", "mpp.metrics"}  # the walker sees imports
+    assert graph["mpp.train.engine"] >= {"mpp.train.plan", "mpp.train.optim", "mpp.train.metrics"}  # the walker sees imports
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+# What each part of mpp/ may import of ours (a package, or one module of it), bottom to top. A
+# part imports only what its row names; the tools sit on top and nothing imports them.
+LAYERS = {
+    "mpp": set(),
+    "mpp.ops": set(),  # tensor helpers: nothing of ours
+    "mpp.data": set(),  # shards, decoding, augmentation: nothing above it
+    "mpp.parallel": set(),  # process group, launcher, ZeRO internals, EMA, the DeepSpeed config
+    "mpp.models": {"mpp.ops"},
+    "mpp.masking": {"mpp.ops"},
+    "mpp.config": {"mpp.ops", "mpp.parallel.ds_config"},  # the deepspeed section's defaults
+    "mpp.objectives": {"mpp.models", "mpp.masking", "mpp.ops", "mpp.parallel.ema", "mpp.data.augment"},
+    # the runtime: previews draw the objectives' own outputs (train.panels, train.preview)
+    "mpp.train": {"mpp.config", "mpp.data", "mpp.parallel", "mpp.objectives", "mpp.masking", "mpp.ops"},
+    "mpp.cli": {"mpp.config", "mpp.parallel", "mpp.train"},
+    "mpp.submit": {"mpp.cli", "mpp.parallel", "mpp.train"},
+    "mpp.hub": {"mpp.models", "mpp.data", "mpp.ops", "mpp.train.checkpoint", "mpp.train.storage"},
+    # config -> objective and encoder, init weights included: above hub, so not inside objectives/
+    "mpp.build": {"mpp.config", "mpp.hub", "mpp.masking", "mpp.models", "mpp.objectives", "mpp.train.storage"},
+    "mpp.downstream": {"mpp.build", "mpp.cli", "mpp.config", "mpp.data", "mpp.models", "mpp.objectives",
+                       "mpp.ops", "mpp.parallel", "mpp.submit", "mpp.train"},  # fmt: skip
+}
+TOOLS = {"mpp.tools", "mpp.benchmarks", "mpp.doctor", "mpp.plan", "mpp.demo", "mpp.export"}  # anything below
+
+
+def part_of(module: str) -> str:
+    """The row of LAYERS (or TOOLS) a module belongs to: its longest prefix there."""
+    rows = [r for r in [*LAYERS, *TOOLS] if module == r or module.startswith(r + ".")]
+    return max(rows, key=len)
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that goes up (or sideways out of its row), as 'a imports b'."""
+    bad = []
+    for name, targets in sorted(graph.items()):
+        part = part_of(name)
+        for target in sorted(targets):
+            other = part_of(target)
+            if other == part or part in TOOLS and other not in TOOLS or part in TOOLS and other in TOOLS:
+                continue
+            allowed = LAYERS.get(part, set())
+            if other in TOOLS or not any(target == a or target.startswith(a + ".") for a in allowed):
+                bad.append(f"{name} imports {target} ({part} may import {sorted(allowed) or 'nothing of ours'})")
+    return bad
+
+
+def test_every_module_belongs_to_a_layer_and_imports_only_below_it():
+    graph = {name: imports_of(name, path) for name, path in MODULES.items()}
+    assert not layer_violations(graph), "\n".join(layer_violations(graph))
+
+
+def test_the_layering_rule_catches_an_import_going_up():
+    """The rule, fed what a careless edit would write: a model importing the runtime, the data
+    importing an objective, the runtime importing the tools."""
+    graph = {"mpp.models.vit": {"mpp.train.engine", "mpp.ops"}, "mpp.data.loader": {"mpp.objectives.mae"},
+             "mpp.train.engine": {"mpp.tools.ablation", "mpp.parallel.zero"}, "mpp.tools.demo": {"mpp.train.engine"}}  # fmt: skip
+    assert layer_violations(graph) == [
+        "mpp.data.loader imports mpp.objectives.mae (mpp.data may import nothing of ours)",
+        "mpp.models.vit imports mpp.train.engine (mpp.models may import ['mpp.ops'])",
+        "mpp.train.engine imports mpp.tools.ablation (mpp.train may import ['mpp.config', 'mpp.data', "
+        "'mpp.masking', 'mpp.objectives', 'mpp.ops', 'mpp.parallel'])",
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
@@ -81,6 +146,8 @@ def test_every_module_imports_on_its_own(name):
 
 
 def test_files_and_functions_stay_small():
+    """A warning naming each file past ~400 lines and function past ~60: a hint to split along a
+    seam, not a limit to squeeze code under."""
     too_long = []
     for name, path in MODULES.items():
         source = path.read_text()
@@ -91,11 +158,12 @@ def test_files_and_functions_stay_small():
                 length = node.end_lineno - node.lineno + 1
                 if length > MAX_FUNCTION_LINES:
                     too_long.append(f"{name}.{node.name}: {length} lines")
-    assert not too_long, too_long
+    for item in too_long:
+        warnings.warn(f"long: {item}", stacklevel=1)
 
 
 def test_objectives_never_name_deepspeed_internals():
-    """ZeRO-3's partitioning is the engine's business (mpp.zero, mpp.ema), not an objective's."""
+    """ZeRO-3's partitioning is the engine's business (mpp.parallel.zero, mpp.parallel.ema), not an objective's."""
     for path in (PACKAGE / "objectives").glob("*.py"):
         source = path.read_text()
         for word in ("ds_tensor", "ds_numel", "GatheredParameters", "deepspeed"):

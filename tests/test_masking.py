@@ -343,7 +343,7 @@ def test_num_masked_rounds_halves_up():
 
 
 def test_mask_picture(tmp_path):
-    from mpp.masking_viz import GREY, grey_out, main
+    from mpp.tools.masking_viz import GREY, grey_out, main
 
     out = tmp_path / "masks.png"
     main(["--out", str(out), "--grid", "8", "--patch", "8", "--samples", "2"])

@@ -16,10 +16,10 @@ import torch
 from mpp.benchmarks.flops import step_flops
 from mpp.build import build_objective
 from mpp.config import load_config
-from mpp.plan import load_plan_config
 from mpp.plan.memory import PeakTracker, materialize, model_states
 from mpp.plan.probe import activation_peak, build_on_meta, fake_mode, op_costs, step
 from mpp.plan.report import activation_fit
+from mpp.train.plan import load_plan_config
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRED = (

@@ -1,5 +1,5 @@
 """Preemption through the real launcher: a signal makes every rank finish its step, write one
-complete checkpoint and exit; --resume auto then continues bitwise (mpp/preemption.py)."""
+complete checkpoint and exit; --resume auto then continues bitwise (mpp/train/preemption.py)."""
 
 import contextlib
 import json
@@ -11,8 +11,8 @@ import time
 import psutil
 from conftest import REPO, cli_env, free_port, read_metrics, run_cli, tiny_config, write_config
 
-from mpp.checkpoint import complete_tags
-from mpp.preemption import PREEMPTED_EXIT
+from mpp.train.checkpoint import complete_tags
+from mpp.train.preemption import PREEMPTED_EXIT
 
 
 def launch(cfg_path, out, extra=()) -> list[str]:

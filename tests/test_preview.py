@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import read_metrics, run_cli, tiny_config, write_config
 
-from mpp.preview import Preview, caption
+from mpp.train.preview import Preview, caption
 
 HPM = {"name": "hpm", "base": "mae", "norm_pix_loss": True}
 

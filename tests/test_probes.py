@@ -1,4 +1,4 @@
-"""The probe protocols' facts against the papers' text and code (mpp/probe.py, probe_protocols.py,
+"""The probe protocols' facts against the papers' text and code (mpp/downstream/probe.py, probe_protocols.py,
 lars.py): LARS's trust ratio by hand, MAE's lr rule and BatchNorm head, DINOv2's grid and its
 concatenation widths, per-block features from one forward, heads trained together exactly as
 alone, DINO's weighted k-NN vote. The CLIs run on a demo run in test_demo_runs.py."""
@@ -10,9 +10,8 @@ import torch
 from torch import nn
 
 from mpp.config import ProbeSection
-from mpp.lars import LARS, trust_ratio
-from mpp.models import create_vit
-from mpp.probe import (
+from mpp.downstream.lars import LARS, trust_ratio
+from mpp.downstream.probe import (
     HeadTrainer,
     LinearHead,
     Probe,
@@ -23,7 +22,7 @@ from mpp.probe import (
     pooled_features,
     scaled_lr,
 )
-from mpp.probe_protocols import (
+from mpp.downstream.probe_protocols import (
     DINOV2_LRS,
     dinov2_heads,
     dinov2_probe,
@@ -32,6 +31,7 @@ from mpp.probe_protocols import (
     mae_heads,
     micro_batches,
 )
+from mpp.models import create_vit
 
 
 def test_lars_scales_a_matrix_step_by_the_trust_ratio_and_leaves_biases_plain():

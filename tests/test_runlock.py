@@ -1,4 +1,4 @@
-"""The run directory's lock (mpp/runlock.py) against the holders a requeued job meets: a live
+"""The run directory's lock (mpp/train/runlock.py) against the holders a requeued job meets: a live
 job here, a dead one here, a live and a dead one on another host, a half-written lock file."""
 
 import json
@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from mpp import runlock
+from mpp.train import runlock
 
 
 def lock_of(holder: dict, run, mtime_age: float = 0.0):

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import free_port, read_metrics, run_cli, tiny_config, write_config
 
-from mpp import storage
-from mpp.checkpoint import MARKER, saved_layout, tag_for
+from mpp.train import storage
+from mpp.train.checkpoint import MARKER, saved_layout, tag_for
 
 
 def errors_of(r) -> list[str]:
@@ -117,8 +117,8 @@ def test_a_disk_that_fills_during_a_save_leaves_the_last_checkpoint_and_no_parti
     import deepspeed
     import torch
 
-    from mpp.checkpoint import complete_tags, save_checkpoint
-    from mpp.storage import DiskFullError
+    from mpp.train.checkpoint import complete_tags, save_checkpoint
+    from mpp.train.storage import DiskFullError
 
     model = torch.nn.Linear(256, 256)
     opt = torch.optim.Adam(model.parameters())
@@ -142,10 +142,10 @@ def test_a_disk_that_fills_during_a_save_leaves_the_last_checkpoint_and_no_parti
 def test_a_truncated_weights_file_of_any_format_is_a_checkpoint_error_naming_it(tmp_path):
     import torch
 
-    from mpp.checkpoint import save_weights
-    from mpp.export import export
+    from mpp.hub.export import export
+    from mpp.hub.pretrained import load_pretrained
     from mpp.models.vit import create_vit
-    from mpp.pretrained import load_pretrained
+    from mpp.train.checkpoint import save_weights
 
     kwargs = {"name": "vit_tiny_patch4_16", "depth": 1, "embed_dim": 32, "num_heads": 2}
     vit = create_vit(**kwargs)

@@ -15,8 +15,8 @@ import psutil
 import pytest
 from conftest import REPO, cli_env, read_metrics, run_cli, tiny_config, write_config
 
-from mpp.preemption import SIGNALS
 from mpp.submit import SubmitError, sbatch_options, split_argv, timeout_minutes, with_resume_auto
+from mpp.train.preemption import SIGNALS
 
 submitit = pytest.importorskip("submitit")
 
@@ -170,7 +170,7 @@ def test_a_submitted_ablation_shows_a_killed_cell_and_a_rerun_submits_only_that_
     cell's pretraining job is killed mid-run as ``scancel -s KILL`` would; --status names it and
     its job, and builds the table from the other; the same command again submits only the killed
     cell, which resumes, and with --wait completes the table."""
-    from mpp.ablation_jobs import saved_spec, status_rows
+    from mpp.tools.ablation_jobs import saved_spec, status_rows
 
     cmd, out = ablation_cmd(tmp_path, digits16, "train.max_steps=3,600", "--submit", "local", "--time", "00:20:00")
     with open(tmp_path / "submit.log", "w+") as log:  # not a pipe: the local jobs inherit the submitter's stdout

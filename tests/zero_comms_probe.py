@@ -20,7 +20,7 @@ def measure(stage: int, world: int) -> dict:
 
     from mpp.build import build_objective
     from mpp.config import load_config
-    from mpp.optim import build_optimizer
+    from mpp.train.optim import build_optimizer
 
     overrides = [f"deepspeed.zero_optimization.stage={stage}", "train.precision=bf16", "train.micro_batch_size=4"]
     cfg = load_config("mae_demo", overrides)  # 64 images on 8 ranks: 4 x 2 accumulation steps

@@ -36,7 +36,7 @@ def measure(stage: int, world: int, overrides: list[str]) -> dict:
 
     from mpp.build import build_objective
     from mpp.config import load_config
-    from mpp.optim import build_optimizer
+    from mpp.train.optim import build_optimizer
 
     cfg = load_config("mae_demo", [*overrides, f"deepspeed.zero_optimization.stage={stage}"])
     before = live_bytes()  # what earlier stages' engines left behind: subtracted

@@ -27,8 +27,8 @@ def measure(name: str, quick: bool) -> dict[str, Any]:
     """One config's step and preview, interleaved; medians."""
     from mpp.build import build_objective
     from mpp.config import load_config
-    from mpp.optim import build_optimizer
-    from mpp.preview import NUM_IMAGES, Preview
+    from mpp.train.optim import build_optimizer
+    from mpp.train.preview import NUM_IMAGES, Preview
 
     cfg = load_config(name)
     objective = build_objective(cfg)

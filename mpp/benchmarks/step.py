@@ -30,7 +30,7 @@ from mpp.masking import hard_patch_mask, mask_indices
 from mpp.models import create_vit
 from mpp.objectives import build_objective
 from mpp.objectives.hpm import ranking_loss
-from mpp.optim import PAPER_OPTIMIZER, adam, param_groups
+from mpp.train.optim import PAPER_OPTIMIZER, adam, param_groups
 
 CONTENDERS = ("plain", "mpp", "mae", "hpm")
 # full: ViT-S/16 at 224 with the library's default decoders (8 x 512, as MAE/HPM's ViT-B/L);

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mpp.benchmarks.common import format_table, median
-from mpp.launch import REPO, deepspeed_cmd, job_env
+from mpp.parallel.launch import REPO, deepspeed_cmd, job_env
 
 WORLD = 2
 SETTINGS = {

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from mpp.benchmarks.common import current_rss_bytes, peak_rss_bytes
-from mpp.launch import REPO
+from mpp.parallel.launch import REPO
 
 
 def peak_rss_mib() -> float:
@@ -27,7 +27,7 @@ def peak_rss_mib() -> float:
 def main() -> int:
     import deepspeed  # in the baseline: every stage loads it
 
-    import mpp.checkpoint as ckpt
+    import mpp.train.checkpoint as ckpt
 
     sys.path.insert(0, str(REPO))  # pretrain/ is a folder of the repository, not of the package
     from pretrain.run import main as run_main

@@ -229,7 +229,7 @@ atexit.register(_kill_workers_at_exit)
 
 def _ignore_stop_signals(worker_id: int) -> None:
     # SIGTERM / SIGUSR1 reach every process of a job (SLURM, the launcher's process-tree kill):
-    # the rank finishes its step and checkpoints (mpp.preemption), so its workers must keep
+    # the rank finishes its step and checkpoints (mpp.train.preemption), so its workers must keep
     # serving it; they exit with the rank (the DataLoader's shutdown, or its parent watchdog)
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, signal.SIG_IGN)

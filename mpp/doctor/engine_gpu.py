@@ -22,7 +22,7 @@ def gpu_rows(
     config: Path, run: Row, plan: tuple[dict[str, Any] | None, str], quick: bool
 ) -> list[Row]:
     """After the launcher run (``run``): the same config's step in this process, and the plan."""
-    from mpp.distributed import init_distributed
+    from mpp.parallel.distributed import init_distributed
 
     # a one-rank group for deepspeed.initialize (the launcher run has ended)
     device = init_distributed()

@@ -23,7 +23,7 @@ from PIL import Image
 from mpp.config import apply_overrides, resolve_config_path, validate
 from mpp.data.writer import from_arrays, shard_spec, write_shards
 from mpp.doctor import FAIL, PASS, WARN, Row, needs_gpu
-from mpp.launch import REPO, deepspeed_cmd, job_env
+from mpp.parallel.launch import REPO, deepspeed_cmd, job_env
 
 SECTION = "engine"
 # a CPU check of the path, not a figure: seconds per run (tests/conftest.py's tiny model)

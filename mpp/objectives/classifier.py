@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mpp.augment import mixup_cutmix, random_erasing, soft_targets
+from mpp.data.augment import mixup_cutmix, random_erasing, soft_targets
 from mpp.models.vit import VisionTransformer
 from mpp.objectives.base import Objective
 

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mpp.ema import EMA, full_state
 from mpp.masking import SCHEDULES, hard_patch_mask, hard_ratio_at
 from mpp.models.decoder import Decoder
 from mpp.models.vit import VisionTransformer
@@ -26,6 +25,7 @@ from mpp.objectives.base import Objective
 from mpp.objectives.mae import MaskedAutoencoder
 from mpp.objectives.mpp import MaskedPatchPrediction
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD, gather_tokens
+from mpp.parallel.ema import EMA, full_state
 
 HPM_BASES: dict[str, type[Objective]] = {"mae": MaskedAutoencoder, "mpp": MaskedPatchPrediction}
 PRED_LOSSES = ("ranking", "mse")
@@ -141,7 +141,7 @@ class HardPatchesMining(Objective):
         self.predictor = Decoder(decoder_dim, decoder_depth, decoder_heads, out_dim=1, in_dim=self.base.token_dim,
                                  mlp_ratio=mlp_ratio, attn_backend=attn_backend)  # fmt: skip
         self.num_masked = self.base.mask_generator.num_masked
-        self.mean, self.std = tuple(mean), tuple(std)  # to show the images (mpp.viz)
+        self.mean, self.std = tuple(mean), tuple(std)  # to show the images (mpp.tools.viz)
         self.hard_ratio, self.schedule = hard_ratio, schedule
         self.pred_loss, self.pred_weight = pred_loss, pred_weight
         self.momentum_start, self.momentum_end = momentum_start, momentum_end
@@ -200,7 +200,7 @@ class HardPatchesMining(Objective):
         self.teacher["predictor"].load_state_dict(self.predictor.state_dict())
 
     def update_teacher(self) -> None:
-        """theta_t <- m theta_t + (1 - m) theta_s over the whole student (``mpp.ema``)."""
+        """theta_t <- m theta_t + (1 - m) theta_s over the whole student (``mpp.parallel.ema``)."""
         self.ema.update(self.teacher_momentum)
 
     def rank_state(self) -> dict[str, Tensor]:

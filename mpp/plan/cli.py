@@ -22,9 +22,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 def plan_main(config: str, overrides: list[str], gpus: int, kind: str, out: str | None) -> int:
     """Print the plan (and write it to ``out``); 2 with one error line when it cannot be made."""
-    from mpp.plan import load_plan_config
     from mpp.plan.probe import probe
     from mpp.plan.report import plan_gpus, render
+    from mpp.train.plan import load_plan_config
 
     try:
         if gpus < 1:

@@ -111,7 +111,7 @@ def comm_bytes(
 ) -> dict[str, Any]:
     """Bytes each rank sends per optimiser step, by collective, with ring formulas: all-reduce
     2(N-1)/N of the buffer, reduce-scatter and all-gather (N-1)/N. Gradients are reduced in fp32
-    (``mpp.ds_config`` sets communication_data_type), parameters gathered in the model's dtype.
+    (``mpp.parallel.ds_config`` sets communication_data_type), parameters gathered in the model's dtype.
     The collectives are DeepSpeed 0.19.8's as its comms_logger records them (tests/test_plan_gpu.py):
     ZeRO-0 and ZeRO-1 all-reduce the gradients once per step, at the accumulation boundary; ZeRO-2
     all-reduces them in the backward of every micro-batch; ZeRO-3 reduce-scatters them every

@@ -1,5 +1,5 @@
 """Memory per GPU: one micro-batch's activations measured on fake tensors, and the model states
-and buffers DeepSpeed 0.19.8 holds per ZeRO stage, as ``mpp.ds_config`` configures it.
+and buffers DeepSpeed 0.19.8 holds per ZeRO stage, as ``mpp.parallel.ds_config`` configures it.
 
 Activations come from the real objective's forward + backward under ``FakeTensorMode`` on device
 cpu (no memory is allocated) with ``MemTracker``, in the dtype DeepSpeed's bf16 mode casts the
@@ -120,14 +120,14 @@ def model_states(
                unfused optimiser; nothing partitioned);
       stages 1, 2: w params + 16/N (fp32 master, fp32 gradient partition, moments); the w
                gradients pass through the reduce buckets (a parameter larger than a bucket would
-               hold its own: none in a ViT at the 5e7 buckets ``mpp.ds_config`` sets);
+               hold its own: none in a ViT at the 5e7 buckets ``mpp.parallel.ds_config`` sets);
       stage 3: (w + 16)/N (also the fp32 accumulation partition) + either the optimiser's fp32
                gradient partition (4/N, at the step) or the gathered parameters (one prefetch
                bucket, in forward and backward), whichever is larger, + the small persistent ones.
     fp32: the same without the master copy and with 4-byte gradients.
     Buffers: two reduce buckets of w bytes per element at stages 1/2 with overlap_comm (one
     without); one fp32 bucket at stage 3. Frozen parameters: their w copy (partitioned at stage
-    3); with ``ema`` also the fp32 average beside a low-precision teacher (``mpp.ema``)."""
+    3); with ``ema`` also the fp32 average beside a low-precision teacher (``mpp.parallel.ema``)."""
     z, n = zero_settings(ds_config), ranks
     w = 4 if precision == "fp32" else 2
     P, F = sum(trainable), sum(frozen)

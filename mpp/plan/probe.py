@@ -94,7 +94,7 @@ def fake_mode() -> Iterator[None]:
 def run(config: str, overrides: list[str], micro: list[int], dtype: str) -> dict[str, Any]:
     """In this process: parameter sizes, one fake step per micro-batch size, and the FLOPs and
     bytes of the first."""
-    from mpp.plan import load_plan_config
+    from mpp.train.plan import load_plan_config
 
     cfg, _ = load_plan_config(config, overrides)
     meta = build_on_meta(cfg)

@@ -8,7 +8,7 @@ from typing import Any
 
 from mpp.benchmarks.data import workers_needed
 from mpp.config import Config
-from mpp.optim import peak_lr
+from mpp.train.optim import peak_lr
 
 # one DataLoader worker's images/s (decode, RandomResizedCrop, flip) on one core:
 # ``python -m mpp.benchmarks data``, 2026-11-23 (BENCHMARKS.md "data"): 282.7 img/s

@@ -146,7 +146,7 @@ def plan_gpus(cfg: Config, data_known: bool, ranks: int, spec: GPU, probe: Probe
         "comm_bytes_per_step": t["comm"]["total"],
         "comm_ops": t["comm"]["ops"],
         "recipe": rec,
-        "host_syncs_per_step": accum if cfg.train.skip_nonfinite else 0,  # mpp.nonfinite.all_finite's
+        "host_syncs_per_step": accum if cfg.train.skip_nonfinite else 0,  # mpp.train.nonfinite.all_finite's
         "parameters": {
             "trainable": sum(probe_out["trainable"]),
             "frozen": sum(probe_out["frozen"]),

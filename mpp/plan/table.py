@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from mpp.benchmarks.common import format_table
-from mpp.plan import load_plan_config
 from mpp.plan.hardware import GPUS, gpu
 from mpp.plan.probe import probe
 from mpp.plan.report import plan_gpus
+from mpp.train.plan import load_plan_config
 
 MODELS = {
     "ViT-B/16": "vit_base_patch16_224",

@@ -2,7 +2,7 @@
 validation images, the masked input, the reconstruction (MAE with ``norm_pix_loss``: each
 predicted patch un-normalised with the true patch's own mean and variance; MPP: each masked
 patch in its predicted colour) and for HPM the teacher's predicted-loss map and the mask it chose
-(``mpp.panels``), into TensorBoard and W&B.
+(``mpp.train.panels``), into TensorBoard and W&B.
 
 The images are drawn once, the masks from a fixed seed in a forked RNG, so every preview shows
 the same images under the same masks and training draws exactly what it would without them. A
@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mpp import zero
 from mpp.ops import normalize
-from mpp.panels import objective_panels, panel_grid
+from mpp.parallel import zero
+from mpp.train.panels import objective_panels, panel_grid
 
 NUM_IMAGES = 8
 SEED = 1234  # the masks' seed: the same masks at every preview

@@ -23,7 +23,7 @@ under-trains scratch and overstates pretraining's gain; results.md labels which 
 Every cell is validated in-process (config + objective + the evaluations' configs) before
 anything is launched. A finished cell+seed is skipped on a rerun, a half-done pretraining run
 resumes from its last checkpoint, and a failed run is recorded and does not stop the others.
-A preempted run (exit 75, ``mpp.preemption``), or SIGTERM / SIGUSR1 to the runner itself, stops
+A preempted run (exit 75, ``mpp.train.preemption``), or SIGTERM / SIGUSR1 to the runner itself, stops
 the whole ablation with exit 75: the same command continues it.
 """
 
@@ -42,7 +42,6 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
-from mpp.checkpoint import latest_complete
 from mpp.config import (
     ConfigError,
     FinetuneConfig,
@@ -51,8 +50,9 @@ from mpp.config import (
     resolve_config_path,
     validate,
 )
-from mpp.launch import REPO, deepspeed_cmd, default_launcher_args, launch
-from mpp.preemption import PREEMPTED_EXIT, SIGNALS
+from mpp.parallel.launch import REPO, deepspeed_cmd, default_launcher_args, launch
+from mpp.train.checkpoint import latest_complete
+from mpp.train.preemption import PREEMPTED_EXIT, SIGNALS
 
 SCRIPTS = {
     "pretrain": "pretrain/run.py",

@@ -3,9 +3,9 @@ Read ``train`` top to bottom; setup, resume and the final export are the functio
 
 The engine knows nothing objective-specific: it calls ``objective(*objective.inputs(batch))
 -> (loss, metrics)`` and the hooks of ``mpp.objectives.base.Objective``. What it builds on,
-one file each: ``mpp.distributed`` (process group), ``mpp.plan`` (the run resolved before it
-starts), ``mpp.optim`` (groups, Adam, warm-up + cosine), ``mpp.metrics`` (metrics.jsonl,
-TensorBoard), ``mpp.rng`` (seeds and RNG states), ``mpp.checkpoint`` (the one format).
+one file each: ``mpp.parallel.distributed`` (process group), ``mpp.plan`` (the run resolved before it
+starts), ``mpp.train.optim`` (groups, Adam, warm-up + cosine), ``mpp.train.metrics`` (metrics.jsonl,
+TensorBoard), ``mpp.train.rng`` (seeds and RNG states), ``mpp.train.checkpoint`` (the one format).
 """
 
 from __future__ import annotations
@@ -20,20 +20,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mpp import checkpoint as ckpt
-from mpp import zero
 from mpp.config import RunConfig, save_config
 from mpp.data import make_train_loader
-from mpp.distributed import from_rank0
-from mpp.elastic import restore
-from mpp.metrics import MetricLog
-from mpp.nonfinite import NonFiniteLossError, all_finite, roll_back, skip_bad_step
 from mpp.ops import normalize
-from mpp.optim import build_optimizer, lr_at, peak_lr, set_lr
-from mpp.plan import Plan, RunState
-from mpp.preemption import Preempted, StopRequest, write_marker
-from mpp.preview import build_preview
-from mpp.rng import rng_state, seed_everything
+from mpp.parallel import zero
+from mpp.parallel.distributed import from_rank0
+from mpp.train import checkpoint as ckpt
+from mpp.train.elastic import restore
+from mpp.train.metrics import MetricLog
+from mpp.train.nonfinite import NonFiniteLossError, all_finite, roll_back, skip_bad_step
+from mpp.train.optim import build_optimizer, lr_at, peak_lr, set_lr
+from mpp.train.plan import Plan, RunState
+from mpp.train.preemption import Preempted, StopRequest, write_marker
+from mpp.train.preview import build_preview
+from mpp.train.rng import rng_state, seed_everything
 
 log = logging.getLogger("mpp.engine")
 
@@ -123,7 +123,7 @@ def after_step(model: Any, optimizer: Any, state: RunState, plan: Plan, t: Any, 
 def recover(engine: Any, objective: torch.nn.Module, state: RunState, plan: Plan, run_dir: Path, cfg: RunConfig,
             error: NonFiniteLossError, optimizer: Any, schedule: dict, metrics_log: MetricLog, bar: Any) -> float:  # fmt: skip
     """``train.on_nonfinite=rollback``: back to the last complete checkpoint, the data stream past
-    the batch that failed (``mpp.nonfinite.roll_back``), metrics.jsonl rewound to that step with
+    the batch that failed (``mpp.train.nonfinite.roll_back``), metrics.jsonl rewound to that step with
     the event recorded; re-raises otherwise. Returns the lr now set."""
     advance(state, plan, cfg, stepped=False)  # the batch that failed is behind us
     roll_back(engine, objective, state, run_dir, cfg.train, error, plan)
@@ -190,7 +190,7 @@ def start_engine(cfg: RunConfig, objective: torch.nn.Module, plan: Plan, ckpt_ro
     found = from_rank0(_resolve_on_rank0(resume, ckpt_root))
     if isinstance(found, str):
         raise ckpt.CheckpointError(found)
-    if found:  # any world size, micro batch or accumulation (mpp.elastic)
+    if found:  # any world size, micro batch or accumulation (mpp.train.elastic)
         state = restore(engine, objective, found[0], found[1], plan, cfg.train.seed)
         if dist.get_rank() == 0:
             log.info("resumed from %s/%s at step %d", found[0], found[1], state.step)

@@ -1,6 +1,6 @@
 """What a pretraining objective sees, as pictures: one row per image, panels side by side
-(PIL only, no plotting library). Drawn after training by ``python -m mpp.viz`` and during it by
-the previews (``mpp.preview``).
+(PIL only, no plotting library). Drawn after training by ``python -m mpp.tools.viz`` and during it by
+the previews (``mpp.train.preview``).
 
 HPM: input | mask (grey: masked at random, red: masked as hard by the teacher) |
 reconstruction (visible patches from the input, masked ones predicted) | teacher's predicted loss.

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mpp import checkpoint as ckpt
-from mpp.distributed import from_rank0
-from mpp.plan import Plan, RunState
-from mpp.rng import seed_everything, set_rng_state
+from mpp.parallel.distributed import from_rank0
+from mpp.train import checkpoint as ckpt
+from mpp.train.plan import Plan, RunState
+from mpp.train.rng import seed_everything, set_rng_state
 
 log = logging.getLogger("mpp.elastic")
 UNIVERSAL = "universal"  # RUN/checkpoints/universal/TAG: a conversion, removed once loaded

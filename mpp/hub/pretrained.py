@@ -15,9 +15,14 @@ from pathlib import Path
 
 import torch
 
-from mpp.checkpoint import encoder_file_kwargs, find_checkpoint, load_encoder_file, zero_to_fp32
 from mpp.models.vit import VisionTransformer, full_vit_config, resample_abs_pos_embed, vit_config
-from mpp.storage import CheckpointError
+from mpp.train.checkpoint import (
+    encoder_file_kwargs,
+    find_checkpoint,
+    load_encoder_file,
+    zero_to_fp32,
+)
+from mpp.train.storage import CheckpointError
 
 log = logging.getLogger("mpp.pretrained")
 
@@ -46,7 +51,7 @@ def load_pretrained(init: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
             return {k: v for k, v in sd.items() if k.startswith(ENCODER_KEYS)}, {}
         return load_encoder_file(path)
     if is_hf_folder(path):
-        from mpp.hf import read_hf_folder
+        from mpp.hub.hf import read_hf_folder
 
         return read_hf_folder(path)
     if is_timm_folder(path):
@@ -103,7 +108,7 @@ def read_model_kwargs(init: str | Path) -> dict:
     {} when it states none (a release .pth, a bare timm .safetensors)."""
     path = _existing(init)
     if path.is_dir() and is_hf_folder(path):
-        from mpp.hf import model_kwargs_from_hf
+        from mpp.hub.hf import model_kwargs_from_hf
 
         return model_kwargs_from_hf(json.loads((path / "config.json").read_text()))
     if path.is_dir() and is_timm_folder(path):
@@ -133,7 +138,7 @@ _TIMM_FIXED_ARGS = {"class_token": True, "reg_tokens": 0, "no_embed_class": Fals
 
 
 def timm_model_kwargs(config: dict) -> dict:
-    """A timm hub ``config.json`` (``mpp.export``'s or timm's) -> our model kwargs: the variant from
+    """A timm hub ``config.json`` (``mpp.hub.export``'s or timm's) -> our model kwargs: the variant from
     ``architecture`` and its ``model_args``; an argument our ViT cannot follow is an error naming it."""
     args = dict(config.get("model_args") or {})
     for key, value in args.items():

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mpp.launch import free_port
+from mpp.parallel.launch import free_port
 
 
 def world_from_env() -> tuple[int, int]:

@@ -1,13 +1,13 @@
-"""What a pretraining objective sees, drawn from a run or a checkpoint (``mpp.panels``): one row
+"""What a pretraining objective sees, drawn from a run or a checkpoint (``mpp.train.panels``): one row
 per image (PIL only, no plotting library).
 
 HPM: input | mask (grey: masked at random, red: masked as hard by the teacher) |
 reconstruction (visible patches from the input, masked ones predicted) | teacher's predicted loss.
 MAE / MPP: input | mask (grey) | reconstruction (MPP: each masked patch in its predicted colour).
 
-  python -m mpp.viz --images 8 --out grid.png                       # random init, digits
-  python -m mpp.viz --checkpoint runs/hpm_demo --out grid.png       # a pretraining run: its config.json
-  python -m mpp.viz --config configs/hpm_demo.json --checkpoint runs/x/checkpoints --out grid.png
+  python -m mpp.tools.viz --images 8 --out grid.png                       # random init, digits
+  python -m mpp.tools.viz --checkpoint runs/hpm_demo --out grid.png       # a pretraining run: its config.json
+  python -m mpp.tools.viz --config configs/hpm_demo.json --checkpoint runs/x/checkpoints --out grid.png
 """
 
 from __future__ import annotations
@@ -23,12 +23,17 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
-from mpp.checkpoint import find_checkpoint, load_encoder_file, weights_only_loads, zero_to_fp32
 from mpp.config import Config, load_config, resolve_config_path
 from mpp.objectives.base import Objective
 from mpp.objectives.hpm import HardPatchesMining
-from mpp.panels import objective_panels, save_picture
-from mpp.storage import CheckpointError
+from mpp.train.checkpoint import (
+    find_checkpoint,
+    load_encoder_file,
+    weights_only_loads,
+    zero_to_fp32,
+)
+from mpp.train.panels import objective_panels, save_picture
+from mpp.train.storage import CheckpointError
 
 # ---- command line ---------------------------------------------------------------------------
 
@@ -60,7 +65,7 @@ def load_images(
 
 def deepspeed_weights(folder: Path) -> dict[str, Tensor]:
     """The module's weights in a DeepSpeed checkpoint folder: the root (``latest`` names the
-    tag) or one tag folder, in fp32 (``mpp.checkpoint.zero_to_fp32``: ZeRO 1-3 consolidated
+    tag) or one tag folder, in fp32 (``mpp.train.checkpoint.zero_to_fp32``: ZeRO 1-3 consolidated
     from the optimiser shards, frozen parameters such as the teacher's included)."""
     found = find_checkpoint(folder)
     if found is None:
@@ -142,7 +147,7 @@ def build_for(args: argparse.Namespace) -> tuple[Objective, tuple[float, ...], t
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m mpp.viz",
+        prog="python -m mpp.tools.viz",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

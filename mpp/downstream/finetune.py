@@ -1,8 +1,8 @@
 """The fine-tuning run (DESIGN.md §4.6, MAE/BEiT recipe): the class count from the shards, the
 classifier around a pretrained encoder, and the engine's loop with an evaluation every epoch.
-The pieces live in their own files: ``mpp.objectives.classifier`` (loss), ``mpp.augment``
-(mixup / cutmix / erasing), ``mpp.optim`` (layer decay), ``mpp.pretrained`` (weights in),
-``mpp.evaluate`` (top-1, best / last weights, results.json)."""
+The pieces live in their own files: ``mpp.objectives.classifier`` (loss), ``mpp.data.augment``
+(mixup / cutmix / erasing), ``mpp.train.optim`` (layer decay), ``mpp.hub.pretrained`` (weights in),
+``mpp.downstream.evaluate`` (top-1, best / last weights, results.json)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import torch.distributed as dist
 from mpp.build import build_encoder
 from mpp.config import ConfigError, FinetuneConfig
 from mpp.data import digits_shards, expand_shards, read_sizes
-from mpp.engine import encoder_kwargs, train
-from mpp.evaluate import EpochEvaluator
+from mpp.downstream.evaluate import EpochEvaluator
 from mpp.models.vit import vit_config
 from mpp.objectives.classifier import Classifier
-from mpp.plan import Plan
+from mpp.train.engine import encoder_kwargs, train
+from mpp.train.plan import Plan
 
 
 def resolve_classes(cfg: FinetuneConfig, train_shards: list[str]) -> int:

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mpp import checkpoint as ckpt
 from mpp.data import make_eval_loader
 from mpp.ops import normalize
-from mpp.plan import Plan, RunState
+from mpp.train import checkpoint as ckpt
+from mpp.train.plan import Plan, RunState
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """An exponential moving average of one set of parameters into another (HPM's teacher,
 DESIGN.md §4.4), over modules the engine may have ZeRO-partitioned: each rank updates the
-part it holds (``mpp.zero.local_tensors``), never gathering a whole parameter.
+part it holds (``mpp.parallel.zero.local_tensors``), never gathering a whole parameter.
 
     ema = EMA(module, [("teacher.w", "w"), ...])   # (target, source) names in ``module``
     ema.update(momentum)                          # theta_t <- m theta_t + (1 - m) theta_s
@@ -13,7 +13,7 @@ import logging
 import torch
 from torch import Tensor, nn
 
-from mpp import zero
+from mpp.parallel import zero
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mpp import checkpoint as ckpt
-from mpp.distributed import from_rank0
-from mpp.elastic import restore
-from mpp.plan import Plan, RunState
+from mpp.parallel.distributed import from_rank0
+from mpp.train import checkpoint as ckpt
+from mpp.train.elastic import restore
+from mpp.train.plan import Plan, RunState
 
 log = logging.getLogger("mpp.nonfinite")
 # a fault-injection hook (README, NaN recovery): MPP_INJECT_NONFINITE_AT_STEP=k makes the check

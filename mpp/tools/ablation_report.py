@@ -1,4 +1,4 @@
-"""The masking ablation's report (``mpp.ablation`` runs the grid): results.csv, results.md
+"""The masking ablation's report (``mpp.tools.ablation`` runs the grid): results.csv, results.md
 (mean ± std over seeds per cell and evaluation) and results.png (top-1 per cell, error bars),
 drawn with PIL alone."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mpp.ablation import AblationSpec
+    from mpp.tools.ablation import AblationSpec
 
 
 def write_csv(rows: list[dict], keys: list[str], path: Path) -> None:
@@ -23,7 +23,7 @@ def write_csv(rows: list[dict], keys: list[str], path: Path) -> None:
 
 def baseline_lines(rows: list[dict], title: str) -> list[str]:
     """The fine-tuning-from-scratch table: mean ± std (n) per baseline, each labelled."""
-    from mpp.ablation import BASELINES
+    from mpp.tools.ablation import BASELINES
 
     if not rows:
         return []
@@ -86,7 +86,7 @@ def plot(rows: list[dict], keys: list[str], evals: list[str], path: Path, group_
     grouped by ``group_key`` (the strategy; else the first grid key) and coloured by the others."""
     from PIL import Image, ImageDraw, ImageFont
 
-    from mpp.ablation import BASELINES
+    from mpp.tools.ablation import BASELINES
 
     scratch = summarize([r for r in rows if r.get("baseline")], ["baseline"], "top1")
     rows = [r for r in rows if not r.get("baseline")]

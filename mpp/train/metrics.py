@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mpp.plan import Plan, RunState
+from mpp.train.plan import Plan, RunState
 
 log = logging.getLogger("mpp.metrics")
 

@@ -1,4 +1,4 @@
-"""The linear probes of the papers, beside ``fast`` (mpp.probe: cached center-crop features + SGD).
+"""The linear probes of the papers, beside ``fast`` (mpp.downstream.probe: cached center-crop features + SGD).
 
 - ``mae``: MAE's main_linprobe.py. BatchNorm1d(affine=False, eps=1e-6) + Linear on the cls
   token, LARS (weight decay 0, momentum 0.9, trust coefficient 0.001), lr = blr x batch / 256
@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from mpp.models.vit import VisionTransformer
-from mpp.probe import (
+from mpp.downstream.probe import (
     HeadTrainer,
     LinearHead,
     Probe,
@@ -29,6 +28,7 @@ from mpp.probe import (
     scaled_lr,
     train_on_features,
 )
+from mpp.models.vit import VisionTransformer
 
 if TYPE_CHECKING:
     from mpp.config import ProbeSection

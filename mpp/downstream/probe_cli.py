@@ -12,8 +12,7 @@ import torch
 
 from mpp.config import ConfigError, ProbeConfig
 from mpp.data import make_train_loader
-from mpp.models.vit import VisionTransformer
-from mpp.probe import (
+from mpp.downstream.probe import (
     HeadTrainer,
     extract_features,
     feature_slots,
@@ -21,7 +20,7 @@ from mpp.probe import (
     linear_probes,
     scaled_lr,
 )
-from mpp.probe_protocols import (
+from mpp.downstream.probe_protocols import (
     MAE_CROP_SCALE,
     dinov2_probe,
     dinov2_slots,
@@ -29,6 +28,7 @@ from mpp.probe_protocols import (
     mae_probe,
     micro_batches,
 )
+from mpp.models.vit import VisionTransformer
 
 
 def probe_parser(kind: str):
@@ -56,8 +56,8 @@ def run_probe(kind: str, argv: list[str] | None = None, script: str | None = Non
     """``kind`` = "linear" or "knn". Exit status 2 on a bad config or init. With --submit, the
     validated run is submitted as a job (``script``: the CLI, which the job runs)."""
     from mpp.cli import config_from_args, open_run_dir
-    from mpp.distributed import init_distributed, world_from_env
-    from mpp.runlock import release
+    from mpp.parallel.distributed import init_distributed, world_from_env
+    from mpp.train.runlock import release
 
     args = probe_parser(kind).parse_args(argv)
     args.set += [
@@ -91,7 +91,7 @@ def run_probe(kind: str, argv: list[str] | None = None, script: str | None = Non
         return 0
     results = {**results, "eval": kind, "init": cfg.init, "ranks": world}
     if "per_block" in results:
-        from mpp.probe_report import write_per_block
+        from mpp.downstream.probe_report import write_per_block
 
         print(
             write_per_block(run_dir, results["per_block"], f"{kind} top-1 per block of {cfg.init}")

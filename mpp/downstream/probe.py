@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mpp.lars import LARS
+from mpp.downstream.lars import LARS
 from mpp.models.vit import VisionTransformer
-from mpp.optim import lr_at
+from mpp.train.optim import lr_at
 
 Slot = tuple[int, str]  # (block index, "token" | "avg")
 # images per encoder forward: MAE's per-GPU probe batch; a 16384-image step in one forward

@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mpp import ablation
-from mpp.ablation import (
+from mpp.parallel.launch import REPO, default_launcher_args
+from mpp.tools import ablation
+from mpp.tools.ablation import (
     SCRIPTS,
     SPEC_FILE,
     AblationSpec,
@@ -36,7 +37,6 @@ from mpp.ablation import (
     is_done,
     result_row,
 )
-from mpp.launch import REPO, default_launcher_args
 
 JOBS_FILE = "jobs.json"
 ACTIVE = ("queued", "running", "unknown")  # unknown: sacct could not say; never resubmitted

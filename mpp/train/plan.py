@@ -1,0 +1,168 @@
+"""The plan of a run, resolved before anything is created (data, batch, schedule, DeepSpeed's
+config; any problem a ConfigError naming the key), and the run's position in it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mpp.config import Config, ConfigError, RunConfig
+from mpp.data import StreamConfig, digits_shards, expand_shards
+from mpp.data.census import Census, census
+
+log = logging.getLogger("mpp.plan")
+
+
+@dataclass
+class Plan:
+    train_shards: list[str]
+    samples_per_epoch: int
+    steps_per_epoch: int  # optimiser steps
+    total_steps: int
+    warmup_steps: int
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+    img_size: int
+    ds_config: dict
+    stream: StreamConfig  # the training stream's settings; the engine adds rank, epoch and position
+    missing_shards: int = 0
+    census: Census | None = None  # every shard's sample count and where it came from
+
+    @property
+    def micro_per_epoch(self) -> int:  # micro-batches per rank per epoch
+        return self.steps_per_epoch * self.grad_accum
+
+    @property
+    def total_epochs(self) -> float:
+        return self.total_steps / self.steps_per_epoch
+
+
+def plan_run(cfg: RunConfig, world_size: int, dev_type: str, img_size: int, num_classes: int | None = None) -> Plan:
+    """Resolve data, batch and schedule; any problem is a ConfigError naming the key.
+    ``num_classes`` (supervised runs): the stream yields labels, and drops those outside it."""
+    fail = _failer(cfg)
+    try:
+        micro, accum = cfg.micro_batch(world_size)
+    except ValueError as e:
+        raise fail("train.batch_size", str(e)) from None
+    try:
+        ds_config = cfg.deepspeed_config(world_size, dev_type)
+    except ValueError as e:
+        raise fail("train.precision", str(e)) from None
+    shards, missing = train_shards(cfg, img_size)
+    counted = count_data(cfg, shards)
+    samples, sizes = counted.total, counted.sizes
+    steps_per_epoch = samples // cfg.train.batch_size
+    if steps_per_epoch < 1:
+        raise fail("train.batch_size", f"{cfg.train.batch_size} exceeds the {samples} samples of an epoch")
+    t, o = cfg.train, cfg.optim
+    total = t.max_steps if t.max_steps is not None else math.ceil(t.epochs * steps_per_epoch)
+    warmup = o.warmup_steps if o.warmup_steps is not None else round((o.warmup_epochs or 0.0) * steps_per_epoch)
+    if t.on_nonfinite == "rollback" and accum > 1:
+        log.warning("train.on_nonfinite=rollback with %d micro-batches per step: a rollback at a step's later "
+                    "micro-batch keeps the gradients of its earlier ones in DeepSpeed's buffers", accum)  # fmt: skip
+    stream = StreamConfig(
+        batch_size=micro, img_size=img_size, world_size=world_size, num_batches=steps_per_epoch * accum,
+        with_labels=num_classes is not None, num_classes=num_classes, seed=t.seed, global_batch=t.batch_size,
+        shard_sizes=tuple(sizes), **cfg.stream_settings(),
+    )  # fmt: skip
+    return Plan(shards, samples, steps_per_epoch, total, warmup, micro, accum, world_size, img_size, ds_config,
+                stream, len(missing), counted)  # fmt: skip
+
+
+def count_data(cfg: RunConfig, shards: list[str]) -> Census:
+    """Every training shard's sample count (``mpp.data.census``; a collective under a process
+    group), logged once; ``data.num_samples``, when set, must agree with it."""
+    import torch.distributed as dist
+
+    d, fail = cfg.data, _failer(cfg)
+    counted = census(shards, d.allow_pipe, run_dir=Path(_output_dir(cfg)))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.info("data: %s", counted.summary())
+    if d.num_samples is not None and d.num_samples != counted.total:
+        raise fail("data.num_samples", f"{d.num_samples}, but the shards hold {counted.total} samples with an image "
+                   f"({counted.summary()}): remove the key, or correct it")  # fmt: skip
+    return counted
+
+
+def _output_dir(cfg) -> str:
+    template = cfg.train.output_dir if hasattr(cfg, "train") else cfg.output_dir
+    return template.format(name=cfg.name)
+
+
+def check_resume(cfg: RunConfig, resume: str | None) -> None:
+    """Before anything runs: a resume must keep the global batch (another world size, micro batch
+    or accumulation is fine: ``mpp.train.engine`` re-partitions the checkpoint). ConfigError otherwise."""
+    from mpp.train.checkpoint import resolve_resume, saved_layout
+
+    try:
+        found = resolve_resume(resume, Path(_output_dir(cfg)) / "checkpoints", verified=False)  # the engine verifies
+    except FileNotFoundError:
+        return  # said by the engine on every rank
+    saved = saved_layout(*found) if found else {}
+    if saved.get("batch_size", cfg.train.batch_size) != cfg.train.batch_size:
+        raise _failer(cfg)("train.batch_size", f"{cfg.train.batch_size}, but the checkpoint {found[0]}/{found[1]} was "
+                           f"trained with {saved['batch_size']}: a resume keeps the global batch (the world size, "
+                           f"micro batch and accumulation may change)")  # fmt: skip
+
+
+def train_shards(cfg: RunConfig, img_size: int) -> tuple[list[str], list[str]]:
+    """(the training shards that exist, the local ones that do not); ConfigError when none is left."""
+    fail, d = _failer(cfg), cfg.data
+    if d.train_shards is None:
+        spec, key = digits_shards(img_size)["train"], "data.builtin"
+    else:
+        spec, key = d.train_shards, "data.train_shards"
+    try:
+        shards = expand_shards(spec)
+    except ValueError as e:
+        raise fail(key, str(e)) from None
+    missing = [s for s in shards if "://" not in s and not s.startswith("pipe:") and not Path(s).is_file()]
+    if len(missing) == len(shards):
+        raise fail(key, f"{len(missing)} shard(s) not found, first: {missing[0]}")
+    if missing:  # a lost shard costs its samples, not the run; named once, counted in metrics
+        log.warning("%d of %d shards not found, training without them: %s", len(missing), len(shards),
+                    ", ".join(missing[:10]))  # fmt: skip
+        shards = [s for s in shards if s not in set(missing)]
+    if any(s.startswith("pipe:") for s in shards) and not d.allow_pipe:
+        raise fail(key, "pipe: shards run shell commands; set data.allow_pipe=true to allow them")
+    return shards, missing
+
+
+def _failer(cfg: RunConfig):
+    src = getattr(cfg, "_source", "<config>")
+    return lambda key, msg: ConfigError(f"{src}: {key}: {msg}")
+
+
+@dataclass
+class RunState:
+    step: int = 0  # optimiser steps done
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches this rank consumed in the current epoch
+    samples: int = 0  # images seen, all ranks
+    bad_steps: int = 0
+    overflow_steps: int = 0  # fp16 steps DeepSpeed skipped on a gradient overflow
+    rollback_steps: list[int] = field(default_factory=list)  # steps whose non-finite losses were rolled back
+    lr_scale: float = 1.0  # train.rollback_lr_scale per rollback
+
+
+# a stand-in for the shards a shipped *_b16 config leaves to the user: the planner needs the
+# model and the batch, not the data (steps per epoch are then unknown)
+PLACEHOLDER_SHARDS = "planned-without-data-{000000..000000}.tar"
+
+
+def load_plan_config(config: str, overrides: list[str]) -> tuple[Config, bool]:
+    """(the validated config, whether its data is known) for planning: a config without
+    ``data.train_shards`` (the shipped ``*_b16``) is planned with a stand-in. ConfigError as
+    ``load_config``."""
+    from mpp.config import apply_overrides, load_config, resolve_config_path
+
+    raw = apply_overrides(json.loads(resolve_config_path(config).read_text()), overrides)
+    data = raw.get("data") or {}
+    known = data.get("train_shards") is not None or data.get("builtin") is not None
+    extra = [] if known else [f"data.train_shards={PLACEHOLDER_SHARDS}"]
+    return load_config(config, [*overrides, *extra]), known
