@@ -18,13 +18,13 @@ from mpp.data import DataError
 from mpp.parallel.distributed import device_type, from_rank0, init_distributed, world_from_env
 from mpp.plan.cli import add_plan_arguments, plan_main
 from mpp.submit import submit
-from mpp.train.engine import train
 from mpp.train.nonfinite import NonFiniteLossError
 from mpp.train.plan import check_resume, plan_run
 from mpp.train.preemption import PREEMPTED_EXIT, Preempted
 from mpp.train.rng import seed_everything
 from mpp.train.runlock import release
 from mpp.train.storage import CheckpointError, DiskFullError
+from mpp.train.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        state = train(cfg, objective, plan, run_dir, device, resume=args.resume)
+        state = Trainer(cfg, objective, plan, run_dir, device, resume=args.resume).train()
     except Preempted as e:
         if rank == 0:
             print(f"stopped: {e}", file=sys.stderr)

@@ -13,7 +13,7 @@ import mpp.train.checkpoint as ckpt
 import mpp.train.plan as plan_module
 from mpp.config import load_config
 from mpp.parallel.distributed import from_rank0, init_distributed, world_from_env
-from mpp.train.engine import _resolve_on_rank0
+from mpp.train.checkpointer import resolve_on_rank0
 
 config_path, ckpt_root = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
 rank, world = world_from_env()
@@ -30,7 +30,7 @@ cfg = load_config(config_path)
 own = plan_module.plan_run(cfg, world, "cpu", 16).steps_per_epoch  # the rank alone, before the group exists
 init_distributed()
 plan = from_rank0(plan_module.plan_run(cfg, world, "cpu", 16))  # as pretrain/run.py and downstream/finetune.py do
-found = from_rank0(_resolve_on_rank0("auto", ckpt_root))  # as the engine's resume does
+found = from_rank0(resolve_on_rank0("auto", ckpt_root))  # as the engine's resume does
 decided = {"rank": rank, "own": own, "steps_per_epoch": plan.steps_per_epoch, "tag": found[1]}
 Path(ckpt_root).parent.joinpath(f"rank{rank}.json").write_text(json.dumps(decided))  # not stdout: ranks interleave
 os._exit(0)

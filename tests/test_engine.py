@@ -138,7 +138,7 @@ def test_bf16_objectives_take_their_targets_from_the_exact_pixels(name):
 
     from mpp.objectives import build_objective as build_by_name
     from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
-    from mpp.train.engine import to_device
+    from mpp.train.trainer import to_device
 
     g = torch.Generator().manual_seed(0)
     ramp = torch.linspace(0, 255, 64).view(1, 1, 1, 64) + 40 * torch.rand(8, 3, 64, 1, generator=g)

@@ -62,7 +62,7 @@ def test_zero2_and_zero3_keep_the_same_teacher(hpm_runs):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_an_elastic_resume_on_one_rank_keeps_the_teacher(hpm_runs, stage, tmp_path):
     """2 ranks -> 1: DeepSpeed's universal load restores trained parameters only; the frozen EMA
-    teacher must come back too (mpp.train.elastic), or step 3's teacher would average the initial one."""
+    teacher must come back too (mpp.train.checkpointer), or step 3's teacher would average the initial one."""
     out, path = hpm_runs[stage]["run"]
     run = tmp_path / "run"
     shutil.copytree(out, run)

@@ -1,6 +1,6 @@
 """The training step as a run takes it, timed in this process: an objective built from a shipped
 config (``configs/{objective}_b16.json`` at a chosen size, one rank), ``deepspeed.initialize``
-with that config's own DeepSpeed dict, and one micro-step exactly as ``mpp.train.engine.train`` takes
+with that config's own DeepSpeed dict, and one micro-step exactly as ``mpp.train.trainer.Trainer`` takes
 it. Shared by the gpu-step suite and ``python -m mpp.doctor``.
 
 What "as a run takes it" means here, and what the old autocast benchmark got wrong:
@@ -23,12 +23,10 @@ from mpp.benchmarks.common import interleaved_times, median
 from mpp.benchmarks.flops import step_flops
 from mpp.build import build_objective
 from mpp.config import Config, load_config
-from mpp.parallel import zero
 from mpp.plan.hardware import spec_peak  # noqa: F401  (gpu_step and the doctor take it from here)
-from mpp.train.engine import to_device
-from mpp.train.nonfinite import all_finite
 from mpp.train.optim import build_optimizer
 from mpp.train.plan import RunState
+from mpp.train.trainer import after_optimizer_step, micro_step, to_device
 
 # validated by the config, never read: the step's images are made on the device
 DUMMY_SHARDS = "unused-{000000..000000}.tar"
@@ -59,7 +57,7 @@ def step_config(
 
 class EngineStep:
     """One objective under ``deepspeed.initialize`` (a process group must exist: one rank is
-    enough) and ``step()``: one micro-step, the same calls in the same order as ``mpp.train.engine.train``."""
+    enough) and ``step()``: one micro-step, the trainer's own ``micro_step`` and ``after_optimizer_step``."""
 
     def __init__(self, cfg: Config, device: torch.device, compile: bool = False) -> None:
         import deepspeed
@@ -92,13 +90,9 @@ class EngineStep:
         batch = to_device(
             {"image": self.images}, self.device, self.cfg.data.mean, self.cfg.data.std
         )
-        loss, _ = self.engine(*self.model.inputs(batch))
-        if self.check_finite and not all_finite(loss, self.state):
-            return  # the engine skips the step too (mpp.train.nonfinite.skip_bad_step)
-        self.engine.backward(loss)
-        self.engine.step()
-        self.model.after_optimizer_step()
-        zero.order_gathers_after_writes(self.optimizer)
+        if micro_step(self.engine, batch, self.state, self.check_finite) is None:
+            return  # the trainer skips the step too (mpp.train.nonfinite.skip_bad_step)
+        after_optimizer_step(self.engine)
 
     def close(self) -> None:
         self.engine.destroy()

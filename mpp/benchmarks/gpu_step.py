@@ -3,7 +3,7 @@ DeepSpeed's engine in the shipped configs' bf16 mode, images/s, MFU against the 
 peak, peak memory and host syncs per step; xformers against SDPA; optionally under torch.compile.
 
 Each row is ``mpp.benchmarks.engine_step``: the objective from configs/{objective}_b16.json at
-the setting's batch on one rank, stepped as mpp.train.engine steps it (DeepSpeed's bf16: bf16 module,
+the setting's batch on one rank, stepped as mpp.train.trainer steps it (DeepSpeed's bf16: bf16 module,
 fp32 master weights; TF32 off, as training leaves it). MFU = model FLOPs (mpp.benchmarks.flops)
 ÷ the dense bf16 peak of the GPU's datasheet (mpp.plan.hardware.SPEC_BF16_DENSE: H100 SXM 989 TFLOP/s),
 never a figure measured here; the bf16 matmul it measures is its own column. Recorded by hand on

@@ -18,8 +18,9 @@ from mpp.data import digits_shards, expand_shards, read_sizes
 from mpp.downstream.evaluate import EpochEvaluator
 from mpp.models.vit import vit_config
 from mpp.objectives.classifier import Classifier
-from mpp.train.engine import encoder_kwargs, train
+from mpp.train.checkpointer import encoder_kwargs
 from mpp.train.plan import Plan
+from mpp.train.trainer import Trainer
 
 
 def resolve_classes(cfg: FinetuneConfig, train_shards: list[str]) -> int:
@@ -51,5 +52,5 @@ def run_finetune(cfg: FinetuneConfig, model: Classifier, plan: Plan, run_dir: Pa
     write results.json (top1, top5, epoch, init). Returns the results on rank 0."""
     model_kwargs = {**vit_config(cfg.model.name), **encoder_kwargs(cfg, model.encoder)}
     evaluator = EpochEvaluator(cfg, plan, run_dir, device, model_kwargs, resume)
-    train(cfg, model, plan, run_dir, device, resume=resume, on_epoch_end=evaluator)
+    Trainer(cfg, model, plan, run_dir, device, resume=resume, on_epoch_end=evaluator).train()
     return json.loads(evaluator.results_path.read_text()) if dist.get_rank() == 0 else {}

@@ -3,24 +3,20 @@
 every rank reloads the last complete checkpoint, the data stream moves past the window that
 failed, the lr is scaled by ``train.rollback_lr_scale``, the event goes to metrics.jsonl, and
 training goes on, at most ``train.max_rollbacks`` times. Users of MAE, ConvMAE and GreenMIM
-restart month-long runs by hand after a NaN; this does it for them.
+restart month-long runs by hand after a NaN; this does it for them. The rollback itself is
+``mpp.train.checkpointer.Checkpointer.rollback``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mpp.parallel.distributed import from_rank0
-from mpp.train import checkpoint as ckpt
-from mpp.train.elastic import restore
-from mpp.train.plan import Plan, RunState
+from mpp.train.plan import RunState
 
 log = logging.getLogger("mpp.nonfinite")
 # a fault-injection hook (README, NaN recovery): MPP_INJECT_NONFINITE_AT_STEP=k makes the check
@@ -55,36 +51,3 @@ def skip_bad_step(state: RunState, t: Any, rank: int) -> bool:
             f"train.on_nonfinite={t.on_nonfinite}); the last complete checkpoint is untouched (lower the lr, check the data)"
         )
     return False
-
-
-def roll_back(engine: Any, objective: torch.nn.Module, state: RunState, run_dir: Path, t: Any,
-              error: NonFiniteLossError, plan: Plan) -> None:  # fmt: skip
-    """Every rank: the last complete checkpoint's weights, optimiser, RNG and step, with the data
-    stream past the window that failed and the lr scale reduced. Raises ``error`` (naming every
-    failed step) when ``train.max_rollbacks`` are used up or there is nothing to go back to."""
-    failed = [*state.rollback_steps, state.step + 1]
-    if t.on_nonfinite != "rollback" or len(state.rollback_steps) >= t.max_rollbacks:
-        if t.on_nonfinite == "rollback":
-            raise NonFiniteLossError(f"{error}; gave up after {len(state.rollback_steps)} rollback(s) "
-                                     f"(train.max_rollbacks={t.max_rollbacks}) at steps {failed}") from None  # fmt: skip
-        raise error
-    tag = from_rank0(_intact(run_dir / "checkpoints") if dist.get_rank() == 0 else None)
-    if tag is None:
-        raise NonFiniteLossError(f"{error}; no complete checkpoint to roll back to") from None
-    position = (state.epoch, state.batch_in_epoch)  # past the batch that failed (the caller advanced)
-    lr_scale = state.lr_scale * t.rollback_lr_scale
-    loaded = restore(engine, objective, run_dir / "checkpoints", tag, plan, t.seed)  # maybe a resume's, of another layout
-    for key, value in asdict(loaded).items():
-        setattr(state, key, value)
-    state.epoch, state.batch_in_epoch = position
-    state.rollback_steps, state.lr_scale = failed, lr_scale
-    if dist.get_rank() == 0:
-        log.warning("non-finite losses at step %d: rolled back to %s, data moved past the window, lr x %g",
-                    failed[-1], tag, lr_scale)  # fmt: skip
-
-
-def _intact(ckpt_root: Path) -> str | None:
-    try:
-        return ckpt.newest_intact(ckpt_root)
-    except ckpt.CheckpointError:  # none intact: nothing to go back to
-        return None

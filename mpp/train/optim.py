@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,6 +71,30 @@ def lr_at(step: int, *, peak: float, total: int, warmup: int, min_lr: float = 0.
         return peak * step / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_lr + (peak - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The run's lr: linear warm-up to ``peak``, cosine to ``min_lr`` at ``total`` steps, times
+    the rollback scale the run state carries (``train.on_nonfinite=rollback``)."""
+
+    peak: float
+    warmup: int
+    total: int
+    min_lr: float = 0.0
+
+    @classmethod
+    def of(cls, cfg: RunConfig, plan: Any) -> Schedule:
+        return cls(peak_lr(cfg), plan.warmup_steps, plan.total_steps, cfg.optim.min_lr)
+
+    def lr(self, state: Any) -> float:
+        """The lr of the step ``state`` is about to take."""
+        return lr_at(state.step, peak=self.peak, total=self.total, warmup=self.warmup, min_lr=self.min_lr) * state.lr_scale
+
+    def apply(self, optimizer: torch.optim.Optimizer, state: Any) -> float:
+        """Set the lr of the step ``state`` is about to take; returns it."""
+        set_lr(optimizer, lr := self.lr(state))
+        return lr
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
