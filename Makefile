@@ -27,6 +27,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mpp pretrain downstream tests
+	$(VENV)/bin/ruff format --check mpp pretrain downstream tests
 
 clean:
 	rm -rf $(VENV) runs .cache

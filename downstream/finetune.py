@@ -1,8 +1,8 @@
 """Fine-tune a pretrained encoder for classification under DeepSpeed.
 
-    deepspeed downstream/finetune.py --config finetune_b16.json --set init=RUN_DIR|CKPT_DIR|FILE.safetensors|scratch
-    python downstream/finetune.py --config finetune_demo.json --set init=runs/mpp_demo
-    python downstream/finetune.py --config finetune_b16.json --set init=RUN_DIR --submit slurm --gpus-per-node 8 --time 24:00:00
+deepspeed downstream/finetune.py --config finetune_b16.json --set init=RUN_DIR|CKPT_DIR|FILE.safetensors|scratch
+python downstream/finetune.py --config finetune_demo.json --set init=runs/mpp_demo
+python downstream/finetune.py --config finetune_b16.json --set init=RUN_DIR --submit slurm --gpus-per-node 8 --time 24:00:00
 """
 
 from __future__ import annotations
@@ -37,12 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.submit:  # checked here, run there: each task runs this command without --submit (mpp.submit)
+    if (
+        args.submit
+    ):  # checked here, run there: each task runs this command without --submit (mpp.submit)
         return submit(__file__, argv, cfg)
     device = init_distributed()
     try:  # the shards' samples counted by the ranks together (mpp.data.census); rank 0's plan on every rank
         img_size = model.encoder.patch_embed.img_size[0]
-        plan = from_rank0(plan_run(cfg, world, device_type(), img_size, num_classes=model.num_classes))
+        plan = from_rank0(
+            plan_run(cfg, world, device_type(), img_size, num_classes=model.num_classes)
+        )
         run_dir = open_run_dir(cfg, rank)  # held by this job: a second one on it stops here
     except ConfigError as e:  # the same on every rank: said once
         if rank == 0:
@@ -54,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"stopped: {e}", file=sys.stderr)
         return PREEMPTED_EXIT
-    except (NonFiniteLossError, DataError, DiskFullError) as e:  # DataLoader workers wrap the message in a traceback
+    except (
+        NonFiniteLossError,
+        DataError,
+        DiskFullError,
+    ) as e:  # DataLoader workers wrap the message in a traceback
         print(f"error: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
         return 1
     except CheckpointError as e:  # nothing intact to resume from: the files are named

@@ -26,7 +26,9 @@ def build_encoder(cfg: Any, **overrides: Any) -> VisionTransformer:
     source = getattr(cfg, "_source", "<config>")
     init = getattr(cfg, "init", "scratch")
     if hasattr(cfg, "init") and cfg.model.init:
-        raise ConfigError(f"{source}: model.init: pretraining's key; a downstream run starts from `init`")
+        raise ConfigError(
+            f"{source}: model.init: pretraining's key; a downstream run starts from `init`"
+        )
     key, weights = ("init", init) if init != "scratch" else ("model.init", cfg.model.init)
     if weights:
         try:
@@ -41,7 +43,11 @@ def build_encoder(cfg: Any, **overrides: Any) -> VisionTransformer:
     if init != "scratch":
         try:
             load_into(encoder, init)
-        except (FileNotFoundError, ValueError, CheckpointError) as e:  # CheckpointError: damaged files, named
+        except (
+            FileNotFoundError,
+            ValueError,
+            CheckpointError,
+        ) as e:  # CheckpointError: damaged files, named
             raise ConfigError(f"{source}: init: {e}") from None
     return encoder
 
@@ -66,7 +72,9 @@ def build_objective(cfg: Config) -> Objective:
     source = getattr(cfg, "_source", "<config>")
     name, kwargs = cfg.objective.name, cfg.objective.kwargs()
     if name not in OBJECTIVES:
-        raise ConfigError(f"{source}: objective.name: unknown objective {name!r} (allowed: {sorted(OBJECTIVES)})")
+        raise ConfigError(
+            f"{source}: objective.name: unknown objective {name!r} (allowed: {sorted(OBJECTIVES)})"
+        )
     cls = OBJECTIVES[name]
     encoder = build_encoder(cfg)
     try:
@@ -77,15 +85,21 @@ def build_objective(cfg: Config) -> Objective:
             if not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
                 raise ConfigError(f"objective.mask_ratio must be in [0, 1], got {ratio!r}")
             try:
-                extra["mask_generator"] = build_mask_generator(cfg.masking.strategy, encoder.grid_size, ratio, **cfg.masking.kwargs())
+                extra["mask_generator"] = build_mask_generator(
+                    cfg.masking.strategy, encoder.grid_size, ratio, **cfg.masking.kwargs()
+                )
             except ValueError as e:
                 raise ConfigError(f"masking: {e}") from None
         elif cfg.masking.strategy != "random" or cfg.masking.kwargs():
-            raise ConfigError(f"masking.strategy: objective {name!r} chooses its own masks (its teacher); remove the masking section")
+            raise ConfigError(
+                f"masking.strategy: objective {name!r} chooses its own masks (its teacher); remove the masking section"
+            )
         if "mean" in init_params:
             extra.update(mean=cfg.data.mean, std=cfg.data.std)
         if clash := sorted(set(kwargs) & set(extra)):
-            raise ConfigError(f"objective.{clash[0]}: set by the builder (masking / data sections), not here")
+            raise ConfigError(
+                f"objective.{clash[0]}: set by the builder (masking / data sections), not here"
+            )
         objective = build_objective_by_name(name, encoder, **extra, **kwargs)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
@@ -96,7 +110,9 @@ def build_objective(cfg: Config) -> Objective:
             init_objective(objective, cfg.model.init)
         except (FileNotFoundError, ValueError, CheckpointError) as e:
             raise ConfigError(f"{source}: model.init: {e}") from None
-    set_grad_checkpointing(objective, cfg.model.grad_checkpointing)  # the decoders too (HPM's teacher runs no-grad)
+    set_grad_checkpointing(
+        objective, cfg.model.grad_checkpointing
+    )  # the decoders too (HPM's teacher runs no-grad)
     return objective
 
 

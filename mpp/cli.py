@@ -12,16 +12,32 @@ from pydantic import BaseModel
 from mpp.config import Config, ConfigError, load_config, save_config
 
 
-def run_parser(doc: str, configs: str, resume: bool = True, submit: bool = False) -> argparse.ArgumentParser:
+def run_parser(
+    doc: str, configs: str, resume: bool = True, submit: bool = False
+) -> argparse.ArgumentParser:
     """--config, --set, --output-dir, the launcher's --local_rank, for training runs --resume, and
     with ``submit`` the job flags (``add_submit_arguments``) of a CLI that hands them to mpp.submit."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help=f"a JSON file, or a name in configs/ ({configs})")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key, value as JSON")
+    p = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--config", required=True, help=f"a JSON file, or a name in configs/ ({configs})"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key, value as JSON",
+    )
     p.add_argument("--output-dir", help="the run directory (default: the config's output_dir)")
     if resume:
-        p.add_argument("--resume", help="'auto' (newest complete checkpoint of this run) or a checkpoint path")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)  # the launcher's
+        p.add_argument(
+            "--resume", help="'auto' (newest complete checkpoint of this run) or a checkpoint path"
+        )
+    p.add_argument(
+        "--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS
+    )  # the launcher's
     if submit:
         add_submit_arguments(p)
     return p
@@ -31,15 +47,33 @@ def add_submit_arguments(p: argparse.ArgumentParser) -> None:
     """--submit and the job's shape: run this command as a SLURM job (or through submitit's local
     executor) that requeues itself on preemption (mpp.submit)."""
     g = p.add_argument_group("submitting as a job (submitit: pip install 'mpp[slurm]')")
-    g.add_argument("--submit", choices=("slurm", "local"),
-                   help="run as a job on SLURM, or through submitit's local executor on this machine")  # fmt: skip
+    g.add_argument(
+        "--submit",
+        choices=("slurm", "local"),
+        help="run as a job on SLURM, or through submitit's local executor on this machine",
+    )
     g.add_argument("--nodes", type=int, default=1, help="nodes of the job (default 1)")
-    g.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node, one task (rank) each (default 1)")
+    g.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=1,
+        help="GPUs per node, one task (rank) each (default 1)",
+    )
     g.add_argument("--partition", help="the SLURM partition")
-    g.add_argument("--time", help="the job's time limit, [D-]HH:MM:SS or minutes (required with --submit slurm)")
-    g.add_argument("--slurm-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other sbatch option, e.g. cpus-per-task=10, account=A, constraint=volta32gb")  # fmt: skip
-    g.add_argument("--wait", action="store_true", help="return when the job has ended, with its exit status")
+    g.add_argument(
+        "--time",
+        help="the job's time limit, [D-]HH:MM:SS or minutes (required with --submit slurm)",
+    )
+    g.add_argument(
+        "--slurm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other sbatch option, e.g. cpus-per-task=10, account=A, constraint=volta32gb",
+    )
+    g.add_argument(
+        "--wait", action="store_true", help="return when the job has ended, with its exit status"
+    )
 
 
 def _output_key(cls: type[BaseModel]) -> str:

@@ -61,14 +61,18 @@ class ModelConfig(_Section):
     # activation checkpointing per block (timm's name), encoder and decoders: recompute each
     # block's activations in the backward instead of keeping them; not architecture
     grad_checkpointing: bool = False
-    compile: bool = False  # torch.compile through DeepSpeed's engine.compile(); off until a GPU measures it
+    compile: bool = (
+        False  # torch.compile through DeepSpeed's engine.compile(); off until a GPU measures it
+    )
     # pretraining only: continue from published weights (an encoder file, a Hugging Face ViT
     # folder, MAE's / HPM's release .pth whose decoder also initialises an MAE decoder, a run)
     init: str | None = None
 
     def vit_kwargs(self) -> dict[str, Any]:
         """Overrides for ``create_vit(self.name, **overrides)``: only what was set."""
-        return self.model_dump(exclude={"name", "init", "grad_checkpointing", "compile"}, exclude_none=True)
+        return self.model_dump(
+            exclude={"name", "init", "grad_checkpointing", "compile"}, exclude_none=True
+        )
 
 
 class ObjectiveConfig(BaseModel):
@@ -98,14 +102,18 @@ class DataConfig(_Section):
     num_samples: int | None = Field(None, gt=0)  # for shards without sizes.json
     num_classes: int | None = Field(None, gt=0)
     num_workers: int = Field(2, ge=0)
-    shuffle_buffer: int = Field(16, ge=1)  # samples shuffled together in each stream of the global batch (mpp.data.order)
+    shuffle_buffer: int = Field(
+        16, ge=1
+    )  # samples shuffled together in each stream of the global batch (mpp.data.order)
     crop_scale: tuple[float, float] = (0.2, 1.0)
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
     hflip: float = Field(0.5, ge=0.0, le=1.0)
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
     allow_pipe: bool = False  # `pipe:` URLs run shell commands: only when asked for
-    log_keys: bool = False  # RUN/keys/rankN.jsonl: every trained sample's key, by (epoch, micro-batch)
+    log_keys: bool = (
+        False  # RUN/keys/rankN.jsonl: every trained sample's key, by (epoch, micro-batch)
+    )
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
@@ -120,17 +128,23 @@ class DataConfig(_Section):
 
 
 class OptimConfig(_Section):
-    name: Literal["adam", "adamw"] | None = None  # None: the objective's paper (Adam for mpp, AdamW otherwise)
+    name: Literal["adam", "adamw"] | None = (
+        None  # None: the objective's paper (Adam for mpp, AdamW otherwise)
+    )
     lr: float | None = Field(None, gt=0.0)  # absolute peak lr; else blr * batch_size / 256
     blr: float | None = Field(None, gt=0.0)
-    betas: tuple[float, float] | None = None  # None: the paper's (0.9, 0.999) for Adam, (0.9, 0.95) for AdamW
+    betas: tuple[float, float] | None = (
+        None  # None: the paper's (0.9, 0.999) for Adam, (0.9, 0.95) for AdamW
+    )
     eps: float = Field(1e-8, gt=0.0)
     weight_decay: float = Field(0.05, ge=0.0)
     warmup_steps: int | None = Field(None, ge=0)
     warmup_epochs: float | None = Field(None, ge=0.0)
     min_lr: float = Field(0.0, ge=0.0)
     grad_clip: float | None = Field(None, gt=0.0)
-    layer_decay: float = Field(1.0, gt=0.0, le=1.0)  # lr x decay^(depth - layer): fine-tuning's 0.65 / 0.8
+    layer_decay: float = Field(
+        1.0, gt=0.0, le=1.0
+    )  # lr x decay^(depth - layer): fine-tuning's 0.65 / 0.8
 
     @model_validator(mode="after")
     def _check(self) -> OptimConfig:
@@ -152,30 +166,48 @@ class TrainConfig(_Section):
     # world size, so one config runs on 8 and on 64 GPUs (4096 = 8 x 2 x 256 = 64 x 1 x 64)
     max_micro_batch_size: int | None = Field(None, gt=0)
     epochs: float | None = Field(None, gt=0.0)
-    max_steps: int | None = Field(None, gt=0)  # optimiser steps; overrides epochs (sets the schedule)
-    stop_at_step: int | None = Field(None, gt=0)  # stop early, schedule unchanged (time-limited jobs)
+    max_steps: int | None = Field(
+        None, gt=0
+    )  # optimiser steps; overrides epochs (sets the schedule)
+    stop_at_step: int | None = Field(
+        None, gt=0
+    )  # stop early, schedule unchanged (time-limited jobs)
     output_dir: str = "runs/{name}"
     log_every: int = Field(10, gt=0)
     ckpt_every: int = Field(1000, gt=0)
     keep_last: int = Field(2, gt=0)
     seed: int = 0
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
-    max_bad_steps: int = Field(10, ge=0)  # non-finite losses skipped before the run stops (or rolls back)
-    on_nonfinite: Literal["skip", "rollback", "stop"] = "skip"  # past max_bad_steps: stop, or roll back
+    max_bad_steps: int = Field(
+        10, ge=0
+    )  # non-finite losses skipped before the run stops (or rolls back)
+    on_nonfinite: Literal["skip", "rollback", "stop"] = (
+        "skip"  # past max_bad_steps: stop, or roll back
+    )
     rollback_lr_scale: float = Field(1.0, gt=0.0, le=1.0)  # lr x this after each rollback
     max_rollbacks: int = Field(3, ge=0)
-    skip_nonfinite: bool = True  # check every micro-step's loss (one host sync) and skip NaN/Inf steps
-    preview_every: int = Field(1000, ge=0)  # pictures of the objective on fixed val images (mpp.train.preview); 0: none
-    report_to: list[Literal["tensorboard", "wandb"]] = ["tensorboard"]  # besides metrics.jsonl; wandb is optional
+    skip_nonfinite: bool = (
+        True  # check every micro-step's loss (one host sync) and skip NaN/Inf steps
+    )
+    preview_every: int = Field(
+        1000, ge=0
+    )  # pictures of the objective on fixed val images (mpp.train.preview); 0: none
+    report_to: list[Literal["tensorboard", "wandb"]] = [
+        "tensorboard"
+    ]  # besides metrics.jsonl; wandb is optional
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         if self.epochs is None and self.max_steps is None:
             raise ValueError("one of epochs or max_steps must be set")
         if self.on_nonfinite != "skip" and not self.skip_nonfinite:
-            raise ValueError(f"on_nonfinite={self.on_nonfinite!r} needs skip_nonfinite=true (the check that sees a NaN)")
+            raise ValueError(
+                f"on_nonfinite={self.on_nonfinite!r} needs skip_nonfinite=true (the check that sees a NaN)"
+            )
         if self.micro_batch_size is not None and self.max_micro_batch_size is not None:
-            raise ValueError("set micro_batch_size (exact) or max_micro_batch_size (a bound), not both")
+            raise ValueError(
+                "set micro_batch_size (exact) or max_micro_batch_size (a bound), not both"
+            )
         if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
             raise ValueError(
                 f"batch_size {self.batch_size} is not divisible by micro_batch_size {self.micro_batch_size}"
@@ -201,7 +233,9 @@ class RunConfig(_Section):
                 raise ValueError(f"deepspeed.{key} is derived from {owner}; set it there")
         stage = self.zero_stage
         if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage <= 3:
-            raise ValueError(f"deepspeed.zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+            raise ValueError(
+                f"deepspeed.zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}"
+            )
         if self.data.train_shards is None and self.data.builtin is None:
             raise ValueError("data.train_shards is not set (give shards, or data.builtin='digits')")
         return self
@@ -209,8 +243,13 @@ class RunConfig(_Section):
     def stream_settings(self) -> dict[str, Any]:
         """The training stream's settings from the data section (``mpp.data.StreamConfig`` fields)."""
         d = self.data
-        return dict(crop_scale=d.crop_scale, crop_ratio=d.crop_ratio, hflip=d.hflip, shuffle_buffer=d.shuffle_buffer,
-                    allow_pipe=d.allow_pipe)  # fmt: skip
+        return dict(
+            crop_scale=d.crop_scale,
+            crop_ratio=d.crop_ratio,
+            hflip=d.hflip,
+            shuffle_buffer=d.shuffle_buffer,
+            allow_pipe=d.allow_pipe,
+        )
 
     @property
     def zero_stage(self) -> Any:
@@ -223,11 +262,15 @@ class RunConfig(_Section):
         t = self.train
         if t.micro_batch_size is None:
             if t.batch_size % world_size:
-                raise ValueError(f"train.batch_size {t.batch_size} is not divisible by the world size {world_size}")
+                raise ValueError(
+                    f"train.batch_size {t.batch_size} is not divisible by the world size {world_size}"
+                )
             per_rank = t.batch_size // world_size
             bound = t.max_micro_batch_size or per_rank
             # the fewest accumulation steps whose micro batch fits the bound and splits evenly
-            accum = next(a for a in range(1, per_rank + 1) if per_rank % a == 0 and per_rank // a <= bound)
+            accum = next(
+                a for a in range(1, per_rank + 1) if per_rank % a == 0 and per_rank // a <= bound
+            )
             return per_rank // accum, accum
         if t.batch_size % (t.micro_batch_size * world_size):
             raise ValueError(
@@ -241,14 +284,22 @@ class RunConfig(_Section):
         if p == "auto":
             return "bf16" if device_type == "cuda" else "fp32"
         if device_type != "cuda" and p == "fp16":
-            raise ValueError("train.precision 'fp16' needs a GPU (the CPU accelerator runs fp32 and bf16)")
+            raise ValueError(
+                "train.precision 'fp16' needs a GPU (the CPU accelerator runs fp32 and bf16)"
+            )
         return p
 
     def deepspeed_config(self, world_size: int, device_type: str) -> dict[str, Any]:
         """The dict for ``deepspeed.initialize(config=...)`` (``mpp.parallel.ds_config``)."""
         micro, accum = self.micro_batch(world_size)
-        return derive(self.deepspeed, self.train.batch_size, micro, accum, self.optim.grad_clip,
-                      self.resolved_precision(device_type))  # fmt: skip
+        return derive(
+            self.deepspeed,
+            self.train.batch_size,
+            micro,
+            accum,
+            self.optim.grad_clip,
+            self.resolved_precision(device_type),
+        )
 
 
 class Config(RunConfig):
@@ -261,7 +312,9 @@ class Config(RunConfig):
 class FinetuneSection(_Section):
     """The supervised recipe (MAE/BEiT fine-tuning, DESIGN.md §4.6)."""
 
-    num_classes: int | None = Field(None, gt=0)  # None: from the shards' class list / data.num_classes
+    num_classes: int | None = Field(
+        None, gt=0
+    )  # None: from the shards' class list / data.num_classes
     global_pool: Literal["avg", "token"] = "avg"
     label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
     mixup: float = Field(0.8, ge=0.0)  # Beta(alpha, alpha); 0 disables
@@ -285,13 +338,18 @@ class FinetuneConfig(RunConfig):
 
     def stream_settings(self) -> dict[str, Any]:
         f = self.finetune
-        return {**super().stream_settings(), "randaug": (f.randaug_n, f.randaug_m) if f.randaug_n > 0 else None}
+        return {
+            **super().stream_settings(),
+            "randaug": (f.randaug_n, f.randaug_m) if f.randaug_n > 0 else None,
+        }
 
 
 class ProbeSection(_Section):
     """Frozen-encoder evaluations (DESIGN.md §4.6): linear probe and k-NN on cached features."""
 
-    pool: Literal["token", "avg"] = "token"  # cls token (MAE's linear probe) or mean of patch tokens
+    pool: Literal["token", "avg"] = (
+        "token"  # cls token (MAE's linear probe) or mean of patch tokens
+    )
     batch_size: int = Field(256, gt=0)
     epochs: int = Field(90, gt=0)
     blr: float = Field(0.1, gt=0.0)  # SGD lr = blr x batch / 256 (MAE: 0.1)
@@ -303,8 +361,12 @@ class ProbeSection(_Section):
     # the linear probe's recipe (README "Probe protocols"): cached features + SGD, MAE's
     # (BatchNorm + LARS, augmented images through the frozen encoder), DINOv2's (a grid in one pass)
     protocol: Literal["fast", "mae", "dinov2"] = "fast"
-    layers: Literal["last", "all"] = "last"  # all: every block's features, probed in one feature pass
-    holdout: float = Field(0.1, gt=0.0, lt=1.0)  # dinov2: the share of train that picks the grid's best head
+    layers: Literal["last", "all"] = (
+        "last"  # all: every block's features, probed in one feature pass
+    )
+    holdout: float = Field(
+        0.1, gt=0.0, lt=1.0
+    )  # dinov2: the share of train that picks the grid's best head
 
 
 class ProbeConfig(_Section):
@@ -375,7 +437,9 @@ def validate(raw: dict[str, Any], source: str = "<config>", cls: type[BaseModel]
         raise ConfigError(_format_error(err, source)) from None
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None, cls: type[BaseModel] = Config) -> Any:
+def load_config(
+    path: str | Path, overrides: list[str] | None = None, cls: type[BaseModel] = Config
+) -> Any:
     """Read, override, validate. Errors are ``ConfigError`` naming the key and the file."""
     p = resolve_config_path(path)
     try:

@@ -62,7 +62,10 @@ class MaskGenerator(ABC):
 
     @abstractmethod
     def __call__(
-        self, batch_size: int, device: torch.device | str = "cpu", generator: torch.Generator | None = None
+        self,
+        batch_size: int,
+        device: torch.device | str = "cpu",
+        generator: torch.Generator | None = None,
     ) -> Tensor: ...
 
     def __repr__(self) -> str:
@@ -128,12 +131,19 @@ class BlockMask(MaskGenerator):
         if min_num_patches < 1:
             raise ValueError(f"block masking: min_num_patches must be >= 1, got {min_num_patches}")
         if max_num_patches is not None and max_num_patches < 1:
-            raise ValueError(f"block masking: max_num_patches must be >= 1 or None, got {max_num_patches}")
+            raise ValueError(
+                f"block masking: max_num_patches must be >= 1 or None, got {max_num_patches}"
+            )
         if not (min_aspect > 0 and max_aspect >= min_aspect):
-            raise ValueError(f"block masking: need 0 < min_aspect <= max_aspect, got {min_aspect}, {max_aspect}")
+            raise ValueError(
+                f"block masking: need 0 < min_aspect <= max_aspect, got {min_aspect}, {max_aspect}"
+            )
         if max_tries < 1:
             raise ValueError(f"block masking: max_tries must be >= 1, got {max_tries}")
-        self.min_num_patches, self.max_num_patches = min_num_patches, max_num_patches or self.num_patches
+        self.min_num_patches, self.max_num_patches = (
+            min_num_patches,
+            max_num_patches or self.num_patches,
+        )
         self.log_aspect = (math.log(min_aspect), math.log(max_aspect))
         self.max_tries = max_tries
 
@@ -151,7 +161,9 @@ class BlockMask(MaskGenerator):
             if not bool(active.any()):  # one host sync per round; <= num_masked rounds
                 break
             budget = (self.num_masked - count).clamp(max=self.max_num_patches)[:, None]  # (B, 1)
-            top, left, h, w, area, aspect = tries = self._draw_blocks(budget, generator)  # (B, T) each
+            top, left, h, w, area, aspect = tries = self._draw_blocks(
+                budget, generator
+            )  # (B, T) each
             new = h * w - _rect_sums(mask, top, left, h, w)  # (B, T) patches a block would add
             ok = (h < H) & (w < W) & (new > 0) & (new <= budget) & active[:, None]
             accepted = ok.any(1)  # (B,)
@@ -172,7 +184,9 @@ class BlockMask(MaskGenerator):
     def _draw_blocks(self, budget: Tensor, generator) -> tuple[Tensor, ...]:
         """``max_tries`` BEiT block draws per sample: (top, left, h, w, area, aspect), each (B, T)."""
         (H, W), (log_lo, log_hi) = self.grid_size, self.log_aspect
-        u = torch.rand(budget.shape[0], self.max_tries, 4, device=budget.device, generator=generator)
+        u = torch.rand(
+            budget.shape[0], self.max_tries, 4, device=budget.device, generator=generator
+        )
         # random.uniform(a, b) = a + (b - a) u, also when budget < min_num_patches
         area = self.min_num_patches + (budget - self.min_num_patches) * u[..., 0]
         aspect = torch.exp(log_lo + (log_hi - log_lo) * u[..., 1])
@@ -200,13 +214,17 @@ class GridMask(MaskGenerator):
 
     OFFSETS = ("fixed", "image", "cell")
 
-    def __init__(self, grid_size: tuple[int, int], mask_ratio: float = 0.75, offset: str = "fixed") -> None:
+    def __init__(
+        self, grid_size: tuple[int, int], mask_ratio: float = 0.75, offset: str = "fixed"
+    ) -> None:
         super().__init__(grid_size, mask_ratio)
         H, W = self.grid_size
         if offset not in self.OFFSETS:
             raise ValueError(f"grid masking: unknown offset {offset!r}; allowed: {self.OFFSETS}")
         if mask_ratio != 0.75:
-            raise ValueError(f"grid masking keeps one patch of every 2x2 cell, so mask_ratio must be 0.75, got {mask_ratio}")
+            raise ValueError(
+                f"grid masking keeps one patch of every 2x2 cell, so mask_ratio must be 0.75, got {mask_ratio}"
+            )
         kept = math.ceil(H / 2) * math.ceil(W / 2)  # one per (possibly cut) cell
         if (H % 2 or W % 2) and (offset != "fixed" or self.num_patches - kept != self.num_masked):
             raise ValueError(
@@ -222,7 +240,11 @@ class GridMask(MaskGenerator):
             kept = torch.zeros(batch_size, ch, cw, dtype=torch.long, device=device)
         else:
             shape = (batch_size, 1, 1) if self.offset == "image" else (batch_size, ch, cw)
-            kept = (4 * torch.rand(shape, device=device, generator=generator)).long().expand(-1, ch, cw)
+            kept = (
+                (4 * torch.rand(shape, device=device, generator=generator))
+                .long()
+                .expand(-1, ch, cw)
+            )
         kept = kept.repeat_interleave(2, 1).repeat_interleave(2, 2)[:, :H, :W]  # (B, H, W)
         rows, cols = torch.arange(H, device=device), torch.arange(W, device=device)
         in_cell = 2 * (rows[:, None] % 2) + cols[None, :] % 2  # (H, W) position within its cell
@@ -249,7 +271,9 @@ class CenterMask(MaskGenerator):
         H, W = self.grid_size
         shift = torch.zeros(batch_size, 2, device=device)
         if self.jitter > 0:
-            shift = self.jitter * (2 * torch.rand(batch_size, 2, device=device, generator=generator) - 1)
+            shift = self.jitter * (
+                2 * torch.rand(batch_size, 2, device=device, generator=generator) - 1
+            )
         dy = (torch.arange(H, device=device) - (H - 1) / 2 - shift[:, :1]).abs() / H  # (B, H)
         dx = (torch.arange(W, device=device) - (W - 1) / 2 - shift[:, 1:]).abs() / W  # (B, W)
         cheb = torch.maximum(dy[:, :, None], dx[:, None, :]).flatten(1)  # (B, N)
@@ -268,11 +292,15 @@ class UnitMask(MaskGenerator):
     Whole units only, so ``round(ratio * N)`` must be a multiple of the unit area.
     """
 
-    def __init__(self, grid_size: tuple[int, int], mask_ratio: float, unit_size: int | tuple[int, int] = 2) -> None:
+    def __init__(
+        self, grid_size: tuple[int, int], mask_ratio: float, unit_size: int | tuple[int, int] = 2
+    ) -> None:
         super().__init__(grid_size, mask_ratio)
         (H, W), (uh, uw) = self.grid_size, to_2tuple(unit_size, "unit_size")
         if H % uh or W % uw:
-            raise ValueError(f"units masking: unit_size {unit_size} must divide the {H}x{W} patch grid")
+            raise ValueError(
+                f"units masking: unit_size {unit_size} must divide the {H}x{W} patch grid"
+            )
         area, n_units = uh * uw, (H // uh) * (W // uw)
         if self.num_masked % area:
             lo, hi = self.num_masked // area, self.num_masked // area + 1
@@ -338,7 +366,9 @@ class HardPatchMask(MaskGenerator):
     the rest of the budget at random (``hard_patch_mask``). ``hard_ratio``
     0 is MAE's random mask; a schedule (α_e, §4.4) sets it per call or on the attribute."""
 
-    def __init__(self, grid_size: tuple[int, int], mask_ratio: float, hard_ratio: float = 0.0) -> None:
+    def __init__(
+        self, grid_size: tuple[int, int], mask_ratio: float, hard_ratio: float = 0.0
+    ) -> None:
         super().__init__(grid_size, mask_ratio)
         self.hard_ratio = self._check_hard_ratio(hard_ratio)
 
@@ -367,11 +397,17 @@ class HardPatchMask(MaskGenerator):
         k = self.num_hard(hard_ratio) if num_hard is None else num_hard
         if scores is None:
             if k > 0:
-                raise ValueError(f"hpm masking needs scores=(B, N) predicted losses to mask k={k} hard patches")
+                raise ValueError(
+                    f"hpm masking needs scores=(B, N) predicted losses to mask k={k} hard patches"
+                )
             scores = torch.zeros(batch_size, self.num_patches, device=device)
         if tuple(scores.shape) != (batch_size, self.num_patches):
-            raise ValueError(f"hpm masking: scores must be ({batch_size}, {self.num_patches}), got {tuple(scores.shape)}")
-        mask, hard = hard_patch_mask(scores.detach().float(), self.num_masked, k, generator=generator)
+            raise ValueError(
+                f"hpm masking: scores must be ({batch_size}, {self.num_patches}), got {tuple(scores.shape)}"
+            )
+        mask, hard = hard_patch_mask(
+            scores.detach().float(), self.num_masked, k, generator=generator
+        )
         return (mask, hard) if return_hard else mask
 
 
@@ -385,14 +421,24 @@ MASK_GENERATORS: dict[str, type[MaskGenerator]] = {
 }
 
 
-def build_mask_generator(strategy: str, grid_size: tuple[int, int], mask_ratio: float, **params) -> MaskGenerator:
+def build_mask_generator(
+    strategy: str, grid_size: tuple[int, int], mask_ratio: float, **params
+) -> MaskGenerator:
     """Build a generator by name (``masking.strategy`` in the config); unknown names or
     parameters, and settings the strategy cannot honour exactly, raise ``ValueError``."""
     if strategy not in MASK_GENERATORS:
-        raise ValueError(f"unknown masking strategy {strategy!r}; allowed: {sorted(MASK_GENERATORS)}")
+        raise ValueError(
+            f"unknown masking strategy {strategy!r}; allowed: {sorted(MASK_GENERATORS)}"
+        )
     cls = MASK_GENERATORS[strategy]
-    allowed = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "grid_size", "mask_ratio")]
+    allowed = [
+        p
+        for p in inspect.signature(cls.__init__).parameters
+        if p not in ("self", "grid_size", "mask_ratio")
+    ]
     unknown = sorted(set(params) - set(allowed))
     if unknown:
-        raise ValueError(f"unknown parameter(s) {unknown} for masking strategy {strategy!r}; allowed: {allowed}")
+        raise ValueError(
+            f"unknown parameter(s) {unknown} for masking strategy {strategy!r}; allowed: {allowed}"
+        )
     return cls(grid_size, mask_ratio, **params)

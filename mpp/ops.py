@@ -27,13 +27,19 @@ def normalize(
 ) -> Tensor:
     """uint8 (B, 3, H, W) -> ``dtype`` (x/255 - mean)/std, computed on the tensor's own device."""
     mean_t, std_t = _pixel_stats(tuple(mean), tuple(std), images.device)
-    return (images.float() - mean_t).div_(std_t).to(dtype)  # out of place: a float input stays intact
+    return (
+        (images.float() - mean_t).div_(std_t).to(dtype)
+    )  # out of place: a float input stays intact
 
 
 @functools.lru_cache(maxsize=16)
-def _pixel_stats(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device) -> tuple[Tensor, Tensor]:
+def _pixel_stats(
+    mean: tuple[float, ...], std: tuple[float, ...], device: torch.device
+) -> tuple[Tensor, Tensor]:
     # made once per device: building them from Python lists every step is a blocking host-to-device copy
-    as_tensor = lambda v: torch.tensor(v, dtype=torch.float32).mul_(255).view(1, -1, 1, 1).to(device)  # noqa: E731
+    def as_tensor(v):
+        return torch.tensor(v, dtype=torch.float32).mul_(255).view(1, -1, 1, 1).to(device)
+
     return as_tensor(mean), as_tensor(std)
 
 
@@ -65,9 +71,13 @@ def patchify(images: Tensor, patch_size: int) -> Tensor:
 
 def unpatchify(patches: Tensor, grid_size: tuple[int, int], patch_size: int) -> Tensor:
     """(B, N, P*P*C) in MAE's (p, q, c) order -> (B, C, H, W); the inverse of ``patchify``."""
-    return rearrange(patches, "b (h w) (p q c) -> b c (h p) (w q)", h=grid_size[0], p=patch_size, q=patch_size)
+    return rearrange(
+        patches, "b (h w) (p q c) -> b c (h p) (w q)", h=grid_size[0], p=patch_size, q=patch_size
+    )
 
 
 def gather_tokens(x: Tensor, idx: Tensor) -> Tensor:
     """x (B, N, ...) at per-sample indices idx (B, n) -> (B, n, ...)."""
-    return torch.gather(x, 1, idx.view(*idx.shape, *([1] * (x.ndim - 2))).expand(-1, -1, *x.shape[2:]))
+    return torch.gather(
+        x, 1, idx.view(*idx.shape, *([1] * (x.ndim - 2))).expand(-1, -1, *x.shape[2:])
+    )

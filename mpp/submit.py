@@ -27,7 +27,9 @@ from mpp.cli import add_submit_arguments, run_dir_of
 from mpp.parallel.launch import DIST_VARS
 from mpp.train.preemption import PREEMPTED_EXIT, StopRequest
 
-LOCAL_TIME_LIMIT_MIN = 7 * 24 * 60  # --submit local without --time: the local executor needs some limit
+LOCAL_TIME_LIMIT_MIN = (
+    7 * 24 * 60
+)  # --submit local without --time: the local executor needs some limit
 # how many times a job may reach its time limit and requeue (submitit's default, 3, would end a
 # 300-hour run in 72-hour jobs after four of them); preemptions before the limit do not count
 MAX_TIMEOUTS = 100
@@ -97,24 +99,38 @@ def sbatch_options(pairs: list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not key.strip("-"):
-            raise SubmitError(f"--slurm-arg {pair}: expected KEY=VALUE (an sbatch option without its --)")
+            raise SubmitError(
+                f"--slurm-arg {pair}: expected KEY=VALUE (an sbatch option without its --)"
+            )
         options[key.strip("-").replace("-", "_")] = value if sep else True
     return options
 
 
-def make_executor(sub: argparse.Namespace, folder: Path, name: str, tasks_per_node: int | None = None,
-                  sbatch_extra: dict[str, str] | None = None) -> Any:  # fmt: skip
+def make_executor(
+    sub: argparse.Namespace,
+    folder: Path,
+    name: str,
+    tasks_per_node: int | None = None,
+    sbatch_extra: dict[str, str] | None = None,
+) -> Any:
     """submitit's executor for ``sub.submit``: ``nodes`` x ``gpus_per_node`` tasks, one per GPU
     (or ``tasks_per_node`` tasks sharing them); ``sbatch_extra`` adds sbatch options (a dependency)."""
     if sub.nodes < 1 or sub.gpus_per_node < 1:
-        raise SubmitError(f"--nodes {sub.nodes} --gpus-per-node {sub.gpus_per_node}: one task per GPU, at least one")
+        raise SubmitError(
+            f"--nodes {sub.nodes} --gpus-per-node {sub.gpus_per_node}: one task per GPU, at least one"
+        )
     if sub.submit == "slurm" and not sub.time:
         raise SubmitError("--submit slurm needs --time: submitit's default limit is 5 minutes")
     if sub.submit == "local" and sub.nodes > 1:
-        raise SubmitError(f"--submit local --nodes {sub.nodes}: the local executor runs on this machine only")
+        raise SubmitError(
+            f"--submit local --nodes {sub.nodes}: the local executor runs on this machine only"
+        )
     submitit = import_submitit()
     executor = submitit.AutoExecutor(
-        folder=folder, cluster=sub.submit, slurm_max_num_timeout=MAX_TIMEOUTS, local_max_num_timeout=MAX_TIMEOUTS
+        folder=folder,
+        cluster=sub.submit,
+        slurm_max_num_timeout=MAX_TIMEOUTS,
+        local_max_num_timeout=MAX_TIMEOUTS,
     )
     executor.update_parameters(
         name=name,
@@ -123,7 +139,8 @@ def make_executor(sub: argparse.Namespace, folder: Path, name: str, tasks_per_no
         gpus_per_node=sub.gpus_per_node,
         timeout_min=timeout_minutes(sub.time) if sub.time else LOCAL_TIME_LIMIT_MIN,
         slurm_partition=sub.partition,
-        slurm_additional_parameters={**sbatch_options(sub.slurm_arg), **(sbatch_extra or {})} or None,
+        slurm_additional_parameters={**sbatch_options(sub.slurm_arg), **(sbatch_extra or {})}
+        or None,
     )
     return executor
 
@@ -143,12 +160,18 @@ def submit(script: str, argv: list[str] | None, cfg: Any, resumable: bool = True
     except SubmitError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:  # submitit's: no srun here, or sbatch refused the job (its own words above)
-        print(f"error: --submit {sub.submit}: {str(e).strip() or type(e).__name__}", file=sys.stderr)
+    except (
+        RuntimeError
+    ) as e:  # submitit's: no srun here, or sbatch refused the job (its own words above)
+        print(
+            f"error: --submit {sub.submit}: {str(e).strip() or type(e).__name__}", file=sys.stderr
+        )
         return 1
     logs = f"{run_dir}/submitit/{job.job_id}_*"
     shape = f"{sub.nodes} node(s) x {sub.gpus_per_node} task(s)"
-    print(f"submitted job {job.job_id} ({sub.submit}, {shape}) -> {run_dir}; logs: {logs}", flush=True)
+    print(
+        f"submitted job {job.job_id} ({sub.submit}, {shape}) -> {run_dir}; logs: {logs}", flush=True
+    )
     if not sub.wait:
         return 0
     try:
@@ -225,6 +248,8 @@ def join_job_process_group() -> None:
     sees the node's GPUs and takes cuda:LOCAL_RANK, as under the deepspeed launcher."""
     from submitit.helpers import TorchDistributedEnvironment
 
-    for var in DIST_VARS:  # a MASTER_PORT inherited by the local executor would be taken as the job's
+    for (
+        var
+    ) in DIST_VARS:  # a MASTER_PORT inherited by the local executor would be taken as the job's
         os.environ.pop(var, None)
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)

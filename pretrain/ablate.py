@@ -57,28 +57,59 @@ def split_values(text: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--spec", help="a JSON file: base, grid, set, seeds, eval, launcher_args, finetune_config, "
-                   "probe_config, output_dir (or out)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--spec",
+        help="a JSON file: base, grid, set, seeds, eval, launcher_args, finetune_config, "
+        "probe_config, output_dir (or out)",
+    )
     p.add_argument("--base", help="the pretraining config: a JSON file or a name in configs/")
-    p.add_argument("--grid", action="append", metavar="KEY=V1,V2,...", help="one axis of the grid (repeat for more)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override a key of every cell's pretraining config, value as JSON (repeatable); "
-                   "applied before the cell's grid values, so a grid axis wins for the same key "
-                   "(train.seed is always the run's seed)")
+    p.add_argument(
+        "--grid",
+        action="append",
+        metavar="KEY=V1,V2,...",
+        help="one axis of the grid (repeat for more)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a key of every cell's pretraining config, value as JSON (repeatable); "
+        "applied before the cell's grid values, so a grid axis wins for the same key "
+        "(train.seed is always the run's seed)",
+    )
     p.add_argument("--seeds", type=int, help="seeds per cell: 0..n-1 (default 1)")
     p.add_argument("--eval", help="comma-separated: finetune, linear, knn (default all three)")
     p.add_argument("--finetune-config", help="default finetune_demo")
     p.add_argument("--probe-config", help="linear probe and k-NN; default linear_demo")
-    p.add_argument("--baselines", help="comma-separated: scratch_own, scratch_same, or none "
-                   "(default both, when fine-tuning is evaluated)")
-    p.add_argument("--scratch-config", help="fine-tuning from scratch on its own recipe; default finetune_scratch_demo")
-    p.add_argument("--status", metavar="DIR", help="show each cell's state in an ablation's output folder and "
-                   "rebuild results.csv/md/png from what has finished")
-    p.add_argument("--output-dir", "--out", dest="output_dir",
-                   help="the output folder (--out: the older name); default runs/ablation-<base name>")
-    p.add_argument("--launcher-args", nargs=argparse.REMAINDER,
-                   help="the rest goes to deepspeed before the script (default: --num_gpus <GPUs>, or 2 CPU ranks)")
+    p.add_argument(
+        "--baselines",
+        help="comma-separated: scratch_own, scratch_same, or none "
+        "(default both, when fine-tuning is evaluated)",
+    )
+    p.add_argument(
+        "--scratch-config",
+        help="fine-tuning from scratch on its own recipe; default finetune_scratch_demo",
+    )
+    p.add_argument(
+        "--status",
+        metavar="DIR",
+        help="show each cell's state in an ablation's output folder and "
+        "rebuild results.csv/md/png from what has finished",
+    )
+    p.add_argument(
+        "--output-dir",
+        "--out",
+        dest="output_dir",
+        help="the output folder (--out: the older name); default runs/ablation-<base name>",
+    )
+    p.add_argument(
+        "--launcher-args",
+        nargs=argparse.REMAINDER,
+        help="the rest goes to deepspeed before the script (default: --num_gpus <GPUs>, or 2 CPU ranks)",
+    )
     add_submit_arguments(p)
     return p.parse_args(argv)
 
@@ -101,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     for path in write_report(spec, rows):
         print(f"wrote {path}")
     if failed:
-        print(f"{failed} of {len(rows)} runs failed: see the logs listed in results.csv", file=sys.stderr)
+        print(
+            f"{failed} of {len(rows)} runs failed: see the logs listed in results.csv",
+            file=sys.stderr,
+        )
     return 1 if failed else 0
 
 
@@ -115,13 +149,28 @@ def cli_values(args: argparse.Namespace) -> dict:
                 raise ConfigError(f"--grid {item!r}: expected key=value1,value2,...")
             key, values = item.split("=", 1)
             grid[key.strip()] = split_values(values)
-    if args.launcher_args is not None and len(args.launcher_args) == 1:  # quoted: --launcher-args "--num_gpus 2"
+    if (
+        args.launcher_args is not None and len(args.launcher_args) == 1
+    ):  # quoted: --launcher-args "--num_gpus 2"
         args.launcher_args = shlex.split(args.launcher_args[0])
-    baselines = None if args.baselines is None else [b for b in args.baselines.split(",") if b not in ("", "none")]
-    return {"base": args.base, "grid": grid, "set": args.set, "seeds": args.seeds, "output_dir": args.output_dir,
-            "eval": args.eval.split(",") if args.eval else None, "launcher_args": args.launcher_args,
-            "finetune_config": args.finetune_config, "probe_config": args.probe_config,
-            "baselines": baselines, "scratch_config": args.scratch_config}  # fmt: skip
+    baselines = (
+        None
+        if args.baselines is None
+        else [b for b in args.baselines.split(",") if b not in ("", "none")]
+    )
+    return {
+        "base": args.base,
+        "grid": grid,
+        "set": args.set,
+        "seeds": args.seeds,
+        "output_dir": args.output_dir,
+        "eval": args.eval.split(",") if args.eval else None,
+        "launcher_args": args.launcher_args,
+        "finetune_config": args.finetune_config,
+        "probe_config": args.probe_config,
+        "baselines": baselines,
+        "scratch_config": args.scratch_config,
+    }
 
 
 def submit(spec, args: argparse.Namespace) -> int:
@@ -135,10 +184,15 @@ def submit(spec, args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # submitit's: no srun here, or sbatch refused the job
-        print(f"error: --submit {args.submit}: {str(e).strip() or type(e).__name__}", file=sys.stderr)
+        print(
+            f"error: --submit {args.submit}: {str(e).strip() or type(e).__name__}", file=sys.stderr
+        )
         return 1
     out = spec.out_dir
-    print(f"{len(submitted)} submitted; pretrain/ablate.py --status {out} shows their state", flush=True)
+    print(
+        f"{len(submitted)} submitted; pretrain/ablate.py --status {out} shows their state",
+        flush=True,
+    )
     if not args.wait:
         return 0
     wait_all(spec)

@@ -1,9 +1,9 @@
 """Pretrain a ViT with a masked-patch objective under DeepSpeed.
 
-    deepspeed pretrain/run.py --config mpp_b16.json [--set key=value ...] [--output-dir DIR] [--resume auto|PATH]
-    python pretrain/run.py --config mpp_demo.json          # one process
-    python pretrain/run.py --config mpp_b16.json --plan --gpus 64   # the GPU plan (python -m mpp.plan): nothing runs
-    python pretrain/run.py --config mpp_b16.json --submit slurm --nodes 8 --gpus-per-node 8 --partition P --time 72:00:00
+deepspeed pretrain/run.py --config mpp_b16.json [--set key=value ...] [--output-dir DIR] [--resume auto|PATH]
+python pretrain/run.py --config mpp_demo.json          # one process
+python pretrain/run.py --config mpp_b16.json --plan --gpus 64   # the GPU plan (python -m mpp.plan): nothing runs
+python pretrain/run.py --config mpp_b16.json --submit slurm --nodes 8 --gpus-per-node 8 --partition P --time 72:00:00
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ from mpp.train.trainer import Trainer
 
 def main(argv: list[str] | None = None) -> int:
     parser = run_parser(__doc__, "mpp_b16, mpp_demo, ...", submit=True)
-    parser.add_argument("--plan", action="store_true", help="print the GPU plan (python -m mpp.plan) and exit")
+    parser.add_argument(
+        "--plan", action="store_true", help="print the GPU plan (python -m mpp.plan) and exit"
+    )
     add_plan_arguments(parser.add_argument_group("--plan"))
     args = parser.parse_args(argv)
     if args.plan:  # nothing created: no process group, no run directory
@@ -44,11 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.submit:  # checked here, run there: each task runs this command without --submit (mpp.submit)
+    if (
+        args.submit
+    ):  # checked here, run there: each task runs this command without --submit (mpp.submit)
         return submit(__file__, argv, cfg)
     device = init_distributed()
     try:  # the shards' samples counted by the ranks together (mpp.data.census); rank 0's plan on every rank
-        plan = from_rank0(plan_run(cfg, world, device_type(), objective.encoder.patch_embed.img_size[0]))
+        plan = from_rank0(
+            plan_run(cfg, world, device_type(), objective.encoder.patch_embed.img_size[0])
+        )
         run_dir = open_run_dir(cfg, rank)  # held by this job: a second one on it stops here
     except ConfigError as e:  # the same on every rank: said once
         if rank == 0:
@@ -60,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"stopped: {e}", file=sys.stderr)
         return PREEMPTED_EXIT
-    except (NonFiniteLossError, DataError, DiskFullError) as e:  # DataLoader workers wrap the message in a traceback
+    except (
+        NonFiniteLossError,
+        DataError,
+        DiskFullError,
+    ) as e:  # DataLoader workers wrap the message in a traceback
         print(f"error: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
         return 1
     except CheckpointError as e:  # nothing intact to resume from: the files are named
@@ -69,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         release(run_dir)
     if rank == 0:
-        print(f"done: {state.step} steps, {state.samples} images -> {run_dir}/metrics.jsonl, "
-              f"{run_dir}/checkpoints, {run_dir}/encoder.safetensors")
+        print(
+            f"done: {state.step} steps, {state.samples} images -> {run_dir}/metrics.jsonl, "
+            f"{run_dir}/checkpoints, {run_dir}/encoder.safetensors"
+        )
     return 0
 
 

@@ -36,8 +36,14 @@ def tiny_config(digits, **sections) -> dict:
         "masking": {"strategy": "random"},
         "data": {"train_shards": digits["train"], "num_workers": 1, "shuffle_buffer": 64},
         "optim": {"lr": 1e-3, "warmup_steps": 2},
-        "train": {"batch_size": 16, "max_steps": 4, "log_every": 1, "ckpt_every": 2, "seed": 0,
-                  "precision": "fp32"},  # fp32 on a GPU too: the assertions are fp32 facts
+        "train": {
+            "batch_size": 16,
+            "max_steps": 4,
+            "log_every": 1,
+            "ckpt_every": 2,
+            "seed": 0,
+            "precision": "fp32",
+        },  # fp32 on a GPU too: the assertions are fp32 facts
         "deepspeed": {"zero_optimization": {"stage": 0}},
     }
     for key, value in sections.items():
@@ -61,9 +67,13 @@ def cli_env(extra: dict | None = None) -> dict:
     return {**job_env(), **(extra or {})}
 
 
-def run_cli(args: list[str], timeout: int = 240, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], timeout: int = 240, env: dict | None = None, **kw
+) -> subprocess.CompletedProcess:
     """Run a command from the repo root; output captured as text."""
-    return subprocess.run(args, cwd=REPO, env=cli_env(env), capture_output=True, text=True, timeout=timeout, **kw)
+    return subprocess.run(
+        args, cwd=REPO, env=cli_env(env), capture_output=True, text=True, timeout=timeout, **kw
+    )
 
 
 def restamp(tag_dir: Path) -> None:
@@ -97,15 +107,28 @@ def two_rank_runs(tmp_path_factory, digits16):
     runs: dict = {"ports": []}
     for stage in (2, 3):
         # a preview at step 2: under ZeRO-3 its forward gathers the partitioned parameters on both ranks
-        cfg = tiny_config(digits16, train={"max_steps": 3, "ckpt_every": 2, "preview_every": 2},
-                          deepspeed={"zero_optimization": zero(stage)})
+        cfg = tiny_config(
+            digits16,
+            train={"max_steps": 3, "ckpt_every": 2, "preview_every": 2},
+            deepspeed={"zero_optimization": zero(stage)},
+        )
         path = write_config(tmp / f"z{stage}.json", cfg)
         out = tmp / f"z{stage}"
         runs["ports"].append(port := free_port())
-        r = run_cli(["deepspeed", "--num_gpus", "2", "--master_port", str(port), "pretrain/run.py",
-                     "--config", str(path), "--output-dir", str(out)])
+        r = run_cli(
+            [
+                "deepspeed",
+                "--num_gpus",
+                "2",
+                "--master_port",
+                str(port),
+                "pretrain/run.py",
+                "--config",
+                str(path),
+                "--output-dir",
+                str(out),
+            ]
+        )
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         runs[stage] = (out, path)
     return runs
-
-

@@ -21,16 +21,25 @@ if rank == 1:  # rank 1's view of the shared storage
     real_counts = census_module.known_counts
 
     def more(shards, run_dir=None):  # 8 shards: 160 more
-        return {s: census_module.ShardCount(c.samples + 20, c.source) for s, c in real_counts(shards, run_dir).items()}
+        return {
+            s: census_module.ShardCount(c.samples + 20, c.source)
+            for s, c in real_counts(shards, run_dir).items()
+        }
 
     census_module.known_counts = more
     newest = ckpt.latest_complete(ckpt_root)
     ckpt.latest_complete = lambda root: "step00000004" if newest else None
 cfg = load_config(config_path)
-own = plan_module.plan_run(cfg, world, "cpu", 16).steps_per_epoch  # the rank alone, before the group exists
+own = plan_module.plan_run(
+    cfg, world, "cpu", 16
+).steps_per_epoch  # the rank alone, before the group exists
 init_distributed()
-plan = from_rank0(plan_module.plan_run(cfg, world, "cpu", 16))  # as pretrain/run.py and downstream/finetune.py do
+plan = from_rank0(
+    plan_module.plan_run(cfg, world, "cpu", 16)
+)  # as pretrain/run.py and downstream/finetune.py do
 found = from_rank0(resolve_on_rank0("auto", ckpt_root))  # as the engine's resume does
 decided = {"rank": rank, "own": own, "steps_per_epoch": plan.steps_per_epoch, "tag": found[1]}
-Path(ckpt_root).parent.joinpath(f"rank{rank}.json").write_text(json.dumps(decided))  # not stdout: ranks interleave
+Path(ckpt_root).parent.joinpath(f"rank{rank}.json").write_text(
+    json.dumps(decided)
+)  # not stdout: ranks interleave
 os._exit(0)

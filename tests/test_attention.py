@@ -8,7 +8,10 @@ from mpp.models.attention import ATTN_BACKENDS, Attention, attention, resolve_ba
 
 def _qkv(B, N, H, hd, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, N, H, hd, generator=g, dtype=torch.float32, requires_grad=True) for _ in range(3)]
+    return [
+        torch.randn(B, N, H, hd, generator=g, dtype=torch.float32, requires_grad=True)
+        for _ in range(3)
+    ]
 
 
 @pytest.mark.parametrize("N", [197, 1025])
@@ -66,7 +69,9 @@ def test_unknown_backend_names_the_allowed_ones():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="xformers runs on CUDA only")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("N", [50, 197, 257])
-def test_xformers_matches_sdpa_on_cuda_forward_and_backward(dtype, N):  # runs on a GPU machine, not in CI
+def test_xformers_matches_sdpa_on_cuda_forward_and_backward(
+    dtype, N
+):  # runs on a GPU machine, not in CI
     """On the model's own strided views (``qkv.reshape(B, N, 3, H, hd).unbind(2)``), both passes."""
     qkv = torch.randn(2, N, 3 * 12 * 64, device="cuda", dtype=dtype)
     grads = []
@@ -84,7 +89,9 @@ def test_xformers_matches_sdpa_on_cuda_forward_and_backward(dtype, N):  # runs o
 def test_auto_falls_back_to_sdpa_where_xformers_has_no_kernel(monkeypatch, caplog):
     """xformers' dispatcher raises NotImplementedError ("No operator found") for inputs none of
     its kernels take: ``auto`` runs SDPA with one warning, an explicit ``xformers`` still raises."""
-    attn = sys.modules[attention.__module__]  # the module (mpp.models exports the function by its name)
+    attn = sys.modules[
+        attention.__module__
+    ]  # the module (mpp.models exports the function by its name)
     calls = []
 
     class NoKernel:
@@ -100,6 +107,8 @@ def test_auto_falls_back_to_sdpa_where_xformers_has_no_kernel(monkeypatch, caplo
         attention(q, k, v, "xformers")
     with caplog.at_level("WARNING", logger="mpp.attention"):
         for _ in range(2):
-            torch.testing.assert_close(attention(q, k, v, "xformers", fallback=True), attention(q, k, v, "sdpa"))
+            torch.testing.assert_close(
+                attention(q, k, v, "xformers", fallback=True), attention(q, k, v, "sdpa")
+            )
     assert len(calls) == 2  # the refused shape is not tried again
     assert "xformers has no kernel" in caplog.text

@@ -20,7 +20,15 @@ from mpp.benchmarks.zero import model_state_mib
 from mpp.models import attention, create_vit
 from mpp.objectives import build_objective
 
-MACHINE_KEYS = ("date_utc", "command", "cpu_model", "cpu_cores", "load_avg_1_5_15", "load_avg_after", "torch")
+MACHINE_KEYS = (
+    "date_utc",
+    "command",
+    "cpu_model",
+    "cpu_cores",
+    "load_avg_1_5_15",
+    "load_avg_after",
+    "torch",
+)
 
 
 def run_suite(tmp_path, capsys, suite: str, *extra: str) -> dict:
@@ -32,9 +40,9 @@ def run_suite(tmp_path, capsys, suite: str, *extra: str) -> dict:
     assert result["suite"] == suite and result["quick"] is True
     for key in MACHINE_KEYS:
         assert key in result["machine"], key
-    assert result["machine"]["command"] == f"python -m mpp.benchmarks {suite} --quick --out {out}" + "".join(
-        f" {e}" for e in extra
-    )
+    assert result["machine"][
+        "command"
+    ] == f"python -m mpp.benchmarks {suite} --quick --out {out}" + "".join(f" {e}" for e in extra)
     return result
 
 
@@ -57,14 +65,18 @@ def test_plain_vit_step_flops_by_hand():
 
 def _tiny(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    vit = dict(depth=2, embed_dim=32, num_heads=2, attn_backend="math")  # math: FlopCounterMode sees its bmm
+    vit = dict(
+        depth=2, embed_dim=32, num_heads=2, attn_backend="math"
+    )  # math: FlopCounterMode sees its bmm
     small = dict(decoder_dim=16, decoder_depth=1, decoder_heads=2, attn_backend="math")
     if name == "plain":
         return create_vit("vit_tiny_patch4_16", num_classes=10, **vit)
     if name == "mpp":
         return build_objective("mpp", create_vit("vit_tiny_patch4_16", **vit))
     base = "mpp" if name == "hpm-mpp" else "mae"
-    encoder = create_vit("vit_tiny_patch4_16", pos_embed="sincos" if base == "mae" else "learned", **vit)
+    encoder = create_vit(
+        "vit_tiny_patch4_16", pos_embed="sincos" if base == "mae" else "learned", **vit
+    )
     if name == "mae":
         return build_objective("mae", encoder, **small)
     return build_objective("hpm", encoder, base=base, **small)
@@ -128,7 +140,14 @@ def test_cpu_step_quick(tmp_path, capsys):
     r = run_suite(tmp_path, capsys, "cpu-step")
     assert [row["objective"] for row in r["rows"]] == ["plain", "mpp", "mae", "hpm"]
     for row in r["rows"]:
-        for key in ("step_s", "imgs_per_sec", "gflops_per_img", "achieved_gflops_per_s", "ratio_to_matmul", "ratio_to_plain"):
+        for key in (
+            "step_s",
+            "imgs_per_sec",
+            "gflops_per_img",
+            "achieved_gflops_per_s",
+            "ratio_to_matmul",
+            "ratio_to_plain",
+        ):
             assert row[key] > 0, (row["objective"], key)
     hpm = next(row for row in r["rows"] if row["objective"] == "hpm")
     assert hpm["teacher_gflops_per_img"] > 0
@@ -138,15 +157,21 @@ def test_cpu_step_quick(tmp_path, capsys):
     for name in ("plain", "mpp"):
         prof = r["profiles"][name]
         assert prof["top_ops"] and sum(prof["categories_pct"].values()) == pytest.approx(100)
-    assert {"mpp_ratio_to_matmul_min", "mpp_ratio_to_matmul", "met", "hpm_vs_mae_met"} <= set(r["goal"])
-    assert r["hpm_vs_mae"]["flops"] == pytest.approx(hpm["gflops_per_img"] / r["rows"][2]["gflops_per_img"])
+    assert {"mpp_ratio_to_matmul_min", "mpp_ratio_to_matmul", "met", "hpm_vs_mae_met"} <= set(
+        r["goal"]
+    )
+    assert r["hpm_vs_mae"]["flops"] == pytest.approx(
+        hpm["gflops_per_img"] / r["rows"][2]["gflops_per_img"]
+    )
 
 
 def test_attention_quick(tmp_path, capsys):
     r = run_suite(tmp_path, capsys, "attention")
     assert r["default_backend"] == "sdpa"
     tokens = r["setting"]["tokens"]
-    assert {(row["tokens"], row["backend"]) for row in r["rows"]} == {(n, b) for n in tokens for b in ("math", "sdpa")}
+    assert {(row["tokens"], row["backend"]) for row in r["rows"]} == {
+        (n, b) for n in tokens for b in ("math", "sdpa")
+    }
     mem = {(row["tokens"], row["backend"]): row["mem_mib"] for row in r["rows"]}
     assert mem[(tokens[-1], "math")] > mem[(tokens[-1], "sdpa")]
     # saved bytes are exact, not timed: SDPA's grow exactly linearly
@@ -158,8 +183,14 @@ def test_attention_quick(tmp_path, capsys):
 
 def test_data_quick(tmp_path, capsys):
     step_json = tmp_path / "cpu-step.json"
-    step_json.write_text(json.dumps({"setting": {"model": "vit_x"}, "rows": [{"objective": "mpp", "imgs_per_sec": 5.0}]}))
-    r = run_suite(tmp_path, capsys, "data", "--cpu-step-json", str(step_json), "--step-ips", "fast=9999")
+    step_json.write_text(
+        json.dumps(
+            {"setting": {"model": "vit_x"}, "rows": [{"objective": "mpp", "imgs_per_sec": 5.0}]}
+        )
+    )
+    r = run_suite(
+        tmp_path, capsys, "data", "--cpu-step-json", str(step_json), "--step-ips", "fast=9999"
+    )
     bench = r["pipeline"]
     for key in ("bare_decode_resize_ips", "pipeline_ips", "cost_ratio", "overhead_ratio"):
         assert bench[key] > 0, key
@@ -177,16 +208,24 @@ def test_zero_quick(tmp_path, capsys):
     assert [row["stage"] for row in rows] == r["setting"]["stages"] and len(rows) >= 2
     for row in rows:
         assert len(row["rank_peak_mib"]) == 2
-        assert all(p >= b > 0 for p, b in zip(row["rank_peak_mib"], row["rank_baseline_mib"], strict=True))
+        assert all(
+            p >= b > 0 for p, b in zip(row["rank_peak_mib"], row["rank_baseline_mib"], strict=True)
+        )
         assert row["imgs_per_sec"] > 0 and row["timed_steps"] >= 1
-        assert row["model_state_mib"] == pytest.approx(model_state_mib(r["setting"]["num_params"], row["stage"]))
+        assert row["model_state_mib"] == pytest.approx(
+            model_state_mib(r["setting"]["num_params"], row["stage"])
+        )
     assert rows[0]["step_vs_first"] == 1.0
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU"
+)
 def test_gpu_step_refuses_cleanly_without_a_gpu(tmp_path):
     out = tmp_path / "gpu.json"
-    r = run_cli(["python", "-m", "mpp.benchmarks", "gpu-step", "--quick", "--out", str(out)], timeout=120)
+    r = run_cli(
+        ["python", "-m", "mpp.benchmarks", "gpu-step", "--quick", "--out", str(out)], timeout=120
+    )
     assert r.returncode == 2
     assert "gpu-step: needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
     assert not out.exists()

@@ -9,8 +9,12 @@ from conftest import tiny_config
 from mpp.build import build_objective
 from mpp.config import Config
 
-OBJECTIVES = [{"name": "mpp"}, {"name": "mae", "norm_pix_loss": True}, {"name": "hpm", "base": "mae"},
-              {"name": "hpm", "base": "mpp"}]
+OBJECTIVES = [
+    {"name": "mpp"},
+    {"name": "mae", "norm_pix_loss": True},
+    {"name": "hpm", "base": "mae"},
+    {"name": "hpm", "base": "mpp"},
+]
 
 
 @pytest.mark.parametrize("objective", OBJECTIVES, ids=lambda o: "-".join(map(str, o.values())))
@@ -45,8 +49,11 @@ def test_engine_compile_trains_a_step(digits16, dist_group):
     torch._dynamo.reset()
     cfg = Config.model_validate(tiny_config(digits16, objective={"name": "mae"}))
     objective = build_objective(cfg)
-    engine, *_ = deepspeed.initialize(model=objective, optimizer=build_optimizer(cfg, objective),
-                                      config=cfg.deepspeed_config(1, "cpu"))
+    engine, *_ = deepspeed.initialize(
+        model=objective,
+        optimizer=build_optimizer(cfg, objective),
+        config=cfg.deepspeed_config(1, "cpu"),
+    )
     engine.compile(backend="aot_eager")
     before = {n: p.detach().clone() for n, p in objective.named_parameters()}
     loss, _ = engine(torch.randn(16, 3, 16, 16))

@@ -78,9 +78,16 @@ def test_every_rank_gets_the_same_number_of_batches(tmp_path, num_workers):
     paths, _ = make_shards(tmp_path, [1, 30, 2, 7])  # very unequal shards
     for rank in range(2):
         loader = make_train_loader(
-            paths, batch_size=4, num_batches=7, img_size=16, rank=rank, world_size=2,
-            num_workers=num_workers, with_labels=True, shuffle_buffer=8,
-        )  # fmt: skip
+            paths,
+            batch_size=4,
+            num_batches=7,
+            img_size=16,
+            rank=rank,
+            world_size=2,
+            num_workers=num_workers,
+            with_labels=True,
+            shuffle_buffer=8,
+        )
         batches = list(loader)
         assert len(loader) == len(batches) == 7
         assert all(b["image"].shape == (4, 3, 16, 16) and b["label"].shape == (4,) for b in batches)
@@ -131,18 +138,34 @@ def test_a_step_trains_on_the_same_samples_whatever_the_world_size_batch_split_o
         accum, out = B // (world * micro), {}
         for rank in range(world):
             loader = make_train_loader(
-                paths, batch_size=micro, world_size=world, rank=rank, global_batch=B, num_batches=T * accum,
-                start_batch=start_step * accum, img_size=16, num_workers=workers, with_keys=True, shuffle_buffer=4,
+                paths,
+                batch_size=micro,
+                world_size=world,
+                rank=rank,
+                global_batch=B,
+                num_batches=T * accum,
+                start_batch=start_step * accum,
+                img_size=16,
+                num_workers=workers,
+                with_keys=True,
+                shuffle_buffer=4,
                 epoch=epoch,
-            )  # fmt: skip
+            )
             for i, batch in enumerate(loader):
-                out.setdefault(start_step + i // accum, []).extend(zip(batch["key"], batch["image"].sum((1, 2, 3)).tolist(), strict=True))
+                out.setdefault(start_step + i // accum, []).extend(
+                    zip(batch["key"], batch["image"].sum((1, 2, 3)).tolist(), strict=True)
+                )
         return {step: sorted(samples) for step, samples in out.items()}
 
     one = steps(1, 12, 0)
     keys = [k for samples in one.values() for k, _ in samples]
     assert len(keys) == len(set(keys)) == B * T and set(keys) <= set(truth)
-    for world, micro, workers in [(2, 6, 2), (3, 4, 2), (3, 2, 1), (4, 1, 2)]:  # accumulation 1, 1, 2, 3
+    for world, micro, workers in [
+        (2, 6, 2),
+        (3, 4, 2),
+        (3, 2, 1),
+        (4, 1, 2),
+    ]:  # accumulation 1, 1, 2, 3
         assert steps(world, micro, workers) == one
     assert steps(3, 2, 2, start_step=1) == {s: v for s, v in one.items() if s >= 1}
     assert steps(1, 12, 0, epoch=1) != one
@@ -152,7 +175,15 @@ def test_persistent_workers_give_every_epoch_and_resume_point_of_a_fresh_loader(
     """One loader whose workers live across epochs (set_epoch) yields, batch for batch, what a new
     loader per epoch yields, from the start or from a resume point; the worker processes stay."""
     paths, _ = make_shards(tmp_path, [5, 7, 4, 6])
-    kw = dict(batch_size=3, num_batches=6, img_size=16, seed=5, num_workers=2, shuffle_buffer=10, with_keys=True)
+    kw = dict(
+        batch_size=3,
+        num_batches=6,
+        img_size=16,
+        seed=5,
+        num_workers=2,
+        shuffle_buffer=10,
+        with_keys=True,
+    )
 
     def keys_and_pixels(loader):
         return [(b["key"], b["image"]) for b in loader]
@@ -174,13 +205,20 @@ def test_persistent_workers_give_every_epoch_and_resume_point_of_a_fresh_loader(
 def test_bad_data_is_skipped_and_counted_exactly(tmp_path, caplog):
     good, _ = make_shards(tmp_path, [4, 3])
     jpeg = encode(99)
-    mixed = write_tar(tmp_path / "mixed.tar", [
-        ("a.jpg", encode(1)), ("a.cls", b"1"),
-        ("b.jpg", b"garbage, not an image"), ("b.cls", b"2"),  # 1: undecodable
-        ("c.jpg", jpeg[: len(jpeg) // 2]), ("c.cls", b"3"),     # 2: truncated JPEG
-        ("d.cls", b"4"),                                         # 3: no image member
-        ("e.png", encode(2, "PNG")), ("e.cls", b"0"),
-    ])  # fmt: skip
+    mixed = write_tar(
+        tmp_path / "mixed.tar",
+        [
+            ("a.jpg", encode(1)),
+            ("a.cls", b"1"),
+            ("b.jpg", b"garbage, not an image"),
+            ("b.cls", b"2"),  # 1: undecodable
+            ("c.jpg", jpeg[: len(jpeg) // 2]),
+            ("c.cls", b"3"),  # 2: truncated JPEG
+            ("d.cls", b"4"),  # 3: no image member
+            ("e.png", encode(2, "PNG")),
+            ("e.cls", b"0"),
+        ],
+    )
     cut = write_tar(
         tmp_path / "cut.tar",
         [
@@ -209,7 +247,9 @@ def test_bad_data_is_skipped_and_counted_exactly(tmp_path, caplog):
     assert len(batches) == 5 and batches[-1]["skipped"] == train.skipped > 0
     assert [b["skipped"] for b in batches] == sorted(b["skipped"] for b in batches)
     assert "cut.tar" in caplog.text
-    assert "mixed.tar#d" not in caplog.text  # no image: outside the training order (the census names it)
+    assert (
+        "mixed.tar#d" not in caplog.text
+    )  # no image: outside the training order (the census names it)
     assert len(caplog.records) < train.skipped  # rate-limited
 
 
@@ -248,12 +288,22 @@ def test_all_bad_shards_raise_instead_of_looping(tmp_path):
 def test_start_checks_name_the_problem(tmp_path):
     paths, _ = make_shards(tmp_path, [2, 2, 2])
     # streams, not shards, are dealt to ranks and workers: 3 shards feed 2 ranks x 2 workers
-    few = make_train_loader(paths, batch_size=2, num_batches=1, img_size=16, rank=1, world_size=2, num_workers=2)
+    few = make_train_loader(
+        paths, batch_size=2, num_batches=1, img_size=16, rank=1, world_size=2, num_workers=2
+    )
     assert len(list(few)) == 1
     with pytest.raises(ValueError, match="global_batch 6 is not batch_size 2 x world_size 2"):
-        make_train_loader(paths, batch_size=2, num_batches=1, img_size=16, world_size=2, global_batch=6)
+        make_train_loader(
+            paths, batch_size=2, num_batches=1, img_size=16, world_size=2, global_batch=6
+        )
     # an evaluation pass lets a worker (or a rank) go without a shard: rank 2 of 4 on 3 shards reads one
-    assert sum(len(b["label"]) for b in make_eval_loader(paths, batch_size=2, img_size=16, rank=2, world_size=4)) == 2
+    assert (
+        sum(
+            len(b["label"])
+            for b in make_eval_loader(paths, batch_size=2, img_size=16, rank=2, world_size=4)
+        )
+        == 2
+    )
     assert list(make_eval_loader(paths, batch_size=2, img_size=16, rank=3, world_size=4)) == []
     with pytest.raises(ValueError, match="allow_pipe"):
         make_eval_loader([f"pipe:cat {paths[0]}"], batch_size=2, img_size=16, num_workers=0)
@@ -278,8 +328,12 @@ def test_shards_from_other_tools_with_num_samples(tmp_path):
         members = []
         for i in range(3 * s, 3 * s + 3):
             fmt = exts[i % 3]
-            members += [(f"{i:09d}.{fmt}", encode(i, "JPEG" if fmt == "jpg" else fmt.upper())), (f"{i:09d}.cls", str(i).encode()),
-                        (f"{i:09d}.json", b"{}"), (f"{i:09d}.txt", b"a caption")]  # fmt: skip
+            members += [
+                (f"{i:09d}.{fmt}", encode(i, "JPEG" if fmt == "jpg" else fmt.upper())),
+                (f"{i:09d}.cls", str(i).encode()),
+                (f"{i:09d}.json", b"{}"),
+                (f"{i:09d}.txt", b"a caption"),
+            ]
         write_tar(tmp_path / f"{s:05d}.tar", members)
     spec = str(tmp_path / "{00000..00002}.tar")
     with pytest.raises(ValueError, match="num_samples"):
@@ -356,12 +410,16 @@ def test_the_exit_hook_kills_our_workers_only(tmp_path):
     from mpp.data import loader as loader_module
 
     paths, _ = make_shards(tmp_path, [5, 7])
-    kept = make_train_loader(paths, persistent=True, batch_size=3, num_batches=2, img_size=16, num_workers=2)
+    kept = make_train_loader(
+        paths, persistent=True, batch_size=3, num_batches=2, img_size=16, num_workers=2
+    )
     next(iter(kept))
     ours = list(kept._loader._iterator._workers)
     theirs = multiprocessing.get_context("fork").Process(target=_sleep_forever, daemon=True)
     theirs.start()
-    sigchld = signal.getsignal(signal.SIGCHLD)  # the hook resets DataLoader's handler: put it back after
+    sigchld = signal.getsignal(
+        signal.SIGCHLD
+    )  # the hook resets DataLoader's handler: put it back after
     try:
         assert {w.pid for w in ours} <= {w.pid for w in loader_module._WORKERS}
         loader_module._kill_workers_at_exit()

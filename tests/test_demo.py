@@ -19,7 +19,9 @@ def test_scratch_gets_its_own_schedule_and_the_equal_schedule_row_stays(tmp_path
     short = load_config("finetune_demo", cls=FinetuneConfig)
     fair = load_config("finetune_scratch_demo", cls=FinetuneConfig)
     assert fair.train.epochs == 3 * short.train.epochs  # its own schedule, not the pretrained one's
-    assert fair.optim.layer_decay == 1.0 and fair.finetune.head_init_std == 0.02  # timm's supervised recipe
+    assert (
+        fair.optim.layer_decay == 1.0 and fair.finetune.head_init_std == 0.02
+    )  # timm's supervised recipe
     assert fair.model == short.model and fair.data == short.data  # the same model on the same data
     assert "probe scratch_own" not in " ".join(todo)  # a probe has no schedule to be fair about
 
@@ -31,8 +33,15 @@ def test_the_table_labels_both_comparisons(tmp_path):
     table = summary(Path(tmp_path))
     assert table["scratch_own"] == {"fine-tune": 82.5, "linear": None, "k-NN": None}
     text = render(table, tmp_path)
-    assert "+7.5 against scratch on its own schedule (the fair comparison), +20.0 on the same short one" in text
-    assert [label for _, label, *_ in ROWS] == ["pretrained (mpp), 10 ep", "scratch, same 10 ep", "scratch, own 30 ep"]
+    assert (
+        "+7.5 against scratch on its own schedule (the fair comparison), +20.0 on the same short one"
+        in text
+    )
+    assert [label for _, label, *_ in ROWS] == [
+        "pretrained (mpp), 10 ep",
+        "scratch, same 10 ep",
+        "scratch, own 30 ep",
+    ]
 
 
 def test_head_init_std_is_the_recipes():

@@ -20,9 +20,14 @@ from mpp.doctor.parity import TOLERANCE, NoKernel, parity_row, relative_error, s
 
 CPU = torch.device("cpu")
 GPU_ROWS = {
-    "CUDA / NCCL / GPU", "bf16", "MFU vs plan", "peak memory vs plan", "host syncs per step", "torch.compile",
+    "CUDA / NCCL / GPU",
+    "bf16",
+    "MFU vs plan",
+    "peak memory vs plan",
+    "host syncs per step",
+    "torch.compile",
     *(f"{k} {d}" for k in ("sdpa efficient", "sdpa cudnn", "xformers") for d in ("fp32", "bf16")),
-}  # fmt: skip
+}
 CPU_PARITY_ROWS = {
     f"{k} {d}" for k in ("sdpa math", "sdpa flash", "mpp sdpa") for d in ("fp32", "bf16")
 }

@@ -38,10 +38,18 @@ def test_zero_checkpoints_give_the_exported_weights(two_rank_runs, stage):
 
 
 def test_layer_decay_lr_of_block_i_is_base_times_decay_to_depth_minus_i():
-    cfg = validate({"optim": {"lr": 1e-3, "layer_decay": 0.65}, "train": {"max_steps": 1},
-                    "data": {"builtin": "digits"}}, cls=FinetuneConfig)
+    cfg = validate(
+        {
+            "optim": {"lr": 1e-3, "layer_decay": 0.65},
+            "train": {"max_steps": 1},
+            "data": {"builtin": "digits"},
+        },
+        cls=FinetuneConfig,
+    )
     depth = 4
-    model = Classifier(create_vit("vit_tiny_patch4_16", depth=depth, embed_dim=32, num_heads=2, num_classes=10))
+    model = Classifier(
+        create_vit("vit_tiny_patch4_16", depth=depth, embed_dim=32, num_heads=2, num_classes=10)
+    )
     opt = build_optimizer(cfg, model)  # optim.layer_decay over model.encoder.blocks
     assert isinstance(opt, torch.optim.AdamW)
     base = lr_at(5, peak=1e-3, total=10, warmup=2)
@@ -49,18 +57,28 @@ def test_layer_decay_lr_of_block_i_is_base_times_decay_to_depth_minus_i():
     lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
     params = dict(model.named_parameters())
     for i in range(depth):
-        assert lr_of[id(params[f"encoder.blocks.{i}.attn.qkv.weight"])] == pytest.approx(base * 0.65 ** (depth - i))
-    assert lr_of[id(params["encoder.patch_embed.proj.weight"])] == pytest.approx(base * 0.65 ** (depth + 1))
+        assert lr_of[id(params[f"encoder.blocks.{i}.attn.qkv.weight"])] == pytest.approx(
+            base * 0.65 ** (depth - i)
+        )
+    assert lr_of[id(params["encoder.patch_embed.proj.weight"])] == pytest.approx(
+        base * 0.65 ** (depth + 1)
+    )
     assert lr_of[id(params["encoder.head.weight"])] == pytest.approx(base)
 
 
 def test_finetuning_at_a_larger_size_starts_from_the_resampled_position_embedding(tmp_path):
     src = create_vit("vit_tiny_patch4_16", depth=1, embed_dim=32, num_heads=2)
-    save_weights(src.state_dict(), tmp_path / "enc.safetensors", {"model": {"name": "vit_tiny_patch4_16"}})
-    big = create_vit("vit_tiny_patch4_16", img_size=32, depth=1, embed_dim=32, num_heads=2, num_classes=5)
+    save_weights(
+        src.state_dict(), tmp_path / "enc.safetensors", {"model": {"name": "vit_tiny_patch4_16"}}
+    )
+    big = create_vit(
+        "vit_tiny_patch4_16", img_size=32, depth=1, embed_dim=32, num_heads=2, num_classes=5
+    )
     load_into(big, tmp_path / "enc.safetensors")
     assert big.pos_embed.shape == (1, 1 + 64, 32)
-    torch.testing.assert_close(big.pos_embed.data, resample_abs_pos_embed(src.pos_embed.data, (8, 8)))
+    torch.testing.assert_close(
+        big.pos_embed.data, resample_abs_pos_embed(src.pos_embed.data, (8, 8))
+    )
     torch.testing.assert_close(big.pos_embed.data[:, 0], src.pos_embed.data[:, 0])  # cls kept
     torch.testing.assert_close(big.blocks[0].attn.qkv.weight, src.blocks[0].attn.qkv.weight)
 
@@ -70,7 +88,9 @@ class Payload:
         return (Path.touch, (Path(os.environ["PAYLOAD_MARK"]),))
 
 
-def test_a_pickled_payload_in_a_checkpoint_is_refused_not_executed(two_rank_runs, tmp_path, monkeypatch):
+def test_a_pickled_payload_in_a_checkpoint_is_refused_not_executed(
+    two_rank_runs, tmp_path, monkeypatch
+):
     import shutil
 
     run_dir, _ = two_rank_runs[2]
@@ -88,12 +108,15 @@ def test_a_pickled_payload_in_a_checkpoint_is_refused_not_executed(two_rank_runs
     assert not mark.exists()
 
 
-@pytest.mark.parametrize("init,match", [
-    ("/nonexistent/run", "no such file or directory"),
-    ("{tmp}/weights.txt", "unknown kind"),
-    ("{tmp}/deeper.safetensors", "missing 1 encoder weights|blocks.1"),
-    ("{tmp}/wider.safetensors", "has shape"),
-])
+@pytest.mark.parametrize(
+    "init,match",
+    [
+        ("/nonexistent/run", "no such file or directory"),
+        ("{tmp}/weights.txt", "unknown kind"),
+        ("{tmp}/deeper.safetensors", "missing 1 encoder weights|blocks.1"),
+        ("{tmp}/wider.safetensors", "has shape"),
+    ],
+)
 def test_bad_init_is_a_clear_error_naming_the_path(tmp_path, init, match):
     (tmp_path / "weights.txt").write_text("x")
     shallow = create_vit("vit_tiny_patch4_16", depth=1, embed_dim=32, num_heads=2)
@@ -146,7 +169,9 @@ def test_random_erasing_rate_and_area():
 def test_knn_votes_by_similarity():
     train = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0]])
     y = torch.tensor([0, 0, 1])
-    res = knn_classify(train, y, torch.tensor([[1.0, 0.05], [0.05, 1.0]]), torch.tensor([0, 1]), 2, k=2)
+    res = knn_classify(
+        train, y, torch.tensor([[1.0, 0.05], [0.05, 1.0]]), torch.tensor([0, 1]), 2, k=2
+    )
     assert res["top1"] == 100.0
 
 
@@ -155,26 +180,53 @@ def test_timm_export_has_timms_layout(two_rank_runs, tmp_path):
 
     folder = export(two_rank_runs[3][0], "timm", tmp_path / "timm")
     cfg = json.loads((folder / "config.json").read_text())
-    assert cfg["model_args"] == {"img_size": 16, "patch_size": 4, "in_chans": 3, "embed_dim": 32, "depth": 2,
-                                 "num_heads": 2, "num_classes": 0, "global_pool": "token", "class_token": True,
-                                 "fc_norm": False}
+    assert cfg["model_args"] == {
+        "img_size": 16,
+        "patch_size": 4,
+        "in_chans": 3,
+        "embed_dim": 32,
+        "depth": 2,
+        "num_heads": 2,
+        "num_classes": 0,
+        "global_pool": "token",
+        "class_token": True,
+        "fc_norm": False,
+    }
     sd = load_file(folder / "model.safetensors")
-    assert {k: tuple(v.shape) for k, v in sd.items()} == timm_vit_keys(depth=2, dim=32, patch=4, num_patches=16, mlp=128)
+    assert {k: tuple(v.shape) for k, v in sd.items()} == timm_vit_keys(
+        depth=2, dim=32, patch=4, num_patches=16, mlp=128
+    )
 
 
 def test_finetune_and_probes_through_the_clis(two_rank_runs, digits16, tmp_path):
     """2-rank ZeRO-3 fine-tune from a ZeRO-2 pretrain run; then k-NN and linear probe."""
     pre_dir, _ = two_rank_runs[2]
-    raw = tiny_config(digits16, train={"batch_size": 32, "epochs": 1, "max_steps": None, "ckpt_every": 100},
-                      deepspeed={"zero_optimization": zero(3)}, optim={"lr": 1e-3, "layer_decay": 0.75})
+    raw = tiny_config(
+        digits16,
+        train={"batch_size": 32, "epochs": 1, "max_steps": None, "ckpt_every": 100},
+        deepspeed={"zero_optimization": zero(3)},
+        optim={"lr": 1e-3, "layer_decay": 0.75},
+    )
     raw.pop("objective"), raw.pop("masking")
     raw["data"]["val_shards"] = digits16["val"]
     raw["finetune"] = {"mixup": 0.8, "cutmix": 1.0, "randaug_n": 2, "randaug_m": 9, "reprob": 0.25}
     raw["init"] = str(pre_dir)
     path = write_config(tmp_path / "ft.json", raw)
     out = tmp_path / "ft"
-    r = run_cli(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "downstream/finetune.py",
-                 "--config", str(path), "--output-dir", str(out)])
+    r = run_cli(
+        [
+            "deepspeed",
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "downstream/finetune.py",
+            "--config",
+            str(path),
+            "--output-dir",
+            str(out),
+        ]
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
     assert {"top1", "top5", "epoch", "init"} <= res.keys() and res["init"] == str(pre_dir)
@@ -183,23 +235,57 @@ def test_finetune_and_probes_through_the_clis(two_rank_runs, digits16, tmp_path)
     assert (out / "model_best.safetensors").is_file() and (out / "model_last.safetensors").is_file()
     assert any("val_top1" in line for line in (out / "metrics.jsonl").read_text().splitlines())
 
-    probe = {"name": "p", "init": str(pre_dir), "model": raw["model"],
-             "data": {"train_shards": digits16["train"], "val_shards": digits16["val"], "num_workers": 1},
-             "probe": {"epochs": 5, "batch_size": 128}}
+    probe = {
+        "name": "p",
+        "init": str(pre_dir),
+        "model": raw["model"],
+        "data": {
+            "train_shards": digits16["train"],
+            "val_shards": digits16["val"],
+            "num_workers": 1,
+        },
+        "probe": {"epochs": 5, "batch_size": 128},
+    }
     ppath = write_config(tmp_path / "probe.json", probe)
     for tool in ("knn", "linear_probe"):
-        r = run_cli(["python", f"downstream/{tool}.py", "--config", str(ppath), "--output-dir", str(tmp_path / tool)])
+        r = run_cli(
+            [
+                "python",
+                f"downstream/{tool}.py",
+                "--config",
+                str(ppath),
+                "--output-dir",
+                str(tmp_path / tool),
+            ]
+        )
         assert r.returncode == 0, r.stderr[-2000:]
         res = json.loads((tmp_path / tool / "results.json").read_text())
         assert res["num_train"] == 1497 and res["num_val"] == 300 and 0 <= res["top1"] <= 100
-    r = run_cli(["python", "downstream/knn.py", "--config", str(ppath), "--set", "init=/missing", "--output-dir", str(tmp_path / "x")])
-    assert r.returncode == 2 and "init: /missing: no such file" in r.stderr and not (tmp_path / "x").exists()
+    r = run_cli(
+        [
+            "python",
+            "downstream/knn.py",
+            "--config",
+            str(ppath),
+            "--set",
+            "init=/missing",
+            "--output-dir",
+            str(tmp_path / "x"),
+        ]
+    )
+    assert (
+        r.returncode == 2
+        and "init: /missing: no such file" in r.stderr
+        and not (tmp_path / "x").exists()
+    )
 
 
 def test_a_fresh_head_is_initialised_as_in_maes_fine_tuning():
     """MAE's main_finetune: trunc_normal_(head.weight, std=2e-5), zero bias (not xavier)."""
     torch.manual_seed(0)
-    model = Classifier(create_vit("vit_tiny_patch4_16", depth=1, embed_dim=64, num_heads=2, num_classes=1000))
+    model = Classifier(
+        create_vit("vit_tiny_patch4_16", depth=1, embed_dim=64, num_heads=2, num_classes=1000)
+    )
     w, b = model.encoder.head.weight, model.encoder.head.bias
     assert w.std().item() == pytest.approx(2e-5, rel=0.02)  # 64,000 draws
     assert w.mean().abs().item() < 1e-6 and torch.count_nonzero(b) == 0
@@ -210,9 +296,14 @@ def test_hpm_recipes_match_the_official_scripts():
     from mpp.build import build_objective
     from mpp.config import load_config
 
-    pre = load_config("hpm_b16", ["model.depth=1", "model.img_size=32", "objective.decoder_depth=1", "data.builtin=digits"])
+    pre = load_config(
+        "hpm_b16",
+        ["model.depth=1", "model.img_size=32", "objective.decoder_depth=1", "data.builtin=digits"],
+    )
     assert pre.objective.kwargs()["norm_pix_loss"] is False
     assert build_objective(pre).base.norm_pix_loss is False
     digits = ["data.builtin=digits"]
     assert load_config("finetune_hpm_b16", digits, cls=FinetuneConfig).optim.layer_decay == 0.8
-    assert load_config("finetune_b16", digits, cls=FinetuneConfig).optim.layer_decay == 0.65  # MAE's
+    assert (
+        load_config("finetune_b16", digits, cls=FinetuneConfig).optim.layer_decay == 0.65
+    )  # MAE's

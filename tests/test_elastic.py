@@ -9,14 +9,29 @@ import sys
 import pytest
 from conftest import free_port, read_metrics, run_cli, tiny_config, write_config, zero
 
-BATCH, MICRO, STEPS = 12, 2, 16  # accumulation 3 on 2 ranks, 2 on 3 ranks, 6 on 1; 16 of the epoch's 124 steps
+BATCH, MICRO, STEPS = (
+    12,
+    2,
+    16,
+)  # accumulation 3 on 2 ranks, 2 on 3 ranks, 6 on 1; 16 of the epoch's 124 steps
 ACCUM = {2: 3, 3: 2, 1: 6}
 TOLERANCE = 0.05  # relative, per step (measured: at most 0.013): the resumed ranks draw other masks (RNG re-derived), same data
 
 
 def launch(ranks: int, cfg_path, out, *extra) -> list[str]:
-    return ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()), "pretrain/run.py",
-            "--config", str(cfg_path), "--output-dir", str(out), *extra]  # fmt: skip
+    return [
+        "deepspeed",
+        "--num_gpus",
+        str(ranks),
+        "--master_port",
+        str(free_port()),
+        "pretrain/run.py",
+        "--config",
+        str(cfg_path),
+        "--output-dir",
+        str(out),
+        *extra,
+    ]
 
 
 def keys_by_step(keys_dir, accum: int, first_step: int = 1) -> dict[int, list[str]]:
@@ -32,11 +47,21 @@ def keys_by_step(keys_dir, accum: int, first_step: int = 1) -> dict[int, list[st
 
 # the full matrix (each stage on 3 and on 1 rank) passes too; the suite keeps 4 of its 6 resumes for time
 @pytest.mark.parametrize("stage, worlds", [(2, (3, 1)), (3, (1,)), (0, (3,))])
-def test_two_ranks_resume_on_three_and_on_one_rank_with_every_sample_once(tmp_path, digits16, stage, worlds):
-    cfg = tiny_config(digits16, train={"batch_size": BATCH, "micro_batch_size": MICRO, "max_steps": STEPS,
-                                       "ckpt_every": 8, "keep_last": 5},
-                      data={"num_workers": 1, "log_keys": True, "shuffle_buffer": 4},
-                      deepspeed={"zero_optimization": zero(stage)})  # fmt: skip
+def test_two_ranks_resume_on_three_and_on_one_rank_with_every_sample_once(
+    tmp_path, digits16, stage, worlds
+):
+    cfg = tiny_config(
+        digits16,
+        train={
+            "batch_size": BATCH,
+            "micro_batch_size": MICRO,
+            "max_steps": STEPS,
+            "ckpt_every": 8,
+            "keep_last": 5,
+        },
+        data={"num_workers": 1, "log_keys": True, "shuffle_buffer": 4},
+        deepspeed={"zero_optimization": zero(stage)},
+    )
     path = write_config(tmp_path / "c.json", cfg)
     straight = tmp_path / "straight"
     r = run_cli(launch(2, path, straight))
@@ -60,24 +85,46 @@ def test_two_ranks_resume_on_three_and_on_one_rank_with_every_sample_once(tmp_pa
         # the same global batch at every step as the straight run (another world size, same data) ...
         assert resumed == {s: k for s, k in straight_keys.items() if s > 8}
         # ... so over the 16 steps every sample comes once
-        seen = [k for s in range(1, 9) for k in straight_keys[s]] + [k for ks in resumed.values() for k in ks]
+        seen = [k for s in range(1, 9) for k in straight_keys[s]] + [
+            k for ks in resumed.values() for k in ks
+        ]
         assert len(seen) == len(set(seen)) == STEPS * BATCH
         loss = {m["step"]: m["loss"] for m in metrics}
         drift = [abs(loss[s] - straight_loss[s]) / straight_loss[s] for s in range(9, STEPS + 1)]
-        print(f"stage {stage}, 2 -> {ranks} ranks: relative loss drift per step {[round(d, 4) for d in drift]}")
+        print(
+            f"stage {stage}, 2 -> {ranks} ranks: relative loss drift per step {[round(d, 4) for d in drift]}"
+        )
         assert max(drift) < TOLERANCE, drift
-        assert not (run / "checkpoints" / "universal").exists()  # the conversion is removed once loaded
+        assert not (
+            run / "checkpoints" / "universal"
+        ).exists()  # the conversion is removed once loaded
 
 
 def test_a_resume_with_another_global_batch_is_refused_before_anything_runs(tmp_path, digits16):
     cfg = tiny_config(digits16, train={"batch_size": BATCH, "max_steps": 2, "ckpt_every": 2})
     path = write_config(tmp_path / "c.json", cfg)
     out = tmp_path / "run"
-    r = run_cli([sys.executable, "pretrain/run.py", "--config", str(path), "--output-dir", str(out)])
+    r = run_cli(
+        [sys.executable, "pretrain/run.py", "--config", str(path), "--output-dir", str(out)]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
-    r = run_cli([sys.executable, "pretrain/run.py", "--config", str(path), "--output-dir", str(out), "--resume", "auto",
-                 "--set", "train.batch_size=24", "--set", "train.max_steps=4"])  # fmt: skip
+    r = run_cli(
+        [
+            sys.executable,
+            "pretrain/run.py",
+            "--config",
+            str(path),
+            "--output-dir",
+            str(out),
+            "--resume",
+            "auto",
+            "--set",
+            "train.batch_size=24",
+            "--set",
+            "train.max_steps=4",
+        ]
+    )
     assert r.returncode == 2
     assert "train.batch_size: 24, but the checkpoint" in r.stderr and "trained with 12" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1

@@ -25,17 +25,35 @@ def test_lr_schedule_warmup_then_cosine():
 
 
 def test_param_groups_exempt_bias_norm_pos_and_tokens():
-    cfg = validate({"model": {"name": "vit_tiny_patch4_16", "depth": 1}, "optim": {"lr": 1e-3, "weight_decay": 0.05},
-                    "train": {"max_steps": 1}, "data": {"builtin": "digits"}})
+    cfg = validate(
+        {
+            "model": {"name": "vit_tiny_patch4_16", "depth": 1},
+            "optim": {"lr": 1e-3, "weight_decay": 0.05},
+            "train": {"max_steps": 1},
+            "data": {"builtin": "digits"},
+        }
+    )
     obj = build_objective(cfg)
     groups = param_groups(obj, 0.05)
     names = {id(p): n for n, p in obj.named_parameters()}
     no_decay = {names[id(p)] for g in groups if g["weight_decay"] == 0.0 for p in g["params"]}
     decay = {names[id(p)] for g in groups if g["weight_decay"] > 0.0 for p in g["params"]}
-    assert {"encoder.pos_embed", "encoder.cls_token", "mask_token", "encoder.blocks.0.attn.qkv.bias",
-            "encoder.blocks.0.norm1.weight", "encoder.norm.weight"} <= no_decay
-    assert {"encoder.blocks.0.attn.qkv.weight", "encoder.patch_embed.proj.weight", "head.weight"} <= decay
-    assert isinstance(build_optimizer(cfg, obj), torch.optim.Adam)  # the ViT paper's optimiser for mpp
+    assert {
+        "encoder.pos_embed",
+        "encoder.cls_token",
+        "mask_token",
+        "encoder.blocks.0.attn.qkv.bias",
+        "encoder.blocks.0.norm1.weight",
+        "encoder.norm.weight",
+    } <= no_decay
+    assert {
+        "encoder.blocks.0.attn.qkv.weight",
+        "encoder.patch_embed.proj.weight",
+        "head.weight",
+    } <= decay
+    assert isinstance(
+        build_optimizer(cfg, obj), torch.optim.Adam
+    )  # the ViT paper's optimiser for mpp
     cfg.objective.name = "mae"
 
 
@@ -46,9 +64,16 @@ def test_per_group_lr_follows_schedule_times_lr_scale_on_the_engine_optimizer(st
     enc = create_vit("vit_tiny_patch4_16", depth=2, embed_dim=32, num_heads=2)
     scale = lambda name: 0.5 if name.startswith("blocks.0.") else 1.0  # noqa: E731
     opt = torch.optim.AdamW(param_groups(enc, 0.05, scale), lr=1.0)
-    engine, opt, _, _ = deepspeed.initialize(model=enc, optimizer=opt, config={
-        "train_batch_size": 2, "zero_optimization": zero(stage), "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9})
+    engine, opt, _, _ = deepspeed.initialize(
+        model=enc,
+        optimizer=opt,
+        config={
+            "train_batch_size": 2,
+            "zero_optimization": zero(stage),
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+        },
+    )
     kw = dict(peak=1e-3, total=6, warmup=2)
     for step in range(6):
         set_lr(opt, lr_at(step, **kw))
@@ -69,14 +94,40 @@ def test_exact_resume_equals_straight_run(tmp_path, digits16):
     straight, split = tmp_path / "straight", tmp_path / "split"
     r = run_cli(["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(straight)])
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run_cli(["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(split), "--set", "train.stop_at_step=4"])
+    r = run_cli(
+        [
+            "python",
+            "pretrain/run.py",
+            "--config",
+            str(path),
+            "--output-dir",
+            str(split),
+            "--set",
+            "train.stop_at_step=4",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run_cli(["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(split), "--resume", "auto"])
+    r = run_cli(
+        [
+            "python",
+            "pretrain/run.py",
+            "--config",
+            str(path),
+            "--output-dir",
+            str(split),
+            "--resume",
+            "auto",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stderr
     a, b = read_metrics(straight), read_metrics(split)
-    assert [m["step"] for m in b] == list(range(1, 9)) and [m["samples"] for m in b] == [16 * s for s in range(1, 9)]
-    assert [m["loss"] for m in b] == [m["loss"] for m in a]  # bitwise: fp32 on the CPU is deterministic
+    assert [m["step"] for m in b] == list(range(1, 9)) and [m["samples"] for m in b] == [
+        16 * s for s in range(1, 9)
+    ]
+    assert [m["loss"] for m in b] == [
+        m["loss"] for m in a
+    ]  # bitwise: fp32 on the CPU is deterministic
     assert [m["lr"] for m in b] == [m["lr"] for m in a]
     sd_a, kwargs = load_encoder_file(straight / "encoder.safetensors")
     sd_b, _ = load_encoder_file(split / "encoder.safetensors")
@@ -91,18 +142,38 @@ def test_bf16_hpm_resume_is_exact_with_its_fp32_ema(tmp_path, digits16):
     """bf16 (DeepSpeed's bf16 on the CPU): HPM's fp32 EMA rides along with the checkpoint
     (rank_state_00000.safetensors), so 4 + resume + 4 steps == 8 straight, teacher included.
     Without it the EMA restarts from the bf16 teacher: measured 65 of 66 tensors differ."""
-    cfg = tiny_config(digits16, train={"max_steps": 8, "ckpt_every": 4, "precision": "bf16"},
-                      objective={"name": "hpm", "base": "mae", "decoder_dim": 32, "decoder_depth": 1,
-                                 "decoder_heads": 2, "momentum_start": 0.99, "momentum_end": 0.999,
-                                 "momentum_epochs": 1, "hard_ratio": 0.5})  # fmt: skip
+    cfg = tiny_config(
+        digits16,
+        train={"max_steps": 8, "ckpt_every": 4, "precision": "bf16"},
+        objective={
+            "name": "hpm",
+            "base": "mae",
+            "decoder_dim": 32,
+            "decoder_depth": 1,
+            "decoder_heads": 2,
+            "momentum_start": 0.99,
+            "momentum_end": 0.999,
+            "momentum_epochs": 1,
+            "hard_ratio": 0.5,
+        },
+    )
     cfg.pop("masking")
     path = write_config(tmp_path / "c.json", cfg)
     straight, split = tmp_path / "straight", tmp_path / "split"
-    for out, extra in ((straight, []), (split, ["--set", "train.stop_at_step=4"]), (split, ["--resume", "auto"])):
-        r = run_cli(["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(out), *extra])
+    for out, extra in (
+        (straight, []),
+        (split, ["--set", "train.stop_at_step=4"]),
+        (split, ["--resume", "auto"]),
+    ):
+        r = run_cli(
+            ["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(out), *extra]
+        )
         assert r.returncode == 0, r.stderr[-3000:]
     assert [m["loss"] for m in read_metrics(split)] == [m["loss"] for m in read_metrics(straight)]
-    ema = [load_file(out / "checkpoints" / "step00000008" / "rank_state_00000.safetensors") for out in (straight, split)]
+    ema = [
+        load_file(out / "checkpoints" / "step00000008" / "rank_state_00000.safetensors")
+        for out in (straight, split)
+    ]
     assert len(ema[0]) > 20 and all(v.dtype == torch.float32 for v in ema[0].values())
     for k in ema[0]:
         assert torch.equal(ema[0][k], ema[1][k]), k
@@ -112,15 +183,28 @@ def test_bf16_hpm_resume_is_exact_with_its_fp32_ema(tmp_path, digits16):
 def test_bf16_runs_export_their_fp32_master_weights(tmp_path, digits16, stage):
     """bf16 params, fp32 masters in DeepSpeed's optimiser: the exported encoder is the masters
     (finer than bf16), and the module's bf16 weights are those masters rounded."""
-    cfg = tiny_config(digits16, train={"max_steps": 4, "ckpt_every": 4, "precision": "bf16"},
-                      deepspeed={"zero_optimization": zero(stage)})  # fmt: skip
+    cfg = tiny_config(
+        digits16,
+        train={"max_steps": 4, "ckpt_every": 4, "precision": "bf16"},
+        deepspeed={"zero_optimization": zero(stage)},
+    )
     out = tmp_path / "run"
-    r = run_cli(["python", "pretrain/run.py", "--config", str(write_config(tmp_path / "c.json", cfg)),
-                 "--output-dir", str(out)])  # fmt: skip
+    r = run_cli(
+        [
+            "python",
+            "pretrain/run.py",
+            "--config",
+            str(write_config(tmp_path / "c.json", cfg)),
+            "--output-dir",
+            str(out),
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     enc, _ = load_encoder_file(out / "encoder.safetensors")
     with weights_only_loads():
-        module = torch.load(out / "checkpoints" / "step00000004" / "mp_rank_00_model_states.pt")["module"]
+        module = torch.load(out / "checkpoints" / "step00000004" / "mp_rank_00_model_states.pt")[
+            "module"
+        ]
     w = "blocks.0.attn.qkv.weight"
     assert module[f"encoder.{w}"].dtype == torch.bfloat16 and enc[w].dtype == torch.float32
     assert torch.equal(enc[w].bfloat16(), module[f"encoder.{w}"])
@@ -146,11 +230,16 @@ def test_bf16_objectives_take_their_targets_from_the_exact_pixels(name):
     images = to_device({"image": pixels}, torch.device("cpu"), IMAGENET_MEAN, IMAGENET_STD)["image"]
     assert images.dtype == torch.float32
     torch.manual_seed(0)
-    fp32 = build_by_name(name, create_vit("vit_tiny_patch8_64", depth=1, embed_dim=32, num_heads=2),
-                         **({"decoder_dim": 32, "decoder_depth": 1, "decoder_heads": 2} if name == "mae" else {}))
+    fp32 = build_by_name(
+        name,
+        create_vit("vit_tiny_patch8_64", depth=1, embed_dim=32, num_heads=2),
+        **({"decoder_dim": 32, "decoder_depth": 1, "decoder_heads": 2} if name == "mae" else {}),
+    )
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
     assert torch.equal(bf16.targets(images), fp32.targets(images))
     loss, _ = bf16(images)  # runs: the patch embedding casts the fp32 images to the model's dtype
     assert torch.isfinite(loss)
     # what the engine used to do (cast the images to bf16 first) moves the targets
-    assert not torch.equal(fp32.targets(images.to(torch.bfloat16)).float(), fp32.targets(images).float())
+    assert not torch.equal(
+        fp32.targets(images.to(torch.bfloat16)).float(), fp32.targets(images).float()
+    )

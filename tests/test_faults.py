@@ -33,23 +33,46 @@ def last_per_step(metrics: list[dict]) -> dict[int, dict]:
 
 
 def launch(cfg_path, out, extra=()) -> list[str]:
-    return ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "pretrain/run.py",
-            "--config", str(cfg_path), "--output-dir", str(out), *extra]
+    return [
+        "deepspeed",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "pretrain/run.py",
+        "--config",
+        str(cfg_path),
+        "--output-dir",
+        str(out),
+        *extra,
+    ]
 
 
 def test_sigkill_mid_epoch_then_resume_auto_equals_an_uninterrupted_run(tmp_path, digits16):
-    cfg = tiny_config(digits16, train={"max_steps": 16, "ckpt_every": 4, "keep_last": 5}, data={"num_workers": 2})
+    cfg = tiny_config(
+        digits16, train={"max_steps": 16, "ckpt_every": 4, "keep_last": 5}, data={"num_workers": 2}
+    )
     path = write_config(tmp_path / "c.json", cfg)
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     r = run_cli(launch(path, straight))
     assert r.returncode == 0, r.stderr[-3000:]
 
-    proc = subprocess.Popen(launch(path, killed), cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        launch(path, killed),
+        cwd=REPO,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.time() + 240
-    while time.time() < deadline:  # kill as soon as step 6 is logged: after the step-4 checkpoint, mid-epoch
+    while (
+        time.time() < deadline
+    ):  # kill as soon as step 6 is logged: after the step-4 checkpoint, mid-epoch
         metrics = killed / "metrics.jsonl"
-        if metrics.exists() and any(json.loads(x)["step"] >= 6 for x in metrics.read_text().splitlines()):
+        if metrics.exists() and any(
+            json.loads(x)["step"] >= 6 for x in metrics.read_text().splitlines()
+        ):
             break
         time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGKILL)
@@ -70,8 +93,12 @@ def test_sigkill_mid_epoch_then_resume_auto_equals_an_uninterrupted_run(tmp_path
     assert steps == sorted(set(steps)), steps  # the replayed steps are logged once, not twice
     a, b = last_per_step(read_metrics(straight)), last_per_step(read_metrics(killed))
     assert sorted(b) == list(range(1, 17))
-    assert [b[s]["samples"] for s in range(1, 17)] == [16 * s for s in range(1, 17)]  # no gap, no repeat
-    assert [b[s]["loss"] for s in range(1, 17)] == [a[s]["loss"] for s in range(1, 17)]  # the same batches, bitwise
+    assert [b[s]["samples"] for s in range(1, 17)] == [
+        16 * s for s in range(1, 17)
+    ]  # no gap, no repeat
+    assert [b[s]["loss"] for s in range(1, 17)] == [
+        a[s]["loss"] for s in range(1, 17)
+    ]  # the same batches, bitwise
 
 
 def _jpeg(seed: int) -> bytes:
@@ -91,7 +118,9 @@ def _write_shard(path: Path, samples: list[tuple[str, bytes]]) -> None:
                 tar.addfile(info, io.BytesIO(blob))
 
 
-def test_garbage_jpegs_a_truncated_and_a_missing_shard_are_counted_and_the_run_completes(tmp_path, digits16):
+def test_garbage_jpegs_a_truncated_and_a_missing_shard_are_counted_and_the_run_completes(
+    tmp_path, digits16
+):
     shard_dir = tmp_path / "shards"
     shard_dir.mkdir()
     n_garbage = 0
@@ -105,10 +134,21 @@ def test_garbage_jpegs_a_truncated_and_a_missing_shard_are_counted_and_the_run_c
     t = shard_dir / "train-000003.tar"
     t.write_bytes(t.read_bytes()[: t.stat().st_size // 2])  # truncated mid-member
     spec = str(shard_dir / "train-{000000..000004}.tar")  # 000004 does not exist
-    cfg = tiny_config(digits16, data={"train_shards": spec, "num_workers": 2},  # counted: the cut shard's whole samples
-                      train={"max_steps": 12, "log_every": 4})
-    r = run_cli(["python", "pretrain/run.py", "--config", str(write_config(tmp_path / "c.json", cfg)),
-                 "--output-dir", str(tmp_path / "run")])
+    cfg = tiny_config(
+        digits16,
+        data={"train_shards": spec, "num_workers": 2},  # counted: the cut shard's whole samples
+        train={"max_steps": 12, "log_every": 4},
+    )
+    r = run_cli(
+        [
+            "python",
+            "pretrain/run.py",
+            "--config",
+            str(write_config(tmp_path / "c.json", cfg)),
+            "--output-dir",
+            str(tmp_path / "run"),
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "1 of 5 shards not found" in r.stderr and "train-000004.tar" in r.stderr
     last = read_metrics(tmp_path / "run")[-1]
@@ -121,12 +161,29 @@ def test_all_bad_shards_stop_the_run_with_their_names_not_a_hang(tmp_path, digit
     shard_dir = tmp_path / "bad"
     shard_dir.mkdir()
     for s in range(2):
-        _write_shard(shard_dir / f"bad-{s:06d}.tar", [(f"{s}-{i}", os.urandom(200)) for i in range(30)])
-    cfg = tiny_config(digits16, data={"train_shards": str(shard_dir / "bad-{000000..000001}.tar"),
-                                      "num_samples": 60, "num_workers": 1})
+        _write_shard(
+            shard_dir / f"bad-{s:06d}.tar", [(f"{s}-{i}", os.urandom(200)) for i in range(30)]
+        )
+    cfg = tiny_config(
+        digits16,
+        data={
+            "train_shards": str(shard_dir / "bad-{000000..000001}.tar"),
+            "num_samples": 60,
+            "num_workers": 1,
+        },
+    )
     t0 = time.time()
-    r = run_cli(["python", "pretrain/run.py", "--config", str(write_config(tmp_path / "c.json", cfg)),
-                 "--output-dir", str(tmp_path / "run")], timeout=120)
+    r = run_cli(
+        [
+            "python",
+            "pretrain/run.py",
+            "--config",
+            str(write_config(tmp_path / "c.json", cfg)),
+            "--output-dir",
+            str(tmp_path / "run"),
+        ],
+        timeout=120,
+    )
     assert r.returncode == 1 and time.time() - t0 < 120
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, r.stderr[-2000:]
@@ -138,7 +195,12 @@ def test_a_pickled_payload_in_a_checkpoint_is_refused_on_resume(tmp_path, digits
     cfg = tiny_config(digits16, train={"max_steps": 2, "ckpt_every": 2})
     path = write_config(tmp_path / "c.json", cfg)
     run = tmp_path / "run"
-    assert run_cli(["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(run)]).returncode == 0
+    assert (
+        run_cli(
+            ["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(run)]
+        ).returncode
+        == 0
+    )
     target = run / "checkpoints" / "step00000002" / "mp_rank_00_model_states.pt"
     state = torch.load(target, weights_only=True)
     mark = tmp_path / "pwned"
@@ -146,8 +208,21 @@ def test_a_pickled_payload_in_a_checkpoint_is_refused_on_resume(tmp_path, digits
     state["evil"] = Payload()
     torch.save(state, target)
     restamp(target.parent)
-    r = run_cli(["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(run), "--resume", "auto",
-                 "--set", "train.max_steps=4"], env={"PAYLOAD_MARK": str(mark), "PYTHONPATH": str(REPO / "tests")})
+    r = run_cli(
+        [
+            "python",
+            "pretrain/run.py",
+            "--config",
+            str(path),
+            "--output-dir",
+            str(run),
+            "--resume",
+            "auto",
+            "--set",
+            "train.max_steps=4",
+        ],
+        env={"PAYLOAD_MARK": str(mark), "PYTHONPATH": str(REPO / "tests")},
+    )
     assert r.returncode != 0 and "Weights only load failed" in r.stderr
     assert not mark.exists()
 
@@ -156,20 +231,44 @@ def test_pipe_shards_are_refused_unless_allowed(tmp_path, digits16, capsys):
     from pretrain.run import main
 
     cfg = tiny_config(digits16, data={"train_shards": "pipe:cat /etc/hostname", "num_samples": 10})
-    code = main(["--config", str(write_config(tmp_path / "c.json", cfg)), "--output-dir", str(tmp_path / "run")])
-    assert code == 2 and "data.allow_pipe" in capsys.readouterr().err and not (tmp_path / "run").exists()
+    code = main(
+        [
+            "--config",
+            str(write_config(tmp_path / "c.json", cfg)),
+            "--output-dir",
+            str(tmp_path / "run"),
+        ]
+    )
+    assert (
+        code == 2
+        and "data.allow_pipe" in capsys.readouterr().err
+        and not (tmp_path / "run").exists()
+    )
 
 
 def test_the_run_writes_only_under_its_output_directory(tmp_path, digits16):
     def listing(root: Path) -> set[str]:
-        return {str(p) for p in root.rglob("*") if "__pycache__" not in p.parts and ".pytest_cache" not in p.parts}
+        return {
+            str(p)
+            for p in root.rglob("*")
+            if "__pycache__" not in p.parts and ".pytest_cache" not in p.parts
+        }
 
     shard_dir = Path(digits16["train"]).parent
     watched = [REPO, shard_dir]
     before = {str(w): listing(w) for w in watched}
     cfg = tiny_config(digits16, train={"max_steps": 2, "ckpt_every": 1})
     out = tmp_path / "run"
-    r = run_cli(["python", "pretrain/run.py", "--config", str(write_config(tmp_path / "c.json", cfg)), "--output-dir", str(out)])
+    r = run_cli(
+        [
+            "python",
+            "pretrain/run.py",
+            "--config",
+            str(write_config(tmp_path / "c.json", cfg)),
+            "--output-dir",
+            str(out),
+        ]
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     for w in watched:
         new = listing(w) - before[str(w)]
@@ -180,21 +279,35 @@ def test_the_run_writes_only_under_its_output_directory(tmp_path, digits16):
 def test_a_nan_at_step_5_rolls_back_and_finishes_or_stops_naming_the_step(tmp_path, digits16):
     """train.on_nonfinite: rollback reloads the step-4 checkpoint, moves the data past the failed
     window, scales the lr, records the event and finishes; stop exits 1 naming the step."""
-    env = {"MPP_INJECT_NONFINITE_AT_STEP": "5"}  # the check reports a NaN when step 5 is first tried
-    cfg = tiny_config(digits16, train={"max_steps": 8, "ckpt_every": 2, "max_bad_steps": 0, "on_nonfinite": "rollback",
-                                       "rollback_lr_scale": 0.5})  # fmt: skip
+    env = {
+        "MPP_INJECT_NONFINITE_AT_STEP": "5"
+    }  # the check reports a NaN when step 5 is first tried
+    cfg = tiny_config(
+        digits16,
+        train={
+            "max_steps": 8,
+            "ckpt_every": 2,
+            "max_bad_steps": 0,
+            "on_nonfinite": "rollback",
+            "rollback_lr_scale": 0.5,
+        },
+    )
     path = write_config(tmp_path / "r.json", cfg)
     r = run_cli(launch(path, tmp_path / "rb"), env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     records = read_metrics(tmp_path / "rb")
     train = [m for m in records if "loss" in m]
-    assert [m["step"] for m in train] == list(range(1, 9))  # all steps, each once (4 was rewound to)
+    assert [m["step"] for m in train] == list(
+        range(1, 9)
+    )  # all steps, each once (4 was rewound to)
     (event,) = [m for m in records if m.get("event") == "rollback"]
     assert event["failed_step"] == 5 and event["to_step"] == 4 and event["lr_scale"] == 0.5
     assert np.isfinite(train[-1]["loss"]) and train[-1]["samples"] == 8 * 16
     from mpp.train.optim import lr_at
 
-    schedule = dict(peak=1e-3, total=8, warmup=2)  # tiny_config's; the lr logged at step s is lr_at(s - 1)
+    schedule = dict(
+        peak=1e-3, total=8, warmup=2
+    )  # tiny_config's; the lr logged at step s is lr_at(s - 1)
     assert train[3]["lr"] == pytest.approx(lr_at(3, **schedule))
     assert train[4]["lr"] == pytest.approx(0.5 * lr_at(4, **schedule))  # after the rollback: scaled
 

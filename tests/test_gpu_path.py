@@ -32,8 +32,10 @@ def test_every_shipped_config_splits_its_batch_on_1_to_64_gpus(name, world):
     assert micro * accum * world == t.batch_size
     assert micro <= (t.max_micro_batch_size or t.micro_batch_size or micro)
     if t.max_micro_batch_size:  # fewest accumulation steps under the bound
-        assert accum == 1 or t.batch_size // world // (accum - 1) > t.max_micro_batch_size or (
-            (t.batch_size // world) % (accum - 1)
+        assert (
+            accum == 1
+            or t.batch_size // world // (accum - 1) > t.max_micro_batch_size
+            or ((t.batch_size // world) % (accum - 1))
         )
 
 
@@ -41,12 +43,16 @@ def test_max_micro_batch_size_picks_the_fewest_accumulation_steps():
     cfg = shipped("mpp_b16")  # 4096, at most 256 per rank
     assert [cfg.micro_batch(w) for w in (8, 16, 64)] == [(256, 2), (256, 1), (64, 1)]
     cfg.train.max_micro_batch_size = 100
-    assert cfg.micro_batch(8) == (512 // 8, 8)  # 512 per rank: 6 steps of 85.3 do not split; 8 of 64 do
+    assert cfg.micro_batch(8) == (
+        512 // 8,
+        8,
+    )  # 512 per rank: 6 steps of 85.3 do not split; 8 of 64 do
     with pytest.raises(ValueError, match="world size 3"):
         cfg.micro_batch(3)
     with pytest.raises(ValueError, match="not both"):
-        shipped("mpp_b16").train.model_validate({"batch_size": 8, "micro_batch_size": 2,
-                                                 "max_micro_batch_size": 4, "max_steps": 1})
+        shipped("mpp_b16").train.model_validate(
+            {"batch_size": 8, "micro_batch_size": 2, "max_micro_batch_size": 4, "max_steps": 1}
+        )
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -60,12 +66,21 @@ def test_deepspeed_config_for_gpus(stage):
     assert ds["bf16"] == {"enabled": True} and ds["communication_data_type"] == "fp32"
     assert ("data_types" in ds) == (stage >= 2)
     zero = ds["zero_optimization"]
-    assert zero.get("overlap_comm") == (True if stage in (1, 2) else None)  # DeepSpeed's own default at 3
+    assert zero.get("overlap_comm") == (
+        True if stage in (1, 2) else None
+    )  # DeepSpeed's own default at 3
     assert zero.get("reduce_bucket_size") == (int(5e7) if stage else None)
-    assert "communication_data_type" not in cfg.deepspeed_config(8, "cpu")  # fp32 on the CPU: nothing to say
-    cfg.deepspeed = {"zero_optimization": {"stage": 2, "overlap_comm": False}, "communication_data_type": "bf16"}
+    assert "communication_data_type" not in cfg.deepspeed_config(
+        8, "cpu"
+    )  # fp32 on the CPU: nothing to say
+    cfg.deepspeed = {
+        "zero_optimization": {"stage": 2, "overlap_comm": False},
+        "communication_data_type": "bf16",
+    }
     ds = cfg.deepspeed_config(8, "cuda")  # the user's word wins
-    assert ds["zero_optimization"]["overlap_comm"] is False and ds["communication_data_type"] == "bf16"
+    assert (
+        ds["zero_optimization"]["overlap_comm"] is False and ds["communication_data_type"] == "bf16"
+    )
 
 
 def test_zero_offload_runs_with_our_optimizer(tmp_path, digits16, dist_group):
@@ -77,12 +92,19 @@ def test_zero_offload_runs_with_our_optimizer(tmp_path, digits16, dist_group):
     from mpp.build import build_objective
     from mpp.train.optim import build_optimizer
 
-    raw = tiny_config(digits16, train={"precision": "bf16", "micro_batch_size": 8},
-                      deepspeed={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    raw = tiny_config(
+        digits16,
+        train={"precision": "bf16", "micro_batch_size": 8},
+        deepspeed={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+    )
     cfg = Config.model_validate(raw)
     objective = build_objective(cfg)
-    ds = cfg.deepspeed_config(1, "cpu")  # bf16 asked for: fp32 reductions and accumulation, as on a GPU
-    engine, *_ = deepspeed.initialize(model=objective, optimizer=build_optimizer(cfg, objective), config=ds)
+    ds = cfg.deepspeed_config(
+        1, "cpu"
+    )  # bf16 asked for: fp32 reductions and accumulation, as on a GPU
+    engine, *_ = deepspeed.initialize(
+        model=objective, optimizer=build_optimizer(cfg, objective), config=ds
+    )
     assert engine.communication_data_type == torch.float32
     assert engine.optimizer.gradient_accumulation_dtype == torch.float32
     assert engine.tput_timer.config.enabled is False
@@ -108,8 +130,15 @@ class TensorsFromHost(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("objective", [{"name": "mpp"}, {"name": "mae"}, {"name": "hpm", "base": "mpp"},
-                                       {"name": "hpm", "base": "mae"}])
+@pytest.mark.parametrize(
+    "objective",
+    [
+        {"name": "mpp"},
+        {"name": "mae"},
+        {"name": "hpm", "base": "mpp"},
+        {"name": "hpm", "base": "mae"},
+    ],
+)
 def test_a_training_step_builds_no_tensor_from_host_data(digits16, objective):
     """MPP's unnormalize built mean/std from lists every step (also under HPM with base mpp)."""
     from conftest import tiny_config
@@ -137,8 +166,12 @@ def test_rng_restore_with_fewer_visible_gpus_than_at_save(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": states[3])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # one GPU visible to this task
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": set_to.append(int(s[0])))
-    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda s: pytest.fail("restores every device"))
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda s, device="cuda": set_to.append(int(s[0]))
+    )
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state_all", lambda s: pytest.fail("restores every device")
+    )
     saved = rng.rng_state()
     assert [int(s[0]) for s in saved["cuda"]] == [3]  # only the rank's own device
     rng.set_rng_state(saved)
@@ -180,17 +213,29 @@ def test_zero3_gather_stream_is_where_the_ema_ordering_looks(digits16, dist_grou
     from mpp.parallel import zero as zero_internals
     from mpp.train.optim import build_optimizer
 
-    cfg = Config.model_validate(tiny_config(digits16, objective={"name": "hpm", "base": "mae"},
-                                            deepspeed={"zero_optimization": zero(3)}))
+    cfg = Config.model_validate(
+        tiny_config(
+            digits16,
+            objective={"name": "hpm", "base": "mae"},
+            deepspeed={"zero_optimization": zero(3)},
+        )
+    )
     objective = build_objective(cfg)
-    _, optimizer, _, _ = deepspeed.initialize(model=objective, optimizer=build_optimizer(cfg, objective),
-                                              config=cfg.deepspeed_config(1, "cpu"))
+    _, optimizer, _, _ = deepspeed.initialize(
+        model=objective,
+        optimizer=build_optimizer(cfg, objective),
+        config=cfg.deepspeed_config(1, "cpu"),
+    )
     coordinator = optimizer.parameter_offload.get_param_coordinator()
-    assert hasattr(coordinator, "_PartitionedParameterCoordinator__allgather_stream")  # None on the CPU
+    assert hasattr(
+        coordinator, "_PartitionedParameterCoordinator__allgather_stream"
+    )  # None on the CPU
     zero_internals.order_gathers_after_writes(optimizer)  # a no-op here, and no error
 
 
-def test_fine_tune_evaluation_reads_with_the_configured_workers(monkeypatch, tmp_path, digits16, dist_group):
+def test_fine_tune_evaluation_reads_with_the_configured_workers(
+    monkeypatch, tmp_path, digits16, dist_group
+):
     """The evaluation loader was capped at one worker per rank: on a GPU node, one process decoding
     a 50k-image validation set while the GPUs wait."""
     from types import SimpleNamespace

@@ -9,15 +9,21 @@ from conftest import tiny_config
 from mpp.build import build_objective
 from mpp.config import Config, FinetuneConfig
 
-OBJECTIVES = [{"name": "mpp"}, {"name": "mae", "norm_pix_loss": True}, {"name": "hpm", "base": "mae"},
-              {"name": "hpm", "base": "mpp"}]
+OBJECTIVES = [
+    {"name": "mpp"},
+    {"name": "mae", "norm_pix_loss": True},
+    {"name": "hpm", "base": "mae"},
+    {"name": "hpm", "base": "mpp"},
+]
 
 
 def grads(model, inputs, seed=3):
     torch.manual_seed(seed)  # the same masks and drop-path draws for both
     loss, _ = model(*inputs)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 @pytest.mark.parametrize("objective", OBJECTIVES, ids=lambda o: "-".join(map(str, o.values())))
@@ -26,7 +32,9 @@ def test_gradients_equal_with_and_without(digits16, objective):
     results = []
     for on in (False, True):
         torch.manual_seed(0)
-        raw = tiny_config(digits16, objective=objective, model={"drop_path_rate": 0.2, "grad_checkpointing": on})
+        raw = tiny_config(
+            digits16, objective=objective, model={"drop_path_rate": 0.2, "grad_checkpointing": on}
+        )
         model = build_objective(Config.model_validate(raw))
         assert model.encoder.grad_checkpointing is on
         results.append(grads(model, (images,)))
@@ -76,7 +84,9 @@ def test_activations_held_drop_to_about_one_block():
 
 
 def test_a_runtime_switch_not_architecture(digits16):
-    cfg = Config.model_validate(tiny_config(digits16, objective={"name": "mae"}, model={"grad_checkpointing": True}))
+    cfg = Config.model_validate(
+        tiny_config(digits16, objective={"name": "mae"}, model={"grad_checkpointing": True})
+    )
     model = build_objective(cfg)
     assert model.decoder.grad_checkpointing and model.encoder.grad_checkpointing
     assert "grad_checkpointing" not in cfg.model.vit_kwargs()  # the exported encoder's metadata

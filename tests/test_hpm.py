@@ -51,7 +51,10 @@ def digits(n: int = 32) -> torch.Tensor:
     x = F.interpolate(x[:, None], size=32, mode="bilinear", align_corners=False).expand(
         -1, 3, -1, -1
     )
-    mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    mean, std = (
+        torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1),
+        torch.tensor(IMAGENET_STD).view(1, 3, 1, 1),
+    )
     return (x - mean) / std
 
 
@@ -232,12 +235,23 @@ def test_ranking_loss_differs_from_the_official_form_only_where_documented():
         return loss.sum() / (pos + neg).sum()
 
     g = torch.Generator().manual_seed(0)
-    pred, target = torch.randn(4, 12, generator=g, dtype=torch.float64), torch.rand(4, 12, generator=g, dtype=torch.float64)
-    assert ranking_loss(pred, target).item() == pytest.approx(official(pred, target).item(), abs=1e-5)
-    wrong = torch.tensor([[40.0, 0.0]], dtype=torch.float64)  # patch 0 scored far harder, but is easier
+    pred, target = (
+        torch.randn(4, 12, generator=g, dtype=torch.float64),
+        torch.rand(4, 12, generator=g, dtype=torch.float64),
+    )
+    assert ranking_loss(pred, target).item() == pytest.approx(
+        official(pred, target).item(), abs=1e-5
+    )
+    wrong = torch.tensor(
+        [[40.0, 0.0]], dtype=torch.float64
+    )  # patch 0 scored far harder, but is easier
     easy_first = torch.tensor([[0.1, 0.9]], dtype=torch.float64)
-    assert official(wrong, easy_first).item() == pytest.approx(-math.log(1e-6), rel=1e-3)  # the cap, ~13.8
-    assert ranking_loss(wrong, easy_first).item() == pytest.approx(40.0, rel=1e-6)  # -log sigmoid(-40)
+    assert official(wrong, easy_first).item() == pytest.approx(
+        -math.log(1e-6), rel=1e-3
+    )  # the cap, ~13.8
+    assert ranking_loss(wrong, easy_first).item() == pytest.approx(
+        40.0, rel=1e-6
+    )  # -log sigmoid(-40)
     tied = torch.ones(2, 3)
     assert torch.isnan(official(torch.randn(2, 3), tied))
     assert ranking_loss(torch.randn(2, 3), tied).item() == 0.0
@@ -308,13 +322,17 @@ def test_fp32_ema_state_round_trips_for_resume(caplog):
     for _ in range(3):
         hpm.update_teacher()
     state = hpm.rank_state()
-    assert len(state) == len(list(hpm.teacher.parameters())) and all(t.dtype == torch.float32 for t in state.values())
+    assert len(state) == len(list(hpm.teacher.parameters())) and all(
+        t.dtype == torch.float32 for t in state.values()
+    )
     resumed = tiny_hpm().to(torch.bfloat16)
     resumed.load_state_dict(hpm.state_dict())
     resumed.load_rank_state({k: v.clone() for k, v in state.items()})
     for a, b in zip(resumed.rank_state().values(), state.values(), strict=True):
         assert torch.equal(a, b)
-    other = tiny_hpm(embed_dim=32).to(torch.bfloat16)  # another shape (as another ZeRO-3 world size)
+    other = tiny_hpm(embed_dim=32).to(
+        torch.bfloat16
+    )  # another shape (as another ZeRO-3 world size)
     other.load_rank_state(state)
     assert other.ema.fp32 is None and "does not match" in caplog.text
 

@@ -17,17 +17,40 @@ def hpm_runs(tmp_path_factory, digits16):
     runs = {}
     for stage in (2, 3):
         cfg = tiny_config(
-            digits16, train={"max_steps": 3, "ckpt_every": 1, "keep_last": 3},
-            objective={"name": "hpm", "base": "mae", "decoder_dim": 32, "decoder_depth": 1, "decoder_heads": 2,
-                       "momentum_start": 0.99, "momentum_end": 0.999, "momentum_epochs": 1},
+            digits16,
+            train={"max_steps": 3, "ckpt_every": 1, "keep_last": 3},
+            objective={
+                "name": "hpm",
+                "base": "mae",
+                "decoder_dim": 32,
+                "decoder_depth": 1,
+                "decoder_heads": 2,
+                "momentum_start": 0.99,
+                "momentum_end": 0.999,
+                "momentum_epochs": 1,
+            },
             deepspeed={"zero_optimization": zero(stage)},
-            model={"grad_checkpointing": stage == 3},  # ZeRO-3 gathers again for each block's recompute
+            model={
+                "grad_checkpointing": stage == 3
+            },  # ZeRO-3 gathers again for each block's recompute
         )
         cfg.pop("masking")
         path = write_config(tmp / f"h{stage}.json", cfg)
         out = tmp / f"h{stage}"
-        r = run_cli(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "pretrain/run.py",
-                     "--config", str(path), "--output-dir", str(out)])
+        r = run_cli(
+            [
+                "deepspeed",
+                "--num_gpus",
+                "2",
+                "--master_port",
+                str(free_port()),
+                "pretrain/run.py",
+                "--config",
+                str(path),
+                "--output-dir",
+                str(out),
+            ]
+        )
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         runs[stage] = {s: zero_to_fp32(out / "checkpoints", f"step{s:08d}") for s in (2, 3)}
         runs[stage]["metrics"] = read_metrics(out)
@@ -41,7 +64,9 @@ def test_teacher_is_the_ema_of_the_student_after_a_step(hpm_runs, stage):
     teacher_keys = [k for k in after if k.startswith("teacher.")]
     assert len(teacher_keys) > 20  # the whole student: encoder, pixel decoder, loss predictor
     steps_per_epoch = 1497 // 16
-    epoch = (2 * 16) // 1497  # before step 3's micro-step: epoch 0; the momentum changes once per epoch
+    epoch = (
+        2 * 16
+    ) // 1497  # before step 3's micro-step: epoch 0; the momentum changes once per epoch
     assert epoch == 0 and 2 < steps_per_epoch
     m = momentum_at(epoch, 0.99, 0.999, 1)
     assert hpm_runs[stage]["metrics"][2]["teacher_momentum"] == pytest.approx(m, abs=1e-6)
@@ -67,7 +92,18 @@ def test_an_elastic_resume_on_one_rank_keeps_the_teacher(hpm_runs, stage, tmp_pa
     run = tmp_path / "run"
     shutil.copytree(out, run)
     shutil.rmtree(run / "checkpoints" / "step00000003")
-    r = run_cli([sys.executable, "pretrain/run.py", "--config", str(path), "--output-dir", str(run), "--resume", "auto"])
+    r = run_cli(
+        [
+            sys.executable,
+            "pretrain/run.py",
+            "--config",
+            str(path),
+            "--output-dir",
+            str(run),
+            "--resume",
+            "auto",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "elastic resume" in r.stderr
     before, after = hpm_runs[stage][2], zero_to_fp32(run / "checkpoints", "step00000003")

@@ -28,8 +28,14 @@ def fake_run(tmp_path, name="run", **extra) -> tuple:
     model = create_vit(**{**TINY, **extra}).eval()
     run = tmp_path / name
     run.mkdir()
-    save_weights(model.state_dict(), run / "encoder.safetensors", {"format": "mpp-encoder", "model": {**TINY, **extra}})
-    (run / "config.json").write_text(json.dumps({"model": TINY, "data": {"mean": MEAN, "std": STD, "builtin": "digits"}}))
+    save_weights(
+        model.state_dict(),
+        run / "encoder.safetensors",
+        {"format": "mpp-encoder", "model": {**TINY, **extra}},
+    )
+    (run / "config.json").write_text(
+        json.dumps({"model": TINY, "data": {"mean": MEAN, "std": STD, "builtin": "digits"}})
+    )
     return run, model
 
 
@@ -39,14 +45,25 @@ def test_hf_export_of_a_pretrained_encoder_gives_our_features_and_round_trips_bi
     hf = transformers.ViTModel.from_pretrained(folder, add_pooling_layer=False).eval()
     x = torch.randn(3, 3, 16, 16)
     with torch.no_grad():
-        torch.testing.assert_close(hf(pixel_values=x).last_hidden_state, ours.forward_features(x), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            hf(pixel_values=x).last_hidden_state, ours.forward_features(x), rtol=0, atol=1e-5
+        )
     processor = json.loads((folder / "preprocessor_config.json").read_text())
-    assert processor["image_mean"] == MEAN and processor["image_std"] == STD and processor["size"] == {"height": 16, "width": 16}
-    for source in (folder, _saved_by_transformers(hf, tmp_path / "resaved")):  # ours -> HF -> ours, both key styles
+    assert (
+        processor["image_mean"] == MEAN
+        and processor["image_std"] == STD
+        and processor["size"] == {"height": 16, "width": 16}
+    )
+    for source in (
+        folder,
+        _saved_by_transformers(hf, tmp_path / "resaved"),
+    ):  # ours -> HF -> ours, both key styles
         sd, kwargs = load_pretrained(source)
         assert sd.keys() == ours.state_dict().keys()
         assert all(torch.equal(sd[k], v) for k, v in ours.state_dict().items())
-        rebuilt = VisionTransformer(**{k: v for k, v in kwargs.items() if k != "name"}, pos_embed="learned")
+        rebuilt = VisionTransformer(
+            **{k: v for k, v in kwargs.items() if k != "name"}, pos_embed="learned"
+        )
         rebuilt.load_state_dict(sd)
 
 
@@ -76,7 +93,10 @@ def test_timm_export_of_a_classifier_carries_head_pooling_and_the_runs_statistic
     assert args["num_classes"] == 10 and args["global_pool"] == "avg" and args["fc_norm"] is True
     assert config["pretrained_cfg"]["mean"] == MEAN and config["pretrained_cfg"]["std"] == STD
     sd = load_file(str(folder / "model.safetensors"))
-    assert {"head.weight", "fc_norm.weight"} <= sd.keys() and "norm.weight" not in sd  # timm's avg-pool layout
+    assert {
+        "head.weight",
+        "fc_norm.weight",
+    } <= sd.keys() and "norm.weight" not in sd  # timm's avg-pool layout
     # timm does not import here: the same constructor arguments through our (timm-named) ViT
     ours_args = {k: v for k, v in args.items() if k not in ("class_token", "fc_norm")}
     rebuilt = VisionTransformer(**ours_args).eval()
@@ -91,40 +111,64 @@ def mae_release_checkpoint(objective) -> dict[str, torch.Tensor]:
     """Our MAE objective's weights in MAE's release names (models_mae.py)."""
     out = {}
     for k, v in objective.state_dict().items():
-        for ours, theirs in (("encoder.", ""), ("decoder_embed.proj.", "decoder_embed."), ("decoder_embed.mask_token", "mask_token"),
-                             ("decoder_embed.pos_embed", "decoder_pos_embed"), ("decoder.blocks.", "decoder_blocks."),
-                             ("decoder.norm.", "decoder_norm."), ("decoder.pred.", "decoder_pred.")):  # fmt: skip
+        for ours, theirs in (
+            ("encoder.", ""),
+            ("decoder_embed.proj.", "decoder_embed."),
+            ("decoder_embed.mask_token", "mask_token"),
+            ("decoder_embed.pos_embed", "decoder_pos_embed"),
+            ("decoder.blocks.", "decoder_blocks."),
+            ("decoder.norm.", "decoder_norm."),
+            ("decoder.pred.", "decoder_pred."),
+        ):
             if k.startswith(ours):
                 out[theirs + k[len(ours) :]] = v.clone()
                 break
     return out
 
 
-def test_maes_release_format_initialises_pretraining_and_fine_tuning_and_a_pickle_is_refused(tmp_path, digits16):
+def test_maes_release_format_initialises_pretraining_and_fine_tuning_and_a_pickle_is_refused(
+    tmp_path, digits16
+):
     from conftest import tiny_config
 
     from mpp.build import build_encoder, build_objective
 
-    raw = tiny_config(digits16, objective={"name": "mae", "decoder_dim": 32, "decoder_depth": 1, "decoder_heads": 2})
+    raw = tiny_config(
+        digits16,
+        objective={"name": "mae", "decoder_dim": 32, "decoder_depth": 1, "decoder_heads": 2},
+    )
     raw.pop("masking")
     raw["train"]["seed"] = 1
     source = build_objective(validate(raw))  # "published" weights: another seed's MAE
     release = mae_release_checkpoint(source)
-    assert {"decoder_embed.weight", "decoder_blocks.0.attn.qkv.weight", "mask_token", "decoder_pred.weight"} <= release.keys()
+    assert {
+        "decoder_embed.weight",
+        "decoder_blocks.0.attn.qkv.weight",
+        "mask_token",
+        "decoder_pred.weight",
+    } <= release.keys()
     path = tmp_path / "mae_pretrain_vit_tiny_full.pth"
     torch.save({"model": release, "epoch": 799}, path)
 
     torch.manual_seed(0)
     cont = validate({**raw, "model": {**raw["model"], "init": str(path)}})
     cont._source = "c.json"
-    objective = build_objective(cont)  # pretraining continues from the release file, decoder included
+    objective = build_objective(
+        cont
+    )  # pretraining continues from the release file, decoder included
     for k, v in source.state_dict().items():
         assert torch.equal(objective.state_dict()[k], v), k
-    hpm_raw = {**raw, "objective": {"name": "hpm", "decoder_dim": 32, "decoder_depth": 1, "decoder_heads": 2},
-               "model": {**raw["model"], "init": str(path)}}  # fmt: skip
+    hpm_raw = {
+        **raw,
+        "objective": {"name": "hpm", "decoder_dim": 32, "decoder_depth": 1, "decoder_heads": 2},
+        "model": {**raw["model"], "init": str(path)},
+    }
     hpm = build_objective(validate(hpm_raw))
     assert torch.equal(hpm.base.decoder.pred.weight, source.decoder.pred.weight)
-    assert torch.equal(hpm.teacher["base"].encoder.blocks[0].attn.qkv.weight, source.encoder.blocks[0].attn.qkv.weight)
+    assert torch.equal(
+        hpm.teacher["base"].encoder.blocks[0].attn.qkv.weight,
+        source.encoder.blocks[0].attn.qkv.weight,
+    )
 
     from mpp.config import FinetuneConfig
 
@@ -181,8 +225,10 @@ def test_wandb_offline_run_has_the_config_and_the_loss_series(tmp_path, digits16
     cfg = tiny_config(digits16, train={"max_steps": 4, "report_to": ["tensorboard", "wandb"]})
     path = write_config(tmp_path / "c.json", cfg)
     out = tmp_path / "run"
-    r = run_cli(["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(out)],
-                env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})  # fmt: skip
+    r = run_cli(
+        ["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(out)],
+        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     (run_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
     config, losses = {}, {}
@@ -190,12 +236,23 @@ def test_wandb_offline_run_has_the_config_and_the_loss_series(tmp_path, digits16
         kind = record.WhichOneof("record_type")
         if kind in ("run", "config"):  # the config comes with the run record (and later updates)
             updates = record.run.config.update if kind == "run" else record.config.update
-            config.update({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in updates})
+            config.update(
+                {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                    for item in updates
+                }
+            )
         elif kind == "history":
-            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            items = {
+                item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                for item in record.history.item
+            }
             if "train/loss" in items:
                 losses[items["step"]] = items["train/loss"]
-    assert config["model"]["name"] == "vit_tiny_patch4_16" and config["train"]["report_to"] == ["tensorboard", "wandb"]
+    assert config["model"]["name"] == "vit_tiny_patch4_16" and config["train"]["report_to"] == [
+        "tensorboard",
+        "wandb",
+    ]
     expected = {m["step"]: m["loss"] for m in read_metrics(out)}
     assert losses == pytest.approx(expected) and sorted(losses) == [1, 2, 3, 4]
     assert any((out / "tb").iterdir())  # TensorBoard still written
@@ -212,14 +269,24 @@ def test_a_real_pretraining_run_exports_to_hf_with_its_features(two_rank_runs, t
     load_into(ours, run)
     x = torch.randn(2, 3, 16, 16)
     with torch.no_grad():
-        torch.testing.assert_close(hf(pixel_values=x).last_hidden_state, ours.forward_features(x), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            hf(pixel_values=x).last_hidden_state, ours.forward_features(x), rtol=0, atol=1e-5
+        )
 
 
 def google_style_vit(folder, qkv_bias=True):
     """A transformers ViT saved the way Google's checkpoints state their LayerNorms: eps 1e-12."""
     torch.manual_seed(0)
-    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-                                    image_size=16, patch_size=4, layer_norm_eps=1e-12, qkv_bias=qkv_bias)  # fmt: skip
+    config = transformers.ViTConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        image_size=16,
+        patch_size=4,
+        layer_norm_eps=1e-12,
+        qkv_bias=qkv_bias,
+    )
     model = transformers.ViTModel(config, add_pooling_layer=False).eval()
     model.save_pretrained(folder)
     return model
@@ -231,30 +298,53 @@ def test_weights_from_a_transformers_folder_compute_what_transformers_computes(t
     from mpp.config import ProbeConfig
 
     hf = google_style_vit(tmp_path / "vit", qkv_bias)
-    cfg = validate({"init": str(tmp_path / "vit"), "model": TINY, "data": {"builtin": "digits"}}, cls=ProbeConfig)
+    cfg = validate(
+        {"init": str(tmp_path / "vit"), "model": TINY, "data": {"builtin": "digits"}},
+        cls=ProbeConfig,
+    )
     encoder = build_encoder(cfg).eval()
     # small pixels: token variances near 1e-6, where eps 1e-6 instead of 1e-12 is 1e-3 off
     x = 0.01 * torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf(pixel_values=x).last_hidden_state
         torch.testing.assert_close(encoder.forward_features(x), expected, rtol=0, atol=1e-5)
-        assert cfg.model.norm_eps == 1e-12 and cfg.model.qkv_bias is qkv_bias  # so the run's config.json states them
-        raw = {"model": {**TINY, "init": str(tmp_path / "vit")}, "data": {"builtin": "digits"},
-               "optim": {"lr": 1e-3}, "train": {"max_steps": 1}}  # fmt: skip
-        objective = build_objective(validate(raw))  # pretraining continues from it alike (model.init)
-        torch.testing.assert_close(objective.encoder.eval().forward_features(x), expected, rtol=0, atol=1e-5)
+        assert (
+            cfg.model.norm_eps == 1e-12 and cfg.model.qkv_bias is qkv_bias
+        )  # so the run's config.json states them
+        raw = {
+            "model": {**TINY, "init": str(tmp_path / "vit")},
+            "data": {"builtin": "digits"},
+            "optim": {"lr": 1e-3},
+            "train": {"max_steps": 1},
+        }
+        objective = build_objective(
+            validate(raw)
+        )  # pretraining continues from it alike (model.init)
+        torch.testing.assert_close(
+            objective.encoder.eval().forward_features(x), expected, rtol=0, atol=1e-5
+        )
 
 
-@pytest.mark.parametrize("key,value,stated", [("norm_eps", 1e-6, 1e-12), ("num_heads", 4, 2), ("qkv_bias", False, True)])
-def test_a_config_that_contradicts_the_weights_file_is_an_error_naming_both_values(tmp_path, key, value, stated):
+@pytest.mark.parametrize(
+    "key,value,stated", [("norm_eps", 1e-6, 1e-12), ("num_heads", 4, 2), ("qkv_bias", False, True)]
+)
+def test_a_config_that_contradicts_the_weights_file_is_an_error_naming_both_values(
+    tmp_path, key, value, stated
+):
     import re
 
     from mpp.build import build_encoder
     from mpp.config import ConfigError, ProbeConfig
 
     google_style_vit(tmp_path / "vit")
-    cfg = validate({"init": str(tmp_path / "vit"), "model": {**TINY, key: value}, "data": {"builtin": "digits"}},
-                   cls=ProbeConfig)  # fmt: skip
+    cfg = validate(
+        {
+            "init": str(tmp_path / "vit"),
+            "model": {**TINY, key: value},
+            "data": {"builtin": "digits"},
+        },
+        cls=ProbeConfig,
+    )
     expected = rf"init: .*{key}={re.escape(repr(stated))}, the config's model has {key}={re.escape(repr(value))} \(model\.{key}\)"
     with pytest.raises(ConfigError, match=expected):
         build_encoder(cfg)
@@ -268,8 +358,14 @@ def test_an_eps_timm_cannot_state_is_kept_for_hf_and_refused_for_timm(tmp_path):
     assert hf.config.layer_norm_eps == 1e-12
     x = 0.01 * torch.randn(2, 3, 16, 16)
     with torch.no_grad():
-        torch.testing.assert_close(hf(pixel_values=x).last_hidden_state, ours.forward_features(x), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            hf(pixel_values=x).last_hidden_state, ours.forward_features(x), rtol=0, atol=1e-5
+        )
     with pytest.raises(ValueError, match="norm_eps=1e-12: timm's VisionTransformer .* eps 1e-06"):
         export(run, "timm")
-    with pytest.raises(ValueError, match="init_values=1e-05: our ViT supports only None"):  # LayerScale
-        timm_model_kwargs({"architecture": "vit_base_patch16_224", "model_args": {"init_values": 1e-5}})
+    with pytest.raises(
+        ValueError, match="init_values=1e-05: our ViT supports only None"
+    ):  # LayerScale
+        timm_model_kwargs(
+            {"architecture": "vit_base_patch16_224", "model_args": {"init_values": 1e-5}}
+        )

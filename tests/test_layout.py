@@ -73,7 +73,11 @@ def test_the_cycle_finder_finds_a_circle():
 
 def test_no_import_circle_in_mpp():
     graph = {name: imports_of(name, path) for name, path in MODULES.items()}
-    assert graph["mpp.train.trainer"] >= {"mpp.train.plan", "mpp.train.optim", "mpp.train.metrics"}  # the walker sees imports
+    assert graph["mpp.train.trainer"] >= {
+        "mpp.train.plan",
+        "mpp.train.optim",
+        "mpp.train.metrics",
+    }  # the walker sees imports
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -87,18 +91,55 @@ LAYERS = {
     "mpp.models": {"mpp.ops"},
     "mpp.masking": {"mpp.ops"},
     "mpp.config": {"mpp.ops", "mpp.parallel.ds_config"},  # the deepspeed section's defaults
-    "mpp.objectives": {"mpp.models", "mpp.masking", "mpp.ops", "mpp.parallel.ema", "mpp.data.augment"},
+    "mpp.objectives": {
+        "mpp.models",
+        "mpp.masking",
+        "mpp.ops",
+        "mpp.parallel.ema",
+        "mpp.data.augment",
+    },
     # the runtime: previews draw the objectives' own outputs (train.panels, train.preview)
-    "mpp.train": {"mpp.config", "mpp.data", "mpp.parallel", "mpp.objectives", "mpp.masking", "mpp.ops"},
+    "mpp.train": {
+        "mpp.config",
+        "mpp.data",
+        "mpp.parallel",
+        "mpp.objectives",
+        "mpp.masking",
+        "mpp.ops",
+    },
     "mpp.cli": {"mpp.config", "mpp.parallel", "mpp.train"},
     "mpp.submit": {"mpp.cli", "mpp.parallel", "mpp.train"},
     "mpp.hub": {"mpp.models", "mpp.data", "mpp.ops", "mpp.train.checkpoint", "mpp.train.storage"},
     # config -> objective and encoder, init weights included: above hub, so not inside objectives/
-    "mpp.build": {"mpp.config", "mpp.hub", "mpp.masking", "mpp.models", "mpp.objectives", "mpp.train.storage"},
-    "mpp.downstream": {"mpp.build", "mpp.cli", "mpp.config", "mpp.data", "mpp.models", "mpp.objectives",
-                       "mpp.ops", "mpp.parallel", "mpp.submit", "mpp.train"},  # fmt: skip
+    "mpp.build": {
+        "mpp.config",
+        "mpp.hub",
+        "mpp.masking",
+        "mpp.models",
+        "mpp.objectives",
+        "mpp.train.storage",
+    },
+    "mpp.downstream": {
+        "mpp.build",
+        "mpp.cli",
+        "mpp.config",
+        "mpp.data",
+        "mpp.models",
+        "mpp.objectives",
+        "mpp.ops",
+        "mpp.parallel",
+        "mpp.submit",
+        "mpp.train",
+    },
 }
-TOOLS = {"mpp.tools", "mpp.benchmarks", "mpp.doctor", "mpp.plan", "mpp.demo", "mpp.export"}  # anything below
+TOOLS = {
+    "mpp.tools",
+    "mpp.benchmarks",
+    "mpp.doctor",
+    "mpp.plan",
+    "mpp.demo",
+    "mpp.export",
+}  # anything below
 
 
 def part_of(module: str) -> str:
@@ -114,11 +155,21 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
         part = part_of(name)
         for target in sorted(targets):
             other = part_of(target)
-            if other == part or part in TOOLS and other not in TOOLS or part in TOOLS and other in TOOLS:
+            if (
+                other == part
+                or part in TOOLS
+                and other not in TOOLS
+                or part in TOOLS
+                and other in TOOLS
+            ):
                 continue
             allowed = LAYERS.get(part, set())
-            if other in TOOLS or not any(target == a or target.startswith(a + ".") for a in allowed):
-                bad.append(f"{name} imports {target} ({part} may import {sorted(allowed) or 'nothing of ours'})")
+            if other in TOOLS or not any(
+                target == a or target.startswith(a + ".") for a in allowed
+            ):
+                bad.append(
+                    f"{name} imports {target} ({part} may import {sorted(allowed) or 'nothing of ours'})"
+                )
     return bad
 
 
@@ -130,8 +181,12 @@ def test_every_module_belongs_to_a_layer_and_imports_only_below_it():
 def test_the_layering_rule_catches_an_import_going_up():
     """The rule, fed what a careless edit would write: a model importing the runtime, the data
     importing an objective, the runtime importing the tools."""
-    graph = {"mpp.models.vit": {"mpp.train.engine", "mpp.ops"}, "mpp.data.loader": {"mpp.objectives.mae"},
-             "mpp.train.engine": {"mpp.tools.ablation", "mpp.parallel.zero"}, "mpp.tools.demo": {"mpp.train.engine"}}  # fmt: skip
+    graph = {
+        "mpp.models.vit": {"mpp.train.engine", "mpp.ops"},
+        "mpp.data.loader": {"mpp.objectives.mae"},
+        "mpp.train.engine": {"mpp.tools.ablation", "mpp.parallel.zero"},
+        "mpp.tools.demo": {"mpp.train.engine"},
+    }
     assert layer_violations(graph) == [
         "mpp.data.loader imports mpp.objectives.mae (mpp.data may import nothing of ours)",
         "mpp.models.vit imports mpp.train.engine (mpp.models may import ['mpp.ops'])",
@@ -160,6 +215,25 @@ def test_files_and_functions_stay_small():
                     too_long.append(f"{name}.{node.name}: {length} lines")
     for item in too_long:
         warnings.warn(f"long: {item}", stacklevel=1)
+
+
+MAX_PARAMETERS = 7
+
+
+def test_functions_take_few_parameters():
+    """A warning naming each function (constructors aside) of more than 7 parameters: an options
+    object or a method on the state it threads is usually the seam."""
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.name != "__init__"
+            ):
+                a = node.args
+                n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs)
+                n -= bool(a.args) and a.args[0].arg in ("self", "cls")
+                if n > MAX_PARAMETERS:
+                    warnings.warn(f"many parameters: {name}.{node.name}: {n}", stacklevel=1)
 
 
 def test_objectives_never_name_deepspeed_internals():

@@ -56,13 +56,17 @@ def ratio_for(strategy: str, grid: tuple[int, int]) -> float:
 
 def make(strategy: str, grid: tuple[int, int], ratio: float | None = None):
     name = "grid" if strategy == "grid_image" else strategy
-    return build_mask_generator(name, grid, ratio_for(strategy, grid) if ratio is None else ratio, **STRATEGIES[strategy])
+    return build_mask_generator(
+        name, grid, ratio_for(strategy, grid) if ratio is None else ratio, **STRATEGIES[strategy]
+    )
 
 
 def sample(gen, batch: int, seed: int, device="cpu") -> torch.Tensor:
     g = torch.Generator(device).manual_seed(seed)
     if isinstance(gen, HardPatchMask):  # scores from their own seed: only the mask's rng varies
-        scores = torch.rand(batch, gen.num_patches, generator=torch.Generator().manual_seed(123)).to(device)
+        scores = torch.rand(
+            batch, gen.num_patches, generator=torch.Generator().manual_seed(123)
+        ).to(device)
         return gen(batch, device, g, scores=scores)
     return gen(batch, device, g)
 
@@ -78,7 +82,9 @@ def neighbours_masked(mask: torch.Tensor, grid: tuple[int, int]) -> float:
 def distance_from_centre(mask: torch.Tensor, grid: tuple[int, int]) -> float:
     """Mean Euclidean distance (in patches) of masked patches from the grid centre."""
     H, W = grid
-    y, x = torch.meshgrid(torch.arange(H) - (H - 1) / 2, torch.arange(W) - (W - 1) / 2, indexing="ij")
+    y, x = torch.meshgrid(
+        torch.arange(H) - (H - 1) / 2, torch.arange(W) - (W - 1) / 2, indexing="ij"
+    )
     dist = (y**2 + x**2).sqrt().flatten()
     return ((mask.float() * dist).sum() / mask.sum()).item()
 
@@ -149,7 +155,9 @@ def test_block_aspect_ratios_and_block_geometry(grid):
     assert torch.equal(blocks.height, torch.round(torch.sqrt(blocks.area * blocks.aspect)).long())
     assert torch.equal(blocks.width, torch.round(torch.sqrt(blocks.area / blocks.aspect)).long())
     assert (blocks.height < grid[0]).all() and (blocks.width < grid[1]).all()
-    assert (blocks.top + blocks.height <= grid[0]).all() and (blocks.left + blocks.width <= grid[1]).all()
+    assert (blocks.top + blocks.height <= grid[0]).all() and (
+        blocks.left + blocks.width <= grid[1]
+    ).all()
     # every accepted block lies wholly inside the final mask (the top-up never trims a block)
     m = mask.view(-1, *grid)
     for i in torch.randperm(len(blocks.sample))[:200].tolist():
@@ -237,7 +245,9 @@ def test_center_masks_the_central_patches(grid, jitter, margin):
     if jitter == 0:
         # every masked patch is at least as central (Chebyshev, grid-relative) as every visible one
         H, W = grid
-        y, x = torch.meshgrid(torch.arange(H) - (H - 1) / 2, torch.arange(W) - (W - 1) / 2, indexing="ij")
+        y, x = torch.meshgrid(
+            torch.arange(H) - (H - 1) / 2, torch.arange(W) - (W - 1) / 2, indexing="ij"
+        )
         cheb = torch.maximum(y.abs() / H, x.abs() / W).flatten()
         mask = CenterMask(grid, 0.5)(1)[0]
         assert cheb[mask].max() <= cheb[~mask].min()
@@ -246,12 +256,19 @@ def test_center_masks_the_central_patches(grid, jitter, margin):
 # ---- units ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("grid,unit,ratio", [((14, 14), 2, 36 / 49), ((14, 14), 7, 0.75), ((8, 8), 2, 0.75), ((8, 12), 4, 0.5)])
+@pytest.mark.parametrize(
+    "grid,unit,ratio",
+    [((14, 14), 2, 36 / 49), ((14, 14), 7, 0.75), ((8, 8), 2, 0.75), ((8, 12), 4, 0.5)],
+)
 def test_units_are_whole_units(grid, unit, ratio):
     (H, W), n = grid, 64
     gen = UnitMask(grid, ratio, unit_size=unit)
     masks = gen(n, generator=torch.Generator().manual_seed(0))
-    units = masks.view(n, H // unit, unit, W // unit, unit).permute(0, 1, 3, 2, 4).reshape(n, -1, unit * unit)
+    units = (
+        masks.view(n, H // unit, unit, W // unit, unit)
+        .permute(0, 1, 3, 2, 4)
+        .reshape(n, -1, unit * unit)
+    )
     assert (units.all(-1) | ~units.any(-1)).all(), "a unit must be masked whole or not at all"
     assert (units.all(-1).sum(1) == gen.num_masked_units).all()
 
@@ -281,7 +298,9 @@ def test_hpm_schedule_per_call_and_policy_function():
     assert gen.num_hard(0.5) == 24 and gen.num_hard() == 0
     assert (gen(4, generator=g).sum(1) == 48).all(), "hard_ratio 0 needs no scores"
     # the strategy is the HPM objective's own policy function, draw for draw
-    mask, hard = gen(4, generator=torch.Generator().manual_seed(3), scores=scores, num_hard=20, return_hard=True)
+    mask, hard = gen(
+        4, generator=torch.Generator().manual_seed(3), scores=scores, num_hard=20, return_hard=True
+    )
     ref_mask, ref_hard = hard_patch_mask(scores, 48, 20, generator=torch.Generator().manual_seed(3))
     assert torch.equal(mask, ref_mask) and torch.equal(hard, ref_hard) and hard[:, -20:].all()
 
@@ -302,17 +321,32 @@ def test_hpm_bad_calls():
 @pytest.mark.parametrize(
     "strategy,ratio,params,message",
     [
-        ("nope", 0.75, {}, r"unknown masking strategy 'nope'; allowed: \['block', 'center', 'grid', 'hpm', 'random', 'units'\]"),
+        (
+            "nope",
+            0.75,
+            {},
+            r"unknown masking strategy 'nope'; allowed: \['block', 'center', 'grid', 'hpm', 'random', 'units'\]",
+        ),
         ("grid", 0.6, {}, r"mask_ratio must be 0.75, got 0.6"),
         ("grid", 0.75, {"offset": "diagonal"}, r"unknown offset 'diagonal'"),
         ("units", 0.75, {"unit_size": 3}, r"unit_size 3 must divide the 14x14 patch grid"),
-        ("units", 0.75, {"unit_size": 2}, r"147 patches, not a multiple of the 2x2 unit area 4.*0\.7347 \(36 units\), 0\.7551"),
+        (
+            "units",
+            0.75,
+            {"unit_size": 2},
+            r"147 patches, not a multiple of the 2x2 unit area 4.*0\.7347 \(36 units\), 0\.7551",
+        ),
         ("units", 0.75, {"unit_size": 0}, r"unit_size must be a positive int"),
         ("block", 0.75, {"min_aspect": 0.0}, r"0 < min_aspect <= max_aspect"),
         ("block", 0.75, {"min_num_patches": 0}, r"min_num_patches must be >= 1, got 0"),
         ("center", 0.75, {"jitter": -1}, r"jitter must be >= 0"),
         ("hpm", 0.75, {"hard_ratio": 2.0}, r"hard_ratio must be in \[0, 1\], got 2.0"),
-        ("block", 0.75, {"aspect": 2.0}, r"unknown parameter\(s\) \['aspect'\] for masking strategy 'block'"),
+        (
+            "block",
+            0.75,
+            {"aspect": 2.0},
+            r"unknown parameter\(s\) \['aspect'\] for masking strategy 'block'",
+        ),
     ],
 )
 def test_bad_settings_raise_at_construction(strategy, ratio, params, message):
@@ -328,7 +362,9 @@ def test_ratio_outside_unit_interval(strategy, ratio):
 
 
 def test_grid_rejects_odd_grids_and_bad_sizes():
-    with pytest.raises(ValueError, match=r"odd 7x7 grid masks 33 patches, not round\(0.75\*49\) = 37"):
+    with pytest.raises(
+        ValueError, match=r"odd 7x7 grid masks 33 patches, not round\(0.75\*49\) = 37"
+    ):
         GridMask((7, 7))
     with pytest.raises(ValueError, match="grid_size must be a positive int"):
         RandomMask((0, 14), 0.5)

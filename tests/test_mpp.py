@@ -11,8 +11,16 @@ from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
 
 
 def tiny_encoder(img=16, patch=4, depth=1, **kw):
-    return create_vit("vit_tiny_patch4_32", img_size=img, patch_size=patch, depth=depth, embed_dim=32,
-                      num_heads=2, attn_backend="sdpa", **kw)
+    return create_vit(
+        "vit_tiny_patch4_32",
+        img_size=img,
+        patch_size=patch,
+        depth=depth,
+        embed_dim=32,
+        num_heads=2,
+        attn_backend="sdpa",
+        **kw,
+    )
 
 
 def normalise(raw):
@@ -24,11 +32,15 @@ def normalise(raw):
 def test_mean_color_targets_match_hand_computation():
     # one 4x4 image, 2x2 patches of 2x2 pixels
     img = torch.zeros(1, 3, 4, 4, dtype=torch.uint8)
-    img[0, :, 0:2, 0:2] = torch.tensor([255, 0, 128]).view(3, 1, 1)      # means 1.0, 0, .502 -> (7, 0, 4)
-    img[0, 0, 0:2, 2:4] = torch.tensor([[64, 191], [191, 64]])             # red mean exactly 0.5 -> 4
-    img[0, 1, 0:2, 2:4] = 32                                               # .1255 -> 1
-    img[0, :, 2:4, 0:2] = 31                                               # .1216 -> 0 everywhere
-    img[0, :, 2:4, 2:4] = torch.tensor([224, 223, 255]).view(3, 1, 1)      # .878 -> 7, .8745 -> 6, 1.0 -> 7
+    img[0, :, 0:2, 0:2] = torch.tensor([255, 0, 128]).view(
+        3, 1, 1
+    )  # means 1.0, 0, .502 -> (7, 0, 4)
+    img[0, 0, 0:2, 2:4] = torch.tensor([[64, 191], [191, 64]])  # red mean exactly 0.5 -> 4
+    img[0, 1, 0:2, 2:4] = 32  # .1255 -> 1
+    img[0, :, 2:4, 0:2] = 31  # .1216 -> 0 everywhere
+    img[0, :, 2:4, 2:4] = torch.tensor([224, 223, 255]).view(
+        3, 1, 1
+    )  # .878 -> 7, .8745 -> 6, 1.0 -> 7
     expected = torch.tensor([[7 * 64 + 0 + 4, 4 * 64 + 1 * 8 + 0, 0, 7 * 64 + 6 * 8 + 7]])
     raw = img.float() / 255
     torch.testing.assert_close(mean_color_targets(raw, patch_size=2), expected)
@@ -56,7 +68,10 @@ def test_normalised_and_raw_inputs_give_the_same_targets():
         norm_obj.target = raw_obj.target = target
         torch.testing.assert_close(norm_obj.targets(normalise(raw)), raw_obj.targets(raw))
     # without mapping back, normalised pixels would collapse classes: the bug this guards against
-    assert mean_color_targets(normalise(raw).clamp(0, 1), 8).unique().numel() < raw_obj.targets(raw).unique().numel()
+    assert (
+        mean_color_targets(normalise(raw).clamp(0, 1), 8).unique().numel()
+        < raw_obj.targets(raw).unique().numel()
+    )
 
 
 def test_corruption_statistics_exact_count_and_80_10_10():
@@ -103,7 +118,9 @@ def test_gradients_reach_the_mask_embedding_and_loss_only_on_corrupted():
     assert metrics["corrupt_frac"].item() == 0.5
     # loss covers corrupted positions only: the head sees exactly round(0.5 N) tokens per image
     out = obj.forward_per_patch(torch.randn(4, 3, 16, 16))
-    assert out["loss"].shape == (4, 8) and torch.equal(out["mask"].gather(1, out["idx"]), torch.ones(4, 8, dtype=torch.bool))
+    assert out["loss"].shape == (4, 8) and torch.equal(
+        out["mask"].gather(1, out["idx"]), torch.ones(4, 8, dtype=torch.bool)
+    )
 
 
 @pytest.mark.parametrize("target", ["mean_color", "pixel"])
@@ -127,12 +144,15 @@ def test_tiny_model_overfits_a_fixed_batch(target):
     assert end < 0.3 * start, (start, end)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(target="hog"), "unknown MPP target 'hog'.*allowed"),
-    (dict(mask_ratio=1.5), "mask_ratio must be in"),
-    (dict(mask_token_prob=0.7), "must sum to 1"),
-    (dict(keep_prob=-0.1, mask_token_prob=1.0), "keep_prob must be in"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(target="hog"), "unknown MPP target 'hog'.*allowed"),
+        (dict(mask_ratio=1.5), "mask_ratio must be in"),
+        (dict(mask_token_prob=0.7), "must sum to 1"),
+        (dict(keep_prob=-0.1, mask_token_prob=1.0), "keep_prob must be in"),
+    ],
+)
 def test_bad_config_raises_valueerror(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MaskedPatchPrediction(tiny_encoder(), **kwargs)

@@ -23,10 +23,19 @@ from mpp.train.plan import load_plan_config
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRED = (
-    "peak_gib", "activations_gib", "model_states_gib", "fits", "max_micro_batch", "flops_per_image",
-    "step_time_lower_bound_s", "mfu_ceiling", "comm_bytes_per_step", "needs_grad_checkpointing", "recipe",
+    "peak_gib",
+    "activations_gib",
+    "model_states_gib",
+    "fits",
+    "max_micro_batch",
+    "flops_per_image",
+    "step_time_lower_bound_s",
+    "mfu_ceiling",
+    "comm_bytes_per_step",
+    "needs_grad_checkpointing",
+    "recipe",
     "host_syncs_per_step",
-)  # fmt: skip
+)
 
 
 def fake_peak(cfg, micro: int, dtype: torch.dtype) -> int:
@@ -70,14 +79,17 @@ def engine_states(tmp_path_factory):
     """Both world sizes' real engines, each in its own process, run side by side."""
     tmp = tmp_path_factory.mktemp("zero")
     sets = [
-        "train.precision=bf16", "model.embed_dim=256", "model.depth=4", "train.micro_batch_size=4",
+        "train.precision=bf16",
+        "model.embed_dim=256",
+        "model.depth=4",
+        "train.micro_batch_size=4",
         # buckets at least the largest parameter; a prefetch below the optimiser's fp32 gradient
         # partition (the planner's gathered-parameter term is an upper bound, not checked here);
         # no persistent parameters, so ZeRO-3 partitions every one (issue 22 §5.7)
         "deepspeed.zero_optimization.reduce_bucket_size=500000",
         "deepspeed.zero_optimization.stage3_prefetch_bucket_size=10000",
         "deepspeed.zero_optimization.stage3_param_persistence_threshold=0",
-    ]  # fmt: skip
+    ]
     procs = {}
     for world in (8, 64):
         args = [f"--set={s}" for s in [*sets, f"train.batch_size={4 * world}"]]
@@ -164,7 +176,9 @@ def test_cli_writes_the_plan(tmp_path):
     assert set(REQUIRED) <= set(plan)
     assert plan["fits"] and plan["max_micro_batch"] > plan["recipe"]["micro_batch"]
     assert plan["recipe"]["split"] == "32 x 1 x 2 = 64"
-    assert plan["host_syncs_per_step"] == 1  # the non-finite check's, one per micro-batch (issue 22 §5.16)
+    assert (
+        plan["host_syncs_per_step"] == 1
+    )  # the non-finite check's, one per micro-batch (issue 22 §5.16)
     assert 0 < plan["mfu_ceiling"] <= 1
     assert "memory per GPU" in r.stdout
 
@@ -201,15 +215,23 @@ def test_comm_per_step_is_what_deepspeeds_comms_logger_records(tmp_path):
     from mpp.plan.cost import comm_bytes
 
     out = tmp_path / "comms.json"
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "zero_comms_probe.py"), "8", str(out)], cwd=ROOT,
-                       env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "zero_comms_probe.py"), "8", str(out)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     share = 7 / 8
     for row in json.loads(out.read_text()):
         logged, stage = row["logged"], row["stage"]
         planned = comm_bytes(row["trainable"], 0, 8, stage, row["accum"], "bf16")["ops"]
         ring = {  # what each logged op moves per rank on a ring (all-gather: its input is the shard)
-            "grads": 2 * share * logged.get("all_reduce", 0) if stage < 3 else share * logged["reduce_scatter_tensor"],
+            "grads": 2 * share * logged.get("all_reduce", 0)
+            if stage < 3
+            else share * logged["reduce_scatter_tensor"],
             "params": (8 * share * logged["all_gather_into_tensor"]),
         }
         grads = sum(v for k, v in planned.items() if "grads" in k)

@@ -16,19 +16,38 @@ from mpp.train.preemption import PREEMPTED_EXIT
 
 
 def launch(cfg_path, out, extra=()) -> list[str]:
-    return ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "pretrain/run.py",
-            "--config", str(cfg_path), "--output-dir", str(out), *extra]  # fmt: skip
+    return [
+        "deepspeed",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "pretrain/run.py",
+        "--config",
+        str(cfg_path),
+        "--output-dir",
+        str(out),
+        *extra,
+    ]
 
 
 def run_until(cmd, out, step: int, send) -> int:
     """Start ``cmd``, call ``send(process)`` once ``step`` is logged, wait for every process of the
     job to end; the launcher's status."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.time() + 240
     while time.time() < deadline:
         metrics = out / "metrics.jsonl"
-        if metrics.exists() and any(json.loads(x)["step"] >= step for x in metrics.read_text().splitlines() if x):
+        if metrics.exists() and any(
+            json.loads(x)["step"] >= step for x in metrics.read_text().splitlines() if x
+        ):
             break
         time.sleep(0.02)
     job = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
@@ -40,12 +59,22 @@ def run_until(cmd, out, step: int, send) -> int:
 
 
 def ranks_of(proc) -> list[psutil.Process]:
-    return [p for p in psutil.Process(proc.pid).children(recursive=True) if "pretrain/run.py" in " ".join(p.cmdline())
-            and "deepspeed.launcher" not in " ".join(p.cmdline())]  # fmt: skip
+    return [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if "pretrain/run.py" in " ".join(p.cmdline())
+        and "deepspeed.launcher" not in " ".join(p.cmdline())
+    ]
 
 
-def test_sigterm_to_the_launcher_and_sigusr1_to_the_ranks_checkpoint_and_resume_exactly(tmp_path, digits16):
-    cfg = tiny_config(digits16, train={"max_steps": 16, "ckpt_every": 100, "keep_last": 5}, data={"num_workers": 2})
+def test_sigterm_to_the_launcher_and_sigusr1_to_the_ranks_checkpoint_and_resume_exactly(
+    tmp_path, digits16
+):
+    cfg = tiny_config(
+        digits16,
+        train={"max_steps": 16, "ckpt_every": 100, "keep_last": 5},
+        data={"num_workers": 2},
+    )
     path = write_config(tmp_path / "c.json", cfg)
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     r = run_cli(launch(path, straight))
@@ -56,7 +85,10 @@ def test_sigterm_to_the_launcher_and_sigusr1_to_the_ranks_checkpoint_and_resume_
     code = run_until(launch(path, stopped), stopped, 4, lambda p: os.killpg(p.pid, signal.SIGTERM))
     first = json.loads((stopped / "preempted.json").read_text())
     assert code != 0 and first["signal"] == "SIGTERM" and 4 <= first["step"] < 16
-    assert complete_tags(stopped / "checkpoints")[-1] == f"step{first['step']:08d}"  # written whole, at that step
+    assert (
+        complete_tags(stopped / "checkpoints")[-1] == f"step{first['step']:08d}"
+    )  # written whole, at that step
+
     # what `#SBATCH --signal=USR1@120` does under srun: SIGUSR1 to every rank; the launcher exits 75
     def usr1(proc):
         for rank in ranks_of(proc):
@@ -64,7 +96,11 @@ def test_sigterm_to_the_launcher_and_sigusr1_to_the_ranks_checkpoint_and_resume_
 
     code = run_until(launch(path, stopped, ["--resume", "auto"]), stopped, first["step"] + 3, usr1)
     second = json.loads((stopped / "preempted.json").read_text())
-    assert code == PREEMPTED_EXIT and second["signal"] == "SIGUSR1" and first["step"] < second["step"] < 16
+    assert (
+        code == PREEMPTED_EXIT
+        and second["signal"] == "SIGUSR1"
+        and first["step"] < second["step"] < 16
+    )
     r = run_cli(launch(path, stopped, ["--resume", "auto"]))
     assert r.returncode == 0, r.stderr[-3000:]
 
@@ -75,17 +111,30 @@ def test_sigterm_to_the_launcher_and_sigusr1_to_the_ranks_checkpoint_and_resume_
     assert a == b  # the same batches and updates, bitwise
 
 
-def test_sigterm_to_the_runner_alone_stops_every_rank_and_a_second_job_on_the_live_run_is_refused(tmp_path, digits16):
+def test_sigterm_to_the_runner_alone_stops_every_rank_and_a_second_job_on_the_live_run_is_refused(
+    tmp_path, digits16
+):
     """What a container's PID 1, a user's `kill`, a CI timeout send: SIGTERM to the `deepspeed`
     runner only. It dies at once and forwards nothing; the ranks see their job lose its runner."""
-    cfg = tiny_config(digits16, train={"max_steps": 100000, "ckpt_every": 100000}, data={"num_workers": 1})
+    cfg = tiny_config(
+        digits16, train={"max_steps": 100000, "ckpt_every": 100000}, data={"num_workers": 1}
+    )
     path = write_config(tmp_path / "c.json", cfg)
     run = tmp_path / "run"
-    proc = subprocess.Popen(launch(path, run), cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        launch(path, run),
+        cwd=REPO,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 240
-        while time.time() < deadline and len(read_metrics(run) if (run / "metrics.jsonl").exists() else []) < 3:
+        while (
+            time.time() < deadline
+            and len(read_metrics(run) if (run / "metrics.jsonl").exists() else []) < 3
+        ):
             time.sleep(0.1)
         holder = json.loads((run / "job.lock").read_text())
         config_before = (run / "config.json").read_bytes()
@@ -94,8 +143,13 @@ def test_sigterm_to_the_runner_alone_stops_every_rank_and_a_second_job_on_the_li
         second = run_cli(launch(path, run, ["--resume", "auto"]))
         errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
         assert second.returncode == 2 and len(errors) == 1, second.stderr[-3000:]
-        assert f"{run} is held by the job on {holder['host']} pid {holder['pid']} since {holder['since']}" in errors[0]
-        assert proc.poll() is None and (run / "config.json").read_bytes() == config_before  # the first goes on
+        assert (
+            f"{run} is held by the job on {holder['host']} pid {holder['pid']} since {holder['since']}"
+            in errors[0]
+        )
+        assert (
+            proc.poll() is None and (run / "config.json").read_bytes() == config_before
+        )  # the first goes on
 
         job = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         proc.send_signal(signal.SIGTERM)  # the runner alone
@@ -106,8 +160,13 @@ def test_sigterm_to_the_runner_alone_stops_every_rank_and_a_second_job_on_the_li
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     stopped = json.loads((run / "preempted.json").read_text())
-    assert stopped["signal"] == "SIGHUP" and stopped["reason"] == f"the deepspeed runner (pid {proc.pid}) ended"
-    assert complete_tags(run / "checkpoints") == [f"step{stopped['step']:08d}"]  # whole, at the step reached
+    assert (
+        stopped["signal"] == "SIGHUP"
+        and stopped["reason"] == f"the deepspeed runner (pid {proc.pid}) ended"
+    )
+    assert complete_tags(run / "checkpoints") == [
+        f"step{stopped['step']:08d}"
+    ]  # whole, at the step reached
     assert not (run / "job.lock").exists()  # released on the way out
 
     # a lock left by a job that died (kill -9) does not block; the resume finishes

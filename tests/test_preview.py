@@ -34,8 +34,16 @@ def test_previews_land_in_tensorboard_and_change_nothing_in_training(tmp_path, d
     for every in (0, 2):
         cfg = tiny_config(digits16, objective=HPM, train={"max_steps": 4, "preview_every": every})
         out = tmp_path / f"every{every}"
-        r = run_cli(["python", "pretrain/run.py", "--config", str(write_config(tmp_path / f"{every}.json", cfg)),
-                     "--output-dir", str(out)])
+        r = run_cli(
+            [
+                "python",
+                "pretrain/run.py",
+                "--config",
+                str(write_config(tmp_path / f"{every}.json", cfg)),
+                "--output-dir",
+                str(out),
+            ]
+        )
         assert r.returncode == 0, r.stderr[-2000:]
         runs[every] = out
     images, text = tb_images(runs[2])
@@ -55,8 +63,14 @@ class Untouchable:
 
 
 def test_a_step_without_a_preview_does_nothing():
-    preview = Preview(1000, torch.zeros(2, 3, 16, 16, dtype=torch.uint8), (0.5,) * 3, (0.5,) * 3,
-                      torch.device("cpu"), rank=0)
+    preview = Preview(
+        1000,
+        torch.zeros(2, 3, 16, 16, dtype=torch.uint8),
+        (0.5,) * 3,
+        (0.5,) * 3,
+        torch.device("cpu"),
+        rank=0,
+    )
     for step in (1, 999, 1001):
         preview(Untouchable(), step, [Untouchable()])
     with pytest.raises(AssertionError, match="touched"):
@@ -70,7 +84,11 @@ def test_the_caption_says_how_the_reconstruction_was_unnormalised(digits16):
     def build(objective):
         return build_objective(Config.model_validate(tiny_config(digits16, objective=objective)))
 
-    assert "teacher's predicted loss" in caption(build(HPM)) and "norm_pix_loss" in caption(build(HPM))
+    assert "teacher's predicted loss" in caption(build(HPM)) and "norm_pix_loss" in caption(
+        build(HPM)
+    )
     assert "predicted colour" in caption(build({"name": "mpp"}))
-    assert caption(build({"name": "mae", "norm_pix_loss": False})) == "input | mask | reconstruction"
+    assert (
+        caption(build({"name": "mae", "norm_pix_loss": False})) == "input | mask | reconstruction"
+    )
     json.dumps(caption(build(HPM)))  # plain text

@@ -164,7 +164,9 @@ def test_dinov2_probe_picks_on_held_out_train_and_reports_val():
         y, 4
     )  # only the averaged patch tokens (slot 4) know the class
     settings = ProbeSection(epochs=5, batch_size=32, holdout=0.1)  # momentum 0.9, weight decay 0
-    res = dinov2_probe((x[:300], y[:300]), (x[300:], y[300:]), 4, depth=4, settings=settings, seed=0)
+    res = dinov2_probe(
+        (x[:300], y[:300]), (x[300:], y[300:]), 4, depth=4, settings=settings, seed=0
+    )
     assert res["num_holdout"] == 30 and len(res["grid"]) == 52
     assert res["best"]["avgpool"] is True and res["top1"] > 90
     best = max(res["grid"], key=lambda r: r["holdout_top1"])

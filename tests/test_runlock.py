@@ -22,14 +22,22 @@ def lock_of(holder: dict, run, mtime_age: float = 0.0):
 
 
 def record_of(proc: psutil.Process, host: str | None = None) -> dict:
-    return {"host": host or socket.gethostname(), "pid": proc.pid, "started": proc.create_time(), "since": "then"}
+    return {
+        "host": host or socket.gethostname(),
+        "pid": proc.pid,
+        "started": proc.create_time(),
+        "since": "then",
+    }
 
 
 def test_a_live_job_on_this_host_holds_the_directory(tmp_path):
     other = subprocess.Popen(["sleep", "60"])
     try:
         lock_of(record_of(psutil.Process(other.pid)), tmp_path)
-        with pytest.raises(runlock.RunHeld, match=f"held by the job on {socket.gethostname()} pid {other.pid} since then"):
+        with pytest.raises(
+            runlock.RunHeld,
+            match=f"held by the job on {socket.gethostname()} pid {other.pid} since then",
+        ):
             runlock.hold(tmp_path)
     finally:
         other.kill()
@@ -41,7 +49,10 @@ def test_a_dead_jobs_lock_on_this_host_is_taken_over(tmp_path, case):
     gone = subprocess.Popen(["true"])
     gone.wait()
     if case == "dead pid":
-        lock_of({"host": socket.gethostname(), "pid": gone.pid, "started": 0.0, "since": "then"}, tmp_path)
+        lock_of(
+            {"host": socket.gethostname(), "pid": gone.pid, "started": 0.0, "since": "then"},
+            tmp_path,
+        )
     elif case == "pid reused":  # the pid is alive but another process now: its start time differs
         lock_of({**record_of(psutil.Process(os.getppid())), "started": 1.0}, tmp_path)
     else:
@@ -72,7 +83,9 @@ def test_another_hosts_lock_blocks_while_its_heartbeat_beats_and_not_after(tmp_p
     runlock.hold(tmp_path, stale_s=1.0)  # stopped beating: a lost node
     assert 0.9 < time.monotonic() - t0 < 10 and json.loads(path.read_text())["pid"] == os.getpid()
     runlock.release(tmp_path)
-    lock_of({"host": "node-017", "pid": 4242, "started": 1.0, "since": "then"}, tmp_path, mtime_age=3600)
+    lock_of(
+        {"host": "node-017", "pid": 4242, "started": 1.0, "since": "then"}, tmp_path, mtime_age=3600
+    )
     t0 = time.monotonic()
     runlock.hold(tmp_path)  # silent for an hour: no wait at all
     assert time.monotonic() - t0 < 1

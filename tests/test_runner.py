@@ -16,7 +16,17 @@ from pretrain.run import main
 def check_run(run_dir, steps):
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
-    for key in ("epoch", "samples", "loss", "lr", "imgs_per_sec", "data_wait_frac", "skipped", "acc", "frac_mask_token"):
+    for key in (
+        "epoch",
+        "samples",
+        "loss",
+        "lr",
+        "imgs_per_sec",
+        "data_wait_frac",
+        "skipped",
+        "acc",
+        "frac_mask_token",
+    ):
         assert key in metrics[-1], key
     assert (run_dir / "checkpoints" / f"step{steps:08d}" / MARKER).is_file()
     assert list((run_dir / "tb").iterdir()), "no TensorBoard event file"
@@ -40,7 +50,10 @@ def test_two_ranks_zero_stage_writes_metrics_checkpoint_and_encoder(two_rank_run
     metrics, _ = check_run(out, 3)
     assert metrics[-1]["samples"] == 48  # global batch 16 = 2 ranks x 8
     ds_files = {p.name for p in (out / "checkpoints" / "step00000003").iterdir()}
-    assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= ds_files
+    assert {
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    } <= ds_files
 
 
 def test_zero2_and_zero3_train_the_same_model(two_rank_runs):
@@ -58,10 +71,33 @@ def test_two_node_loopback_job_equals_one_node(two_rank_runs, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
     port, out = str(free_port()), tmp_path / "two_node"
-    cmd = lambda r: ["deepspeed", "--hostfile", str(hostfile), "--no_ssh", f"--node_rank={r}",  # noqa: E731
-                     "--master_addr", "127.0.0.1", "--master_port", port, "pretrain/run.py",
-                     "--config", str(cfg_path), "--output-dir", str(out)]
-    node1 = subprocess.Popen(cmd(1), cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def cmd(r):
+        return [
+            "deepspeed",
+            "--hostfile",
+            str(hostfile),
+            "--no_ssh",
+            f"--node_rank={r}",  # noqa: E731
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            port,
+            "pretrain/run.py",
+            "--config",
+            str(cfg_path),
+            "--output-dir",
+            str(out),
+        ]
+
+    node1 = subprocess.Popen(
+        cmd(1),
+        cwd=REPO,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     r0 = run_cli(cmd(0))
     _, err1 = node1.communicate(timeout=240)
     assert r0.returncode == 0, r0.stderr[-3000:]
@@ -75,18 +111,33 @@ def test_two_node_loopback_job_equals_one_node(two_rank_runs, tmp_path):
 
 BAD = [
     ({"train": {"bogus": 1}}, "train.bogus: unknown key"),
-    ({"train": {"on_nonfinite": "rollback", "skip_nonfinite": False}}, "train: on_nonfinite='rollback' needs skip_nonfinite=true"),
+    (
+        {"train": {"on_nonfinite": "rollback", "skip_nonfinite": False}},
+        "train: on_nonfinite='rollback' needs skip_nonfinite=true",
+    ),
     ({"train": {"max_steps": "ten"}}, "train.max_steps"),
     ({"optim": {"lr": -1e-3}}, "optim.lr: Input should be greater than 0"),
     ({"train": {"batch_size": 15}}, "train.batch_size 15 is not divisible by the world size"),
-    ({"deepspeed": {"zero_optimization": {"stage": 4}}}, "deepspeed.zero_optimization.stage must be 0, 1, 2 or 3"),
+    (
+        {"deepspeed": {"zero_optimization": {"stage": 4}}},
+        "deepspeed.zero_optimization.stage must be 0, 1, 2 or 3",
+    ),
     ({"train": {"precision": "fp16"}}, "train.precision: train.precision 'fp16' needs a GPU"),
-    ({"data": {"train_shards": "/nonexistent/train-{000000..000003}.tar"}}, "data.train_shards: 4 shard(s) not found"),
+    (
+        {"data": {"train_shards": "/nonexistent/train-{000000..000003}.tar"}},
+        "data.train_shards: 4 shard(s) not found",
+    ),
     ({"objective": {"mask_ratio": 1.5}}, "objective.mask_ratio must be in [0, 1], got 1.5"),
-    ({"objective": {"colour": "red"}}, "objective: unknown argument(s) ['colour'] for objective 'mpp'"),
+    (
+        {"objective": {"colour": "red"}},
+        "objective: unknown argument(s) ['colour'] for objective 'mpp'",
+    ),
     ({"model": {"img_size": 18}}, "not divisible by patch_size 4"),
     ({"masking": {"strategy": "spiral"}}, "masking: unknown masking strategy 'spiral'"),
-    ({"deepspeed": {"train_batch_size": 32}}, "deepspeed.train_batch_size is derived from train.batch_size"),
+    (
+        {"deepspeed": {"train_batch_size": 32}},
+        "deepspeed.train_batch_size is derived from train.batch_size",
+    ),
     ({"train": {"batch_size": -8}}, "train.batch_size: Input should be greater than 0"),
     ({"train": {"micro_batch_size": 5}}, "batch_size 16 is not divisible by micro_batch_size 5"),
     ({"train": {"max_steps": 0}}, "train.max_steps: Input should be greater than 0"),
@@ -95,7 +146,10 @@ BAD = [
     ({"optim": {"name": "sgd"}}, "optim.name: Input should be 'adam' or 'adamw'"),
     ({"optim": {"betas": [1.2, 0.9]}}, "betas must be in [0, 1)"),
     ({"optim": {"blr": 1e-3}}, "set lr or blr, not both"),
-    ({"optim": {"weight_decay": -0.1}}, "optim.weight_decay: Input should be greater than or equal to 0"),
+    (
+        {"optim": {"weight_decay": -0.1}},
+        "optim.weight_decay: Input should be greater than or equal to 0",
+    ),
     ({"data": {"crop_scale": [0.8, 0.2]}}, "crop_scale must satisfy 0 < min <= max <= 1"),
     ({"data": {"hflip": 1.5}}, "data.hflip: Input should be less than or equal to 1"),
     ({"data": {"num_workers": -1}}, "data.num_workers: Input should be greater than or equal to 0"),
@@ -106,7 +160,10 @@ BAD = [
     ({"objective": {"mask_token_prob": 0.5}}, "must sum to 1"),
     ({"masking": {"strategy": "grid"}, "objective": {"mask_ratio": 0.6}}, "grid"),
     ({"masking": {"strategy": "units", "unit_size": 3}}, "unit"),
-    ({"deepspeed": {"zero_optimization": {"stage": "two"}}}, "deepspeed.zero_optimization.stage must be 0, 1, 2 or 3"),
+    (
+        {"deepspeed": {"zero_optimization": {"stage": "two"}}},
+        "deepspeed.zero_optimization.stage must be 0, 1, 2 or 3",
+    ),
 ]
 
 
@@ -140,8 +197,18 @@ def test_bad_config_is_one_line_exit_2_and_no_run_dir(tmp_path, digits16, capsys
 
 def test_bad_config_through_the_cli_exits_2(tmp_path):
     path = tmp_path / "bad.json"
-    path.write_text(json.dumps({"optim": {"lr": 1e-3}, "train": {"max_steps": 1, "typo": 3}, "data": {"builtin": "digits"}}))
-    r = run_cli(["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(tmp_path / "run")])
+    path.write_text(
+        json.dumps(
+            {
+                "optim": {"lr": 1e-3},
+                "train": {"max_steps": 1, "typo": 3},
+                "data": {"builtin": "digits"},
+            }
+        )
+    )
+    r = run_cli(
+        ["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(tmp_path / "run")]
+    )
     assert r.returncode == 2 and f"{path}: train.typo: unknown key" in r.stderr
     assert not (tmp_path / "run").exists()
 
@@ -160,8 +227,21 @@ def test_demo_config_learns(tmp_path, digits16):
     demo = _json.loads((_REPO / "configs" / "mpp_demo.json").read_text())
     assert demo["data"]["builtin"] == "digits" and demo["objective"]["name"] == "mpp"
     out = tmp_path / "demo"
-    r = run_cli(["python", "pretrain/run.py", "--config", "mpp_demo", "--output-dir", str(out),
-                 "--set", "train.stop_at_step=25", "--set", "train.log_every=5"], env={"MPP_CACHE": str(tmp_path / "cache")})
+    r = run_cli(
+        [
+            "python",
+            "pretrain/run.py",
+            "--config",
+            "mpp_demo",
+            "--output-dir",
+            str(out),
+            "--set",
+            "train.stop_at_step=25",
+            "--set",
+            "train.log_every=5",
+        ],
+        env={"MPP_CACHE": str(tmp_path / "cache")},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     losses = [m["loss"] for m in read_metrics(out)]
     assert losses[-1] < 0.8 * losses[0], losses

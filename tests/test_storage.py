@@ -28,7 +28,9 @@ def flip_byte(path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_damaged_checkpoint_falls_back_to_the_newest_intact_one_or_stops_with_one_line(tmp_path, digits16):
+def test_a_damaged_checkpoint_falls_back_to_the_newest_intact_one_or_stops_with_one_line(
+    tmp_path, digits16
+):
     run = tmp_path / "run"
     cfg = tiny_config(digits16, train={"max_steps": 6, "ckpt_every": 2, "keep_last": 3})
     path = write_config(tmp_path / "c.json", cfg)
@@ -37,29 +39,63 @@ def test_a_damaged_checkpoint_falls_back_to_the_newest_intact_one_or_stops_with_
     ckpts = run / "checkpoints"
     # the marker lists every file of its checkpoint with its size and sha256
     files = saved_layout(ckpts, tag_for(6))["files"]
-    on_disk = {str(p.relative_to(ckpts / tag_for(6))) for p in (ckpts / tag_for(6)).rglob("*") if p.is_file()} - {MARKER}
+    on_disk = {
+        str(p.relative_to(ckpts / tag_for(6)))
+        for p in (ckpts / tag_for(6)).rglob("*")
+        if p.is_file()
+    } - {MARKER}
     assert set(files) == on_disk == {"mp_rank_00_model_states.pt"}  # stage 0: one file
     model_file = ckpts / tag_for(6) / "mp_rank_00_model_states.pt"
-    assert files["mp_rank_00_model_states.pt"]["sha256"] == hashlib.sha256(model_file.read_bytes()).hexdigest()
+    assert (
+        files["mp_rank_00_model_states.pt"]["sha256"]
+        == hashlib.sha256(model_file.read_bytes()).hexdigest()
+    )
 
     # step 6 truncated (a bad copy), step 4 with one byte changed (same size): back to step 2
     model_file.write_bytes(model_file.read_bytes()[:1000])
     flip_byte(ckpts / tag_for(4) / "mp_rank_00_model_states.pt")
     r = run_cli([*pretrain, "--resume", "auto", "--set", "train.max_steps=8"])
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"checkpoint {tag_for(6)} is damaged" in r.stderr and "mp_rank_00_model_states.pt has 1000 bytes" in r.stderr
-    assert f"using {tag_for(2)}" in r.stderr and "resumed from" in r.stderr and f"{tag_for(2)} at step 2" in r.stderr
+    assert (
+        f"checkpoint {tag_for(6)} is damaged" in r.stderr
+        and "mp_rank_00_model_states.pt has 1000 bytes" in r.stderr
+    )
+    assert (
+        f"using {tag_for(2)}" in r.stderr
+        and "resumed from" in r.stderr
+        and f"{tag_for(2)} at step 2" in r.stderr
+    )
     assert steps_of(run) == list(range(1, 9))  # metrics.jsonl rewound to step 2, each step once
 
     # a damaged init file: one line naming it, before anything is created
     encoder = run / "encoder.safetensors"
     encoder.write_bytes(encoder.read_bytes()[:-100])
-    probe = {"name": "p", "init": str(run), "model": cfg["model"], "data": {"train_shards": digits16["train"],
-             "val_shards": digits16["val"], "num_workers": 0}, "probe": {"epochs": 1}}  # fmt: skip
-    r = run_cli(["python", "downstream/knn.py", "--config", str(write_config(tmp_path / "p.json", probe)),
-                 "--output-dir", str(tmp_path / "knn")])  # fmt: skip
+    probe = {
+        "name": "p",
+        "init": str(run),
+        "model": cfg["model"],
+        "data": {
+            "train_shards": digits16["train"],
+            "val_shards": digits16["val"],
+            "num_workers": 0,
+        },
+        "probe": {"epochs": 1},
+    }
+    r = run_cli(
+        [
+            "python",
+            "downstream/knn.py",
+            "--config",
+            str(write_config(tmp_path / "p.json", probe)),
+            "--output-dir",
+            str(tmp_path / "knn"),
+        ]
+    )
     assert r.returncode == 2 and len(errors_of(r)) == 1, r.stderr[-3000:]
-    assert "init:" in errors_of(r)[0] and "encoder.safetensors: not a readable safetensors file" in errors_of(r)[0]
+    assert (
+        "init:" in errors_of(r)[0]
+        and "encoder.safetensors: not a readable safetensors file" in errors_of(r)[0]
+    )
     assert not (tmp_path / "knn").exists()
 
     # no intact checkpoint left: exit 2 with one line, nothing trained
@@ -67,7 +103,10 @@ def test_a_damaged_checkpoint_falls_back_to_the_newest_intact_one_or_stops_with_
         flip_byte(next((ckpts / tag).glob("*model_states.pt")))
     r = run_cli([*pretrain, "--resume", "auto", "--set", "train.max_steps=10"])
     assert r.returncode == 2 and len(errors_of(r)) == 1, r.stderr[-3000:]
-    assert f"no intact checkpoint in {ckpts}" in errors_of(r)[0] and "differs from the checksum" in errors_of(r)[0]
+    assert (
+        f"no intact checkpoint in {ckpts}" in errors_of(r)[0]
+        and "differs from the checksum" in errors_of(r)[0]
+    )
     assert steps_of(run) == list(range(1, 9))
 
 
@@ -76,24 +115,45 @@ def small_disk(tmp_path):
     """A 24 MiB tmpfs (root can mount one here and in CI)."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a tmpfs here (not root?)")
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 @pytest.mark.slow
-def test_a_full_disk_stops_the_run_with_one_line_and_the_resume_finishes(tmp_path, small_disk, digits16):
+def test_a_full_disk_stops_the_run_with_one_line_and_the_resume_finishes(
+    tmp_path, small_disk, digits16
+):
     ds = {"zero_optimization": {"stage": 2}}
-    cfg = tiny_config(digits16, train={"max_steps": 6, "ckpt_every": 1, "keep_last": 2}, deepspeed=ds)
-    cfg["model"].update(depth=4, embed_dim=96)  # checkpoints of ~1.7 MiB: the disk below holds 2.5 of them
+    cfg = tiny_config(
+        digits16, train={"max_steps": 6, "ckpt_every": 1, "keep_last": 2}, deepspeed=ds
+    )
+    cfg["model"].update(
+        depth=4, embed_dim=96
+    )  # checkpoints of ~1.7 MiB: the disk below holds 2.5 of them
     path = write_config(tmp_path / "c.json", cfg)
-    launch = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "pretrain/run.py", "--config", str(path)]
+    launch = [
+        "deepspeed",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "pretrain/run.py",
+        "--config",
+        str(path),
+    ]
     probe = tmp_path / "probe"
-    assert run_cli([*launch, "--output-dir", str(probe), "--set", "train.max_steps=1"]).returncode == 0
+    assert (
+        run_cli([*launch, "--output-dir", str(probe), "--set", "train.max_steps=1"]).returncode == 0
+    )
     size = storage.checkpoint_bytes(saved_layout(probe / "checkpoints", tag_for(1))["files"])
     filler = small_disk / "filler"
-    filler.write_bytes(bytes(storage.free_bytes(small_disk) - int(2.5 * size) - (256 << 10)))  # 256 KiB: logs
+    filler.write_bytes(
+        bytes(storage.free_bytes(small_disk) - int(2.5 * size) - (256 << 10))
+    )  # 256 KiB: logs
 
     run = small_disk / "run"
     r = run_cli([*launch, "--output-dir", str(run)])
@@ -101,7 +161,9 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_resume_finishes(tmp_pat
     line = errors_of(r)[0]
     assert f"no room for checkpoint {tag_for(3)}: {run / 'checkpoints'} has" in line
     assert "MiB free, a checkpoint takes" in line and f"{tag_for(2)}, is intact" in line
-    assert "has room for 2 checkpoint(s)" in r.stderr and "train.keep_last=2 needs 3" in r.stderr  # warned first
+    assert (
+        "has room for 2 checkpoint(s)" in r.stderr and "train.keep_last=2 needs 3" in r.stderr
+    )  # warned first
     assert sorted(p.name for p in (run / "checkpoints").glob("step*")) == [tag_for(1), tag_for(2)]
 
     filler.unlink()  # space freed: the same command continues
@@ -111,7 +173,8 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_resume_finishes(tmp_pat
 
 
 def test_a_disk_that_fills_during_a_save_leaves_the_last_checkpoint_and_no_partial_one(
-        tmp_path, small_disk, digits16, dist_group, monkeypatch):  # fmt: skip
+    tmp_path, small_disk, digits16, dist_group, monkeypatch
+):
     """The room check passes (another process fills the disk meanwhile): DeepSpeed's writer fails
     inside torch.save; the partial checkpoint goes, the one line names the directory."""
     import deepspeed
@@ -127,12 +190,19 @@ def test_a_disk_that_fills_during_a_save_leaves_the_last_checkpoint_and_no_parti
     save_checkpoint(engine, root, 1, {}, keep_last=3)
     size = storage.checkpoint_bytes(saved_layout(root, tag_for(1))["files"])
     (small_disk / "filler").write_bytes(bytes(storage.free_bytes(small_disk) - size // 2))
-    real = storage.no_room  # the check before the save says "fits"; the message after the failure is the real one
-    monkeypatch.setattr(storage, "no_room", lambda *a: real(*a) if len(a) == 5 else None)  # a[4]: free, after
+    real = (
+        storage.no_room
+    )  # the check before the save says "fits"; the message after the failure is the real one
+    monkeypatch.setattr(
+        storage, "no_room", lambda *a: real(*a) if len(a) == 5 else None
+    )  # a[4]: free, after
     with pytest.raises(DiskFullError) as info:
         save_checkpoint(engine, root, 2, {}, keep_last=3)
     message = str(info.value)
-    assert f"the disk filled up during checkpoint {tag_for(2)}, its partial files are removed: {root} has" in message
+    assert (
+        f"the disk filled up during checkpoint {tag_for(2)}, its partial files are removed: {root} has"
+        in message
+    )
     assert f"{tag_for(1)}, is intact" in message
     assert not (root / tag_for(2)).exists() and complete_tags(root) == [tag_for(1)]
     assert json.loads((root / tag_for(1) / MARKER).read_text())["step"] == 1
@@ -149,11 +219,18 @@ def test_a_truncated_weights_file_of_any_format_is_a_checkpoint_error_naming_it(
 
     kwargs = {"name": "vit_tiny_patch4_16", "depth": 1, "embed_dim": 32, "num_heads": 2}
     vit = create_vit(**kwargs)
-    save_weights(vit.state_dict(), tmp_path / "encoder.safetensors", {"format": "mpp-encoder", "model": kwargs})
+    save_weights(
+        vit.state_dict(),
+        tmp_path / "encoder.safetensors",
+        {"format": "mpp-encoder", "model": kwargs},
+    )
     export(tmp_path / "encoder.safetensors", "hf", tmp_path / "hf")
     release = tmp_path / "mae_pretrain.pth"
     torch.save({"model": vit.state_dict()}, release)
-    for path, damaged in ((release, release), (tmp_path / "hf", tmp_path / "hf" / "model.safetensors")):
+    for path, damaged in (
+        (release, release),
+        (tmp_path / "hf", tmp_path / "hf" / "model.safetensors"),
+    ):
         damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
         with pytest.raises(storage.CheckpointError, match=f"{damaged}: not a readable"):
             load_pretrained(path)

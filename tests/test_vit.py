@@ -15,14 +15,22 @@ def timm_vit_keys(depth=12, dim=768, patch=16, in_chans=3, num_patches=196, mlp=
     }
     for i in range(depth):
         b = f"blocks.{i}."
-        keys.update({
-            b + "norm1.weight": (dim,), b + "norm1.bias": (dim,),
-            b + "attn.qkv.weight": (3 * dim, dim), b + "attn.qkv.bias": (3 * dim,),
-            b + "attn.proj.weight": (dim, dim), b + "attn.proj.bias": (dim,),
-            b + "norm2.weight": (dim,), b + "norm2.bias": (dim,),
-            b + "mlp.fc1.weight": (mlp, dim), b + "mlp.fc1.bias": (mlp,),
-            b + "mlp.fc2.weight": (dim, mlp), b + "mlp.fc2.bias": (dim,),
-        })
+        keys.update(
+            {
+                b + "norm1.weight": (dim,),
+                b + "norm1.bias": (dim,),
+                b + "attn.qkv.weight": (3 * dim, dim),
+                b + "attn.qkv.bias": (3 * dim,),
+                b + "attn.proj.weight": (dim, dim),
+                b + "attn.proj.bias": (dim,),
+                b + "norm2.weight": (dim,),
+                b + "norm2.bias": (dim,),
+                b + "mlp.fc1.weight": (mlp, dim),
+                b + "mlp.fc1.bias": (mlp,),
+                b + "mlp.fc2.weight": (dim, mlp),
+                b + "mlp.fc2.bias": (dim,),
+            }
+        )
     keys.update({"norm.weight": (dim,), "norm.bias": (dim,)})
     return keys
 
@@ -43,17 +51,24 @@ def test_with_head_and_avg_pool_match_timm_layout():
     assert m(torch.randn(2, 3, 224, 224)).shape == (2, 10)
 
 
-@pytest.mark.parametrize("name,dim,depth,heads", [
-    ("vit_tiny_patch16_224", 192, 12, 3), ("vit_small_patch32_384", 384, 12, 6),
-    ("vit_large_patch14_224", 1024, 24, 16), ("vit_huge_patch14_224", 1280, 32, 16),
-])
+@pytest.mark.parametrize(
+    "name,dim,depth,heads",
+    [
+        ("vit_tiny_patch16_224", 192, 12, 3),
+        ("vit_small_patch32_384", 384, 12, 6),
+        ("vit_large_patch14_224", 1024, 24, 16),
+        ("vit_huge_patch14_224", 1280, 32, 16),
+    ],
+)
 def test_variant_table(name, dim, depth, heads):
     cfg = vit_config(name)
     assert (cfg["embed_dim"], cfg["depth"], cfg["num_heads"]) == (dim, depth, heads)
 
 
 def test_any_divisible_image_size_and_overrides():
-    m = create_vit("vit_tiny_patch16_224", img_size=48, patch_size=8, in_chans=1, depth=2, pos_embed="sincos")
+    m = create_vit(
+        "vit_tiny_patch16_224", img_size=48, patch_size=8, in_chans=1, depth=2, pos_embed="sincos"
+    )
     assert m.grid_size == (6, 6) and m.num_patches == 36
     assert m.forward_features(torch.randn(3, 1, 48, 48)).shape == (3, 37, 192)
     assert not m.pos_embed.requires_grad  # sin-cos is fixed
@@ -100,7 +115,9 @@ def test_resample_pos_embed_keeps_cls_and_is_identity_on_same_grid():
     torch.testing.assert_close(up[:, 0], pe[:, 0])
     # a constant field stays constant under bicubic resampling
     const = torch.ones(1, 17, 8)
-    torch.testing.assert_close(resample_abs_pos_embed(const, (6, 6)), torch.ones(1, 37, 8), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        resample_abs_pos_embed(const, (6, 6)), torch.ones(1, 37, 8), atol=1e-5, rtol=0
+    )
     # a linear ramp along w is preserved in its direction (values increase with column)
     ramp = torch.arange(4.0).repeat(4).view(1, 16, 1).expand(1, 16, 2)
     ramp = torch.cat([torch.zeros(1, 1, 2), ramp], 1)
@@ -108,12 +125,15 @@ def test_resample_pos_embed_keeps_cls_and_is_identity_on_same_grid():
     assert torch.all(r[:, 1:] >= r[:, :-1])
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(img_size=225), "not divisible by patch_size 16"),
-    (dict(pos_embed="rope"), "pos_embed.*allowed"),
-    (dict(attn_backend="flash"), "attn_backend.*allowed"),
-    (dict(global_pool="max"), "global_pool.*allowed"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(img_size=225), "not divisible by patch_size 16"),
+        (dict(pos_embed="rope"), "pos_embed.*allowed"),
+        (dict(attn_backend="flash"), "attn_backend.*allowed"),
+        (dict(global_pool="max"), "global_pool.*allowed"),
+    ],
+)
 def test_bad_arguments_raise_valueerror_naming_them(kwargs, match):
     with pytest.raises(ValueError, match=match):
         create_vit("vit_tiny_patch16_224", depth=1, **kwargs)

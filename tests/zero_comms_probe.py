@@ -22,23 +22,36 @@ def measure(stage: int, world: int) -> dict:
     from mpp.config import load_config
     from mpp.train.optim import build_optimizer
 
-    overrides = [f"deepspeed.zero_optimization.stage={stage}", "train.precision=bf16", "train.micro_batch_size=4"]
+    overrides = [
+        f"deepspeed.zero_optimization.stage={stage}",
+        "train.precision=bf16",
+        "train.micro_batch_size=4",
+    ]
     cfg = load_config("mae_demo", overrides)  # 64 images on 8 ranks: 4 x 2 accumulation steps
     objective = build_objective(cfg)
     ds = cfg.deepspeed_config(world, "cpu")
     ds["comms_logger"] = {"enabled": True, "prof_all": True, "verbose": False}
-    engine, *_ = deepspeed.initialize(model=objective, optimizer=build_optimizer(cfg, objective), config=ds)
+    engine, *_ = deepspeed.initialize(
+        model=objective, optimizer=build_optimizer(cfg, objective), config=ds
+    )
     comm.comms_logger.comms_dict.clear()  # initialize's own broadcasts are not a step's
     images = torch.randn(ds["train_micro_batch_size_per_gpu"], 3, 32, 32)
     for _ in range(ds["gradient_accumulation_steps"]):
         loss, _metrics = engine(images)
         engine.backward(loss)
         engine.step()
-    logged = {op: sum(size * record[0] for size, record in sizes.items())
-              for op, sizes in comm.comms_logger.comms_dict.items()}  # fmt: skip
+    logged = {
+        op: sum(size * record[0] for size, record in sizes.items())
+        for op, sizes in comm.comms_logger.comms_dict.items()
+    }
     engine.destroy()
     trainable = sum(p.numel() for p in objective.parameters() if p.requires_grad)
-    return {"stage": stage, "accum": ds["gradient_accumulation_steps"], "trainable": trainable, "logged": logged}
+    return {
+        "stage": stage,
+        "accum": ds["gradient_accumulation_steps"],
+        "trainable": trainable,
+        "logged": logged,
+    }
 
 
 def main() -> None:

@@ -16,13 +16,19 @@ from mpp.benchmarks.common import Unavailable, machine_info, write_json
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
-    p = argparse.ArgumentParser(prog="python -m mpp.benchmarks", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m mpp.benchmarks", description=__doc__.splitlines()[0]
+    )
     sub = p.add_subparsers(dest="suite", required=True, metavar="SUITE")
     for name in SUITES:
         module = suite(name)
         summary = " ".join(module.__doc__.split("\n\n")[0].split()).removeprefix(f"{name}: ")
-        sp = sub.add_parser(name, help=summary, description=module.__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        sp = sub.add_parser(
+            name,
+            help=summary,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         sp.add_argument("--quick", action="store_true", help="the small form the test suite runs")
         sp.add_argument("--out", help="JSON output (default runs/benchmarks/SUITE[-quick].json)")
         if hasattr(module, "add_arguments"):
@@ -45,8 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     machine["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
     result = {"suite": name, "quick": args.quick, "machine": machine, **result}
     m = machine
-    print(f"# {name}{' (quick)' if args.quick else ''}: {m['date_utc']}, {m['cpu_model']} x{m['cpu_cores']}, "
-          f"load {m['load_avg_1_5_15']} -> {m['load_avg_after']}")  # fmt: skip
+    print(
+        f"# {name}{' (quick)' if args.quick else ''}: {m['date_utc']}, {m['cpu_model']} x{m['cpu_cores']}, "
+        f"load {m['load_avg_1_5_15']} -> {m['load_avg_after']}"
+    )
     print(module.render(result))
     out = Path(args.out or f"runs/benchmarks/{name}{'-quick' if args.quick else ''}.json")
     print(f"-> {write_json(result, out)}")

@@ -36,10 +36,19 @@ from mpp.models.attention import _xformers_ops, attention, resolve_backend
 
 SETTINGS = {
     # ViT-S heads (6 x 64); 197 = ViT/16 at 224, 4,096 = a 64 x 64 patch grid
-    "full": dict(tokens=[197, 576, 1024, 2048, 4096], batch=1, heads=6, head_dim=64, rounds=3, warmup=1,
-                 threads=None, rss=True),
-    "quick": dict(tokens=[197, 394], batch=1, heads=6, head_dim=64, rounds=1, warmup=1, threads=1,
-                  rss=False),
+    "full": dict(
+        tokens=[197, 576, 1024, 2048, 4096],
+        batch=1,
+        heads=6,
+        head_dim=64,
+        rounds=3,
+        warmup=1,
+        threads=None,
+        rss=True,
+    ),
+    "quick": dict(
+        tokens=[197, 394], batch=1, heads=6, head_dim=64, rounds=1, warmup=1, threads=1, rss=False
+    ),
 }
 
 
@@ -91,10 +100,16 @@ def rss_peak_bytes(backend: str, n: int, s: dict) -> int:
 
 
 def _rss_in_subprocess(backend: str, n: int, s: dict) -> int:
-    code = ("import json, sys; from mpp.benchmarks.attention import rss_peak_bytes; "
-            "print(rss_peak_bytes(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])))")  # fmt: skip
-    r = subprocess.run([sys.executable, "-c", code, backend, str(n), json.dumps(s)],
-                       capture_output=True, text=True, check=True)  # fmt: skip
+    code = (
+        "import json, sys; from mpp.benchmarks.attention import rss_peak_bytes; "
+        "print(rss_peak_bytes(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, backend, str(n), json.dumps(s)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return int(r.stdout.split()[-1])
 
 
@@ -130,8 +145,15 @@ def measure_tokens(
         else:
             mem = saved_bytes(lambda b=b: attention(q, k, v, b))
         rss = _rss_in_subprocess(b, n, s) / 2**20 if s["rss"] and dev.type == "cpu" else None
-        rows.append({"tokens": n, "backend": b, "ms": 1e3 * median(times[b]), "mem_mib": mem / 2**20,
-                     "rss_peak_mib": rss})  # fmt: skip
+        rows.append(
+            {
+                "tokens": n,
+                "backend": b,
+                "ms": 1e3 * median(times[b]),
+                "mem_mib": mem / 2**20,
+                "rss_peak_mib": rss,
+            }
+        )
     return rows
 
 
@@ -142,15 +164,24 @@ def measure(s: dict, dev: torch.device) -> dict[str, Any]:
     rows = [row for n in s["tokens"] for row in measure_tokens(n, s, dev, dtype, backends)]
     by = {b: [r for r in rows if r["backend"] == b] for b in backends}
     for r in rows:
-        r["time_vs_math"] = r["ms"] / next(m["ms"] for m in by["math"] if m["tokens"] == r["tokens"])
+        r["time_vs_math"] = r["ms"] / next(
+            m["ms"] for m in by["math"] if m["tokens"] == r["tokens"]
+        )
     ns = s["tokens"]
     exponents = {b: growth_exponent(ns, [r["mem_mib"] for r in by[b]]) for b in backends}
-    rss_exponents = {b: growth_exponent(ns, [r["rss_peak_mib"] for r in by[b]]) for b in backends
-                     if all(r["rss_peak_mib"] for r in by[b])}  # fmt: skip
+    rss_exponents = {
+        b: growth_exponent(ns, [r["rss_peak_mib"] for r in by[b]])
+        for b in backends
+        if all(r["rss_peak_mib"] for r in by[b])
+    }
     slowest = max(r["time_vs_math"] for r in by[default])
     return {
-        "setting": {**s, "device": dev.type, "dtype": str(dtype).removeprefix("torch."),
-                    "memory": "cuda peak allocated" if dev.type == "cuda" else "saved-for-backward bytes"},
+        "setting": {
+            **s,
+            "device": dev.type,
+            "dtype": str(dtype).removeprefix("torch."),
+            "memory": "cuda peak allocated" if dev.type == "cuda" else "saved-for-backward bytes",
+        },
         "default_backend": default,
         "rows": rows,
         "memory_growth_exponent": exponents,
@@ -161,7 +192,7 @@ def measure(s: dict, dev: torch.device) -> dict[str, Any]:
             "default_worst_time_vs_math": slowest,
             "met": exponents[default] <= 1.1 and slowest <= 1.0,
         },
-    }  # fmt: skip
+    }
 
 
 def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
@@ -174,14 +205,24 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
 
 def render(result: dict[str, Any]) -> str:
     s = result["setting"]
-    head = (f"B={s['batch']} H={s['heads']} hd={s['head_dim']} {s['dtype']} on {s['device']}, forward + backward; "
-            f"memory = {s['memory']}; default backend: {result['default_backend']}")  # fmt: skip
-    table = format_table(result["rows"], [
-        ("tokens", "N", "d"), ("backend", "backend", ""), ("ms", "ms", ".2f"),
-        ("time_vs_math", "time ÷ math", ".2f"), ("mem_mib", "memory MiB", ".2f"),
-        ("rss_peak_mib", "RSS peak MiB (fresh process)", ".1f"),
-    ])  # fmt: skip
+    head = (
+        f"B={s['batch']} H={s['heads']} hd={s['head_dim']} {s['dtype']} on {s['device']}, forward + backward; "
+        f"memory = {s['memory']}; default backend: {result['default_backend']}"
+    )
+    table = format_table(
+        result["rows"],
+        [
+            ("tokens", "N", "d"),
+            ("backend", "backend", ""),
+            ("ms", "ms", ".2f"),
+            ("time_vs_math", "time ÷ math", ".2f"),
+            ("mem_mib", "memory MiB", ".2f"),
+            ("rss_peak_mib", "RSS peak MiB (fresh process)", ".1f"),
+        ],
+    )
     exps = ", ".join(f"{b} {e:.2f}" for b, e in result["memory_growth_exponent"].items())
     rss = ", ".join(f"{b} {e:.2f}" for b, e in result["rss_growth_exponent"].items())
-    return (f"{head}\n{table}\nmemory growth exponent between the two largest N (1 linear, 2 quadratic): "
-            f"{exps}" + (f"; of the RSS peak: {rss}" if rss else ""))  # fmt: skip
+    return (
+        f"{head}\n{table}\nmemory growth exponent between the two largest N (1 linear, 2 quadratic): "
+        f"{exps}" + (f"; of the RSS peak: {rss}" if rss else "")
+    )

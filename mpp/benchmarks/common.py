@@ -100,7 +100,10 @@ def sync(device: torch.device) -> None:
 
 
 def interleaved_times(
-    fns: dict[str, Callable[[], Any]], rounds: int, warmup: int = 1, device: torch.device | None = None
+    fns: dict[str, Callable[[], Any]],
+    rounds: int,
+    warmup: int = 1,
+    device: torch.device | None = None,
 ) -> dict[str, list[float]]:
     """Seconds per call of each fn, ``rounds`` times each, after ``warmup`` untimed calls.
 
@@ -169,7 +172,10 @@ def format_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]
     header = [h for _, h, _ in columns]
     body = [[_cell(r.get(k), f) for k, _, f in columns] for r in rows]
     widths = [max(len(x) for x in col) for col in zip(header, *body, strict=True)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"  # noqa: E731
+
+    def line(cells):
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(header), sep, *(line(b) for b in body)])
 

@@ -30,10 +30,18 @@ CPU_STEP_JSON = "runs/benchmarks/cpu-step.json"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--step-ips", action="append", default=[], metavar="LABEL=IPS",
-                   help="a training step rate (images/s) to size the loader for; repeatable")  # fmt: skip
-    p.add_argument("--cpu-step-json", default=CPU_STEP_JSON,
-                   help="a cpu-step result whose measured rates to size for (skipped if missing)")  # fmt: skip
+    p.add_argument(
+        "--step-ips",
+        action="append",
+        default=[],
+        metavar="LABEL=IPS",
+        help="a training step rate (images/s) to size the loader for; repeatable",
+    )
+    p.add_argument(
+        "--cpu-step-json",
+        default=CPU_STEP_JSON,
+        help="a cpu-step result whose measured rates to size for (skipped if missing)",
+    )
 
 
 def step_rates(step_ips: list[str], cpu_step_json: str | None) -> dict[str, float]:
@@ -52,7 +60,9 @@ def step_rates(step_ips: list[str], cpu_step_json: str | None) -> dict[str, floa
     return rates
 
 
-def node_buffer_gib(mean_bytes: float, ranks: int = 8, streams: int = 64, windows=(16, 64)) -> dict[int, float]:
+def node_buffer_gib(
+    mean_bytes: float, ranks: int = 8, streams: int = 64, windows=(16, 64)
+) -> dict[int, float]:
     """Encoded images the streams' shuffle windows of one node hold (mpp.data.order): window x image
     size x streams per rank (the *_b16 global batch 4096 on 64 ranks) x ranks."""
     return {w: w * mean_bytes * streams * ranks / 2**30 for w in windows}
@@ -63,15 +73,19 @@ def workers_needed(step_ips: float, per_worker_ips: float) -> int:
     return math.ceil(step_ips / per_worker_ips)
 
 
-def run(quick: bool = False, step_ips: list[str] | None = None, cpu_step_json: str | None = None) -> dict[str, Any]:
+def run(
+    quick: bool = False, step_ips: list[str] | None = None, cpu_step_json: str | None = None
+) -> dict[str, Any]:
     s = SETTINGS["quick" if quick else "full"]
     bench = bench_pipeline(**s)
     bad = bench_bad_data(**s)
     start = bench_epoch_start(**s)
     counted = bench_census(**s)
     per_worker = bench["pipeline_ips"]
-    sizing = [{"step": label, "step_ips": ips, "workers": workers_needed(ips, per_worker)}
-              for label, ips in step_rates(step_ips or [], cpu_step_json).items()]  # fmt: skip
+    sizing = [
+        {"step": label, "step_ips": ips, "workers": workers_needed(ips, per_worker)}
+        for label, ips in step_rates(step_ips or [], cpu_step_json).items()
+    ]
     return {
         "setting": s,
         "pipeline": bench,
@@ -81,37 +95,65 @@ def run(quick: bool = False, step_ips: list[str] | None = None, cpu_step_json: s
         "node_buffer_gib": node_buffer_gib(start["mean_encoded_bytes"]),
         "per_worker_ips": per_worker,
         "sizing": sizing,
-        "goal": {"cost_ratio_max": COST_RATIO_GOAL, "cost_ratio": bench["cost_ratio"],
-                 "bad_data_ratio_min": BAD_DATA_GOAL, "bad_data_ratio": bad["throughput_ratio"],
-                 "met": bench["cost_ratio"] <= COST_RATIO_GOAL and bad["throughput_ratio"] >= BAD_DATA_GOAL},
-    }  # fmt: skip
+        "goal": {
+            "cost_ratio_max": COST_RATIO_GOAL,
+            "cost_ratio": bench["cost_ratio"],
+            "bad_data_ratio_min": BAD_DATA_GOAL,
+            "bad_data_ratio": bad["throughput_ratio"],
+            "met": bench["cost_ratio"] <= COST_RATIO_GOAL
+            and bad["throughput_ratio"] >= BAD_DATA_GOAL,
+        },
+    }
 
 
 def render(result: dict[str, Any]) -> str:
     b = result["pipeline"]
     w, h = b["source_size"]
     rows = [
-        {"what": f"bare PIL decode (draft) + resize to {b['img_size']}", "ips": b["bare_decode_resize_ips"]},
-        {"what": "train pipeline (tar, shuffle, RandomResizedCrop, flip, batch)", "ips": b["pipeline_ips"]},
+        {
+            "what": f"bare PIL decode (draft) + resize to {b['img_size']}",
+            "ips": b["bare_decode_resize_ips"],
+        },
+        {
+            "what": "train pipeline (tar, shuffle, RandomResizedCrop, flip, batch)",
+            "ips": b["pipeline_ips"],
+        },
         {"what": "train pipeline, crop = whole image", "ips": b["pipeline_full_crop_ips"]},
     ]
-    table = format_table(rows, [("what", f"{b['num_images']} JPEGs {w}x{h}, one process", ""), ("ips", "img/s", ".1f")])
-    ratios = (f"cost ratio (pipeline ÷ bare, time per image): {b['cost_ratio']:.3f} (goal <= {COST_RATIO_GOAL}); "
-              f"overhead ratio (whole-image crop ÷ bare): {b['overhead_ratio']:.3f}")  # fmt: skip
+    table = format_table(
+        rows,
+        [("what", f"{b['num_images']} JPEGs {w}x{h}, one process", ""), ("ips", "img/s", ".1f")],
+    )
+    ratios = (
+        f"cost ratio (pipeline ÷ bare, time per image): {b['cost_ratio']:.3f} (goal <= {COST_RATIO_GOAL}); "
+        f"overhead ratio (whole-image crop ÷ bare): {b['overhead_ratio']:.3f}"
+    )
     d = result["bad_data"]
-    bad = (f"bad data: {d['bad_fraction']:.0%} garbage JPEGs, {d['skipped_per_pass']} skipped per pass; "
-           f"clean {d['clean_ips']:.1f} img/s, bad {d['bad_data_ips']:.1f} img/s delivered: "
-           f"ratio {d['throughput_ratio']:.3f} (goal >= {BAD_DATA_GOAL})")  # fmt: skip
+    bad = (
+        f"bad data: {d['bad_fraction']:.0%} garbage JPEGs, {d['skipped_per_pass']} skipped per pass; "
+        f"clean {d['clean_ips']:.1f} img/s, bad {d['bad_data_ips']:.1f} img/s delivered: "
+        f"ratio {d['throughput_ratio']:.3f} (goal >= {BAD_DATA_GOAL})"
+    )
     e = result["epoch_start"]
-    start = (f"epoch start (first batch, {e['num_workers']} workers): new workers {e['first_batch_s_new_workers']:.3f} s, "
-             f"persistent {e['first_batch_s_persistent']:.3f} s (x{e['restart_ratio']:.1f}); shuffle windows per node "
-             f"(8 ranks x 64 streams, {e['mean_encoded_bytes'] / 1e3:.0f} kB images): "
-             + ", ".join(f"window {k} {v:.2f} GiB" for k, v in result["node_buffer_gib"].items()))  # fmt: skip
+    start = (
+        f"epoch start (first batch, {e['num_workers']} workers): new workers {e['first_batch_s_new_workers']:.3f} s, "
+        f"persistent {e['first_batch_s_persistent']:.3f} s (x{e['restart_ratio']:.1f}); shuffle windows per node "
+        f"(8 ranks x 64 streams, {e['mean_encoded_bytes'] / 1e3:.0f} kB images): "
+        + ", ".join(f"window {k} {v:.2f} GiB" for k, v in result["node_buffer_gib"].items())
+    )
     c = result["census"]
-    census = (f"shard census (mpp.data.census), {c['num_shards']} shards x {c['members_per_shard']} members, no "
-              f"sizes.json: first scan {c['first_scan_s']:.2f} s ({'cold' if c['first_scan_cold_cache'] else 'warm'} "
-              f"page cache), warm {c['warm_scan_s']:.2f} s ({c['members_per_s_warm']:,.0f} members/s, one process), "
-              f"cache hit {c['cache_hit_s'] * 1e3:.1f} ms (x{c['scan_to_hit_ratio']:,.0f})")  # fmt: skip
-    sizing = format_table(result["sizing"], [("step", "step to feed", ""), ("step_ips", "img/s", ".1f"),
-                                             ("workers", "workers needed", "d")])  # fmt: skip
+    census = (
+        f"shard census (mpp.data.census), {c['num_shards']} shards x {c['members_per_shard']} members, no "
+        f"sizes.json: first scan {c['first_scan_s']:.2f} s ({'cold' if c['first_scan_cold_cache'] else 'warm'} "
+        f"page cache), warm {c['warm_scan_s']:.2f} s ({c['members_per_s_warm']:,.0f} members/s, one process), "
+        f"cache hit {c['cache_hit_s'] * 1e3:.1f} ms (x{c['scan_to_hit_ratio']:,.0f})"
+    )
+    sizing = format_table(
+        result["sizing"],
+        [
+            ("step", "step to feed", ""),
+            ("step_ips", "img/s", ".1f"),
+            ("workers", "workers needed", "d"),
+        ],
+    )
     return f"{table}\n{ratios}\n{bad}\n{start}\n{census}\n\n{sizing}"

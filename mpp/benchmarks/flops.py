@@ -53,7 +53,9 @@ def transformer_flops(tokens: int, dim: int, depth: int, mlp_hidden: int) -> int
 
 
 def _linear(tokens: int, layer: nn.Module) -> int:
-    return 2 * tokens * layer.in_features * layer.out_features if isinstance(layer, nn.Linear) else 0
+    return (
+        2 * tokens * layer.in_features * layer.out_features if isinstance(layer, nn.Linear) else 0
+    )
 
 
 def _encoder(enc: VisionTransformer, num_patch_tokens: int) -> int:
@@ -63,14 +65,20 @@ def _encoder(enc: VisionTransformer, num_patch_tokens: int) -> int:
     patch = enc.patch_embed
     embed = 2 * enc.num_patches * patch.in_chans * patch.patch_size**2 * enc.embed_dim
     hidden = blk.mlp.fc1.out_features
-    return embed + transformer_flops(enc.num_prefix_tokens + num_patch_tokens, enc.embed_dim, len(enc.blocks), hidden)
+    return embed + transformer_flops(
+        enc.num_prefix_tokens + num_patch_tokens, enc.embed_dim, len(enc.blocks), hidden
+    )
 
 
 def _decoder(dec: Decoder, tokens: int) -> int:
     """[in_proj], blocks, pred on ``tokens`` tokens."""
     depth = len(dec.blocks)
     hidden = dec.blocks[0].mlp.fc1.out_features if depth else 0
-    return _linear(tokens, dec.in_proj) + transformer_flops(tokens, dec.pred.in_features, depth, hidden) + _linear(tokens, dec.pred)
+    return (
+        _linear(tokens, dec.in_proj)
+        + transformer_flops(tokens, dec.pred.in_features, depth, hidden)
+        + _linear(tokens, dec.pred)
+    )
 
 
 def _decoder_embed(emb: DecoderEmbed, visible: int) -> int:
@@ -102,7 +110,9 @@ def step_flops(model: nn.Module) -> StepFlops:
         n = model.encoder.num_patches
         visible = n - model.num_masked
         enc = _encoder(model.encoder, visible)
-        dec = _decoder_embed(model.decoder_embed, visible) + _decoder(model.decoder, model.encoder.num_prefix_tokens + n)
+        dec = _decoder_embed(model.decoder_embed, visible) + _decoder(
+            model.decoder, model.encoder.num_prefix_tokens + n
+        )
         return StepFlops(enc + dec, 0, {"encoder": enc, "decoder": dec})
     if isinstance(model, HardPatchesMining):
         base = step_flops(model.base)

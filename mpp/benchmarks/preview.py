@@ -36,8 +36,14 @@ def measure(name: str, quick: bool) -> dict[str, Any]:
     batch = 8 if quick else cfg.micro_batch(1)[0]
     images = torch.randn(batch, 3, size, size)
     optimizer = build_optimizer(cfg, objective)
-    preview = Preview(1, torch.randint(0, 256, (NUM_IMAGES, 3, size, size), dtype=torch.uint8),
-                      cfg.data.mean, cfg.data.std, torch.device("cpu"), rank=0)  # fmt: skip
+    preview = Preview(
+        1,
+        torch.randint(0, 256, (NUM_IMAGES, 3, size, size), dtype=torch.uint8),
+        cfg.data.mean,
+        cfg.data.std,
+        torch.device("cpu"),
+        rank=0,
+    )
 
     def step() -> None:
         loss, _ = objective(images)
@@ -45,13 +51,25 @@ def measure(name: str, quick: bool) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    times = interleaved_times({"step": step, "preview": lambda: preview(objective, 1, [])}, 2 if quick else 5)
+    times = interleaved_times(
+        {"step": step, "preview": lambda: preview(objective, 1, [])}, 2 if quick else 5
+    )
     step_s, preview_s = median(times["step"]), median(times["preview"])
-    return {"config": name, "batch": batch, "step_ms": 1e3 * step_s, "preview_ms": 1e3 * preview_s,
-            "overhead_pct": 100 * preview_s / (EVERY * step_s)}  # fmt: skip
+    return {
+        "config": name,
+        "batch": batch,
+        "step_ms": 1e3 * step_s,
+        "preview_ms": 1e3 * preview_s,
+        "overhead_pct": 100 * preview_s / (EVERY * step_s),
+    }
 
 
 def render(result: dict[str, Any]) -> str:
-    columns = [("config", "config", ""), ("batch", "batch", ""), ("step_ms", "step ms", ".1f"),
-               ("preview_ms", "preview ms", ".1f"), ("overhead_pct", f"overhead at every {result['every']} %", ".3f")]  # fmt: skip
+    columns = [
+        ("config", "config", ""),
+        ("batch", "batch", ""),
+        ("step_ms", "step ms", ".1f"),
+        ("preview_ms", "preview ms", ".1f"),
+        ("overhead_pct", f"overhead at every {result['every']} %", ".3f"),
+    ]
     return format_table(result["rows"], columns)

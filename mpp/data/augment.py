@@ -19,7 +19,12 @@ def soft_targets(labels: Tensor, num_classes: int, smoothing: float) -> Tensor:
 
 
 def mixup_cutmix(
-    images: Tensor, targets: Tensor, mixup: float, cutmix: float, prob: float = 1.0, switch_prob: float = 0.5
+    images: Tensor,
+    targets: Tensor,
+    mixup: float,
+    cutmix: float,
+    prob: float = 1.0,
+    switch_prob: float = 0.5,
 ) -> tuple[Tensor, Tensor, float]:
     """timm's batch-mode Mixup: with probability ``prob`` mix each image with the batch's
     flipped order, by a Beta(a, a) weight (mixup) or a box of that area (cutmix, weight
@@ -44,7 +49,9 @@ def mixup_cutmix(
     return images, targets * lam + targets.flip(0) * (1.0 - lam), lam
 
 
-def random_erasing(images: Tensor, prob: float, area=(0.02, 1 / 3), aspect=(0.3, 1 / 0.3)) -> Tensor:
+def random_erasing(
+    images: Tensor, prob: float, area=(0.02, 1 / 3), aspect=(0.3, 1 / 0.3)
+) -> Tensor:
     """timm's RandomErasing (mode 'pixel'), batched: each image, with probability ``prob``,
     gets one box of N(0, 1) noise (in normalised space), area and aspect drawn per image."""
     if prob <= 0:
@@ -53,13 +60,20 @@ def random_erasing(images: Tensor, prob: float, area=(0.02, 1 / 3), aspect=(0.3,
     dev = images.device
     erase = torch.rand(B, device=dev) < prob
     target = torch.empty(B, device=dev).uniform_(*area) * H * W
-    aspect = torch.exp(torch.empty(B, device=dev).uniform_(math.log(aspect[0]), math.log(aspect[1])))
+    aspect = torch.exp(
+        torch.empty(B, device=dev).uniform_(math.log(aspect[0]), math.log(aspect[1]))
+    )
     h = torch.sqrt(target * aspect).round().clamp(1, H)
     w = torch.sqrt(target / aspect).round().clamp(1, W)
     top = (torch.rand(B, device=dev) * (H - h + 1)).floor()
     left = (torch.rand(B, device=dev) * (W - w + 1)).floor()
     ys = torch.arange(H, device=dev).view(1, H, 1)
     xs = torch.arange(W, device=dev).view(1, 1, W)
-    box = (ys >= top.view(B, 1, 1)) & (ys < (top + h).view(B, 1, 1)) & (xs >= left.view(B, 1, 1)) & (xs < (left + w).view(B, 1, 1))
+    box = (
+        (ys >= top.view(B, 1, 1))
+        & (ys < (top + h).view(B, 1, 1))
+        & (xs >= left.view(B, 1, 1))
+        & (xs < (left + w).view(B, 1, 1))
+    )
     box &= erase.view(B, 1, 1)
     return torch.where(box.unsqueeze(1), torch.randn_like(images), images)

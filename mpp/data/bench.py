@@ -85,9 +85,13 @@ def bench_pipeline(
 
         def pipeline(**crop):
             loader = make_train_loader(
-                shards, batch_size=batch_size, num_batches=num_batches, img_size=img_size, num_workers=0,
+                shards,
+                batch_size=batch_size,
+                num_batches=num_batches,
+                img_size=img_size,
+                num_workers=0,
                 **crop,
-            )  # fmt: skip
+            )
             for _ in loader:
                 pass
 
@@ -119,7 +123,12 @@ def bench_pipeline(
 
 
 def bench_bad_data(
-    num_images: int = 256, img_size: int = 224, bad_frac: float = 0.05, batch_size: int = 32, repeats: int = 3, **_
+    num_images: int = 256,
+    img_size: int = 224,
+    bad_frac: float = 0.05,
+    batch_size: int = 32,
+    repeats: int = 3,
+    **_,
 ) -> dict:
     """Delivered images/s of the train pipeline (num_workers=0) over clean shards and over the
     same shards with ``bad_frac`` of the images replaced by garbage bytes: what skipping and
@@ -131,7 +140,9 @@ def bench_bad_data(
     rng = np.random.default_rng(1)
     bad = set(rng.choice(num_images, int(round(bad_frac * num_images)), replace=False).tolist())
     # a JPEG header the writer accepts, then garbage: the decode fails, as with a corrupt download
-    corrupted = [(d[:200] + rng.bytes(len(d) // 4) if i in bad else d, None) for i, d in enumerate(images)]
+    corrupted = [
+        (d[:200] + rng.bytes(len(d) // 4) if i in bad else d, None) for i, d in enumerate(images)
+    ]
     num_batches = int(num_images * (1 - bad_frac)) // batch_size
     with tempfile.TemporaryDirectory() as tmp:
         kw = dict(max_count=max(1, num_images // 4), progress=False)
@@ -140,13 +151,21 @@ def bench_bad_data(
         skipped = {}
 
         def run(shards, name):
-            loader = make_train_loader(shards, batch_size=batch_size, num_batches=num_batches, img_size=img_size,
-                                       num_workers=0, shuffle_buffer=1)
+            loader = make_train_loader(
+                shards,
+                batch_size=batch_size,
+                num_batches=num_batches,
+                img_size=img_size,
+                num_workers=0,
+                shuffle_buffer=1,
+            )
             for batch in loader:
                 skipped[name] = batch["skipped"]
 
         run(clean, "clean")
-        times = _best_times(repeats, clean=lambda: run(clean, "clean"), dirty=lambda: run(dirty, "dirty"))
+        times = _best_times(
+            repeats, clean=lambda: run(clean, "clean"), dirty=lambda: run(dirty, "dirty")
+        )
     n = num_batches * batch_size
     return {
         "delivered_images": n,
@@ -154,13 +173,19 @@ def bench_bad_data(
         "clean_ips": n / times["clean"],
         "bad_data_ips": n / times["dirty"],
         "skipped_per_pass": skipped["dirty"],
-        "throughput_ratio": times["clean"] / times["dirty"],  # bad-data images/s / clean images/s; goal >= 0.90
+        "throughput_ratio": times["clean"]
+        / times["dirty"],  # bad-data images/s / clean images/s; goal >= 0.90
     }
 
 
 def bench_epoch_start(
-    num_images: int = 256, img_size: int = 224, epochs: int = 4, num_workers: int = 2, batch_size: int = 16,
-    shuffle_buffer: int = 16, **_,
+    num_images: int = 256,
+    img_size: int = 224,
+    epochs: int = 4,
+    num_workers: int = 2,
+    batch_size: int = 16,
+    shuffle_buffer: int = 16,
+    **_,
 ) -> dict:
     """Seconds from the start of an epoch to its first batch, for a new loader every epoch (new
     worker processes) and for one persistent loader (``set_epoch``), the median over epochs 2..;
@@ -169,13 +194,23 @@ def bench_epoch_start(
     mean_bytes = sum(len(d) for d in images) / len(images)
     num_batches = num_images // batch_size
     with tempfile.TemporaryDirectory() as tmp:
-        shards = write_shards([(d, None) for d in images], tmp, "e", max_count=max(1, num_images // 8), progress=False)
-        kw = dict(batch_size=batch_size, num_batches=num_batches, img_size=img_size, num_workers=num_workers,
-                  shuffle_buffer=shuffle_buffer)  # fmt: skip
+        shards = write_shards(
+            [(d, None) for d in images], tmp, "e", max_count=max(1, num_images // 8), progress=False
+        )
+        kw = dict(
+            batch_size=batch_size,
+            num_batches=num_batches,
+            img_size=img_size,
+            num_workers=num_workers,
+            shuffle_buffer=shuffle_buffer,
+        )
         fresh, kept = [], []
         persistent = make_train_loader(shards, persistent=True, **kw)
         for epoch in range(epochs):
-            for times, loader in ((fresh, make_train_loader(shards, epoch=epoch, **kw)), (kept, persistent)):
+            for times, loader in (
+                (fresh, make_train_loader(shards, epoch=epoch, **kw)),
+                (kept, persistent),
+            ):
                 loader.set_epoch(epoch)
                 t0 = time.perf_counter()
                 for _ in loader:
@@ -185,11 +220,14 @@ def bench_epoch_start(
         persistent.close()
     median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
     return {
-        "epochs": epochs, "num_workers": num_workers, "shuffle_buffer": shuffle_buffer,
-        "first_batch_s_new_workers": median(fresh[1:]), "first_batch_s_persistent": median(kept[1:]),
+        "epochs": epochs,
+        "num_workers": num_workers,
+        "shuffle_buffer": shuffle_buffer,
+        "first_batch_s_new_workers": median(fresh[1:]),
+        "first_batch_s_persistent": median(kept[1:]),
         "restart_ratio": median(fresh[1:]) / median(kept[1:]),
         "mean_encoded_bytes": mean_bytes,
-    }  # fmt: skip
+    }
 
 
 if __name__ == "__main__":
@@ -199,7 +237,9 @@ if __name__ == "__main__":
     parser.add_argument("--num-images", type=int, default=256)
     parser.add_argument("--img-size", type=int, default=224)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--bad-data", action="store_true", help="clean shards vs 5 %% garbage JPEGs")
+    parser.add_argument(
+        "--bad-data", action="store_true", help="clean shards vs 5 %% garbage JPEGs"
+    )
     args = parser.parse_args()
     fn = bench_bad_data if args.bad_data else bench_pipeline
     print(json.dumps(fn(args.num_images, args.img_size, repeats=args.repeats), indent=1))
@@ -249,9 +289,20 @@ def bench_census(num_shards: int = 1024, members: int = 1000, member_bytes: int 
         t0 = time.perf_counter()
         cached = census(shards)
         hit_s = time.perf_counter() - t0
-    assert scanned.total == cached.total == num_shards * (members // 2), (scanned.total, cached.total)
+    assert scanned.total == cached.total == num_shards * (members // 2), (
+        scanned.total,
+        cached.total,
+    )
     assert {c.source for c in cached.counts} == {"cache"}
-    return {"num_shards": num_shards, "members_per_shard": members, "member_bytes": member_bytes,
-            "write_s": write_s, "first_scan_s": scan_s, "first_scan_cold_cache": cold, "warm_scan_s": warm_s,
-            "cache_hit_s": hit_s, "members_per_s_warm": num_shards * members / warm_s,
-            "scan_to_hit_ratio": warm_s / hit_s}  # fmt: skip
+    return {
+        "num_shards": num_shards,
+        "members_per_shard": members,
+        "member_bytes": member_bytes,
+        "write_s": write_s,
+        "first_scan_s": scan_s,
+        "first_scan_cold_cache": cold,
+        "warm_scan_s": warm_s,
+        "cache_hit_s": hit_s,
+        "members_per_s_warm": num_shards * members / warm_s,
+        "scan_to_hit_ratio": warm_s / hit_s,
+    }

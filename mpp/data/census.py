@@ -73,9 +73,16 @@ class Census:
         lines = [f"{self.total:,} samples in {len(self.shards)} shards ({made})"]
         _name(lines, "empty", [s for s, c in self._items() if c.samples == 0 and not c.problem])
         _name(lines, "ending early", [f"{s} ({c.problem})" for s, c in self._items() if c.problem])
-        _name(lines, "keys held twice", [f"{c.duplicate_keys} in {s}" for s, c in self._items() if c.duplicate_keys])
-        _name(lines, "samples without an image, not trained",
-              [f"{c.without_image} in {s}" for s, c in self._items() if c.without_image])  # fmt: skip
+        _name(
+            lines,
+            "keys held twice",
+            [f"{c.duplicate_keys} in {s}" for s, c in self._items() if c.duplicate_keys],
+        )
+        _name(
+            lines,
+            "samples without an image, not trained",
+            [f"{c.without_image} in {s}" for s, c in self._items() if c.without_image],
+        )
         return "; ".join(lines)
 
     def _items(self):
@@ -91,7 +98,9 @@ class Census:
 
 def _name(lines: list[str], what: str, items: list[str]) -> None:
     if items:
-        lines.append(f"{what}: {len(items)} ({', '.join(items[:5])}{' ...' if len(items) > 5 else ''})")
+        lines.append(
+            f"{what}: {len(items)} ({', '.join(items[:5])}{' ...' if len(items) > 5 else ''})"
+        )
 
 
 def scan_shard(url: str, allow_pipe: bool = False) -> ShardCount:
@@ -133,13 +142,20 @@ def census(shards: list[str], allow_pipe: bool = False, run_dir: Path | None = N
     todo = [s for s in shards if s not in known]
     t0 = time.perf_counter()
     if todo and rank == 0:
-        log.info("counting the samples of %d shard(s) from their tar headers (once: the counts are cached)", len(todo))
+        log.info(
+            "counting the samples of %d shard(s) from their tar headers (once: the counts are cached)",
+            len(todo),
+        )
     scanned = {s: scan_shard(s, allow_pipe) for s in todo[rank::world]}
     if distributed:
         parts: list = [None] * world
         dist.all_gather_object(parts, scanned)
         scanned = {k: v for part in parts for k, v in part.items()}
-    result = Census(shards, [known.get(s) or scanned[s] for s in shards], time.perf_counter() - t0 if todo else 0.0)
+    result = Census(
+        shards,
+        [known.get(s) or scanned[s] for s in shards],
+        time.perf_counter() - t0 if todo else 0.0,
+    )
     if rank == 0 and scanned:
         result.to_run_cache = _save_beside_shards(scanned)
     return result
@@ -148,8 +164,13 @@ def census(shards: list[str], allow_pipe: bool = False, run_dir: Path | None = N
 def known_counts(shards: list[str], run_dir: Path | None = None) -> dict[str, ShardCount]:
     """The counts the files already hold (sources 1-3 of the module docstring)."""
     known: dict[str, ShardCount] = {}
-    listed = {url: (_read_json(url) or {}).get("shards", {}) for url in dict.fromkeys(map(_sizes_url, shards))}
-    run_cache = (_read_json(str(Path(run_dir) / RUN_CACHE_FILE)) or {}).get("shards", {}) if run_dir else {}
+    listed = {
+        url: (_read_json(url) or {}).get("shards", {})
+        for url in dict.fromkeys(map(_sizes_url, shards))
+    }
+    run_cache = (
+        (_read_json(str(Path(run_dir) / RUN_CACHE_FILE)) or {}).get("shards", {}) if run_dir else {}
+    )
     caches: dict[str, dict] = {}
     for url in shards:
         name = url.rsplit("/", 1)[-1]
@@ -213,7 +234,9 @@ def _save_beside_shards(scanned: dict[str, ShardCount]) -> dict:
         path = Path(folder) / CACHE_FILE
         try:
             old = (_read_json(str(path)) or {}).get("shards", {})
-            _write_json(path, {"shards": {**old, **{os.path.basename(u): r for u, r in records.items()}}})
+            _write_json(
+                path, {"shards": {**old, **{os.path.basename(u): r for u, r in records.items()}}}
+            )
         except OSError:  # a full or read-only filesystem: the run directory keeps them
             rest.update(records)
     return rest

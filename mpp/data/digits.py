@@ -63,9 +63,14 @@ def _build(folder: Path, img_size: int, resample: str) -> None:
     splits = {"val": (order[:NUM_VAL], VAL_SHARDS), "train": (order[NUM_VAL:], TRAIN_SHARDS)}
     for prefix, (idx, num_shards) in splits.items():
         write_shards(
-            from_arrays(images[idx], labels[idx]), folder, prefix, max_count=math.ceil(len(idx) / num_shards),
-            seed=SPLIT_SEED, class_names=CLASS_NAMES, progress=False,
-        )  # fmt: skip
+            from_arrays(images[idx], labels[idx]),
+            folder,
+            prefix,
+            max_count=math.ceil(len(idx) / num_shards),
+            seed=SPLIT_SEED,
+            class_names=CLASS_NAMES,
+            progress=False,
+        )
 
 
 def digits_shards(

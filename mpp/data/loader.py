@@ -129,8 +129,12 @@ class StreamConfig:
     hflip: float = 0.5
     randaug: tuple[int, int] | None = None
     shuffle_buffer: int = 16  # samples shuffled together in each stream (mpp.data.order)
-    global_batch: int = 0  # the streams of a step: batch_size x world_size x accumulation (0: no accumulation)
-    shard_sizes: tuple[int, ...] | None = None  # samples per shard (mpp.data.census); None: counted by the loader
+    global_batch: int = (
+        0  # the streams of a step: batch_size x world_size x accumulation (0: no accumulation)
+    )
+    shard_sizes: tuple[int, ...] | None = (
+        None  # samples per shard (mpp.data.census); None: counted by the loader
+    )
 
 
 class _Stream(IterableDataset):
@@ -147,7 +151,9 @@ class _TrainStream(_Stream):
 
     def __init__(self, shards: list[str], cfg: StreamConfig):
         super().__init__(shards, cfg)
-        self.position = torch.tensor([cfg.epoch, cfg.start_batch], dtype=torch.int64).share_memory_()
+        self.position = torch.tensor(
+            [cfg.epoch, cfg.start_batch], dtype=torch.int64
+        ).share_memory_()
 
     def __iter__(self) -> Iterator[dict]:
         epoch, start_batch = self.position.tolist()
@@ -157,21 +163,42 @@ class _TrainStream(_Stream):
         accum, steps = _accumulation(c), c.num_batches // _accumulation(c)
         sizes = list(c.shard_sizes)
         order = epoch_order(len(self.shards), c.seed, c.epoch)
-        select = partial(select_image, errors=errors, with_labels=c.with_labels, num_classes=c.num_classes)
-        augment = partial(train_transform, img_size=c.img_size, scale=c.crop_scale, ratio=c.crop_ratio, hflip=c.hflip,
-                          randaug=c.randaug)  # fmt: skip
+        select = partial(
+            select_image, errors=errors, with_labels=c.with_labels, num_classes=c.num_classes
+        )
+        augment = partial(
+            train_transform,
+            img_size=c.img_size,
+            scale=c.crop_scale,
+            ratio=c.crop_ratio,
+            hflip=c.hflip,
+            randaug=c.randaug,
+        )
         first = c.rank * c.batch_size * accum  # the rank's first stream
         streams: dict[int, Iterator] = {}
         for group in range(accum):  # this worker's part of every micro-batch group
             for i in split(c.batch_size, num_workers, worker):
                 s = first + group * c.batch_size + i
                 key = f"{c.seed}/{c.epoch}/{s}"
-                samples = stream_samples(self.shards, sizes, order, s, steps, c.shuffle_buffer,
-                                         random.Random(f"samples/{key}"), select, errors, c.allow_pipe)  # fmt: skip
+                samples = stream_samples(
+                    self.shards,
+                    sizes,
+                    order,
+                    s,
+                    steps,
+                    c.shuffle_buffer,
+                    random.Random(f"samples/{key}"),
+                    select,
+                    errors,
+                    c.allow_pipe,
+                )
                 numbered = number(samples, skip=done_before(group, c.start_batch, accum))
                 streams[s] = decode(numbered, transform=augment, rng_key=key, errors=errors)
         for _, group in schedule(steps, accum, c.start_batch):
-            part = [next(streams[first + group * c.batch_size + i]) for i in split(c.batch_size, num_workers, worker)]
+            part = [
+                next(streams[first + group * c.batch_size + i])
+                for i in split(c.batch_size, num_workers, worker)
+            ]
             batch = collate(part, with_keys=c.with_keys) if part else {}
             yield {**batch, "_worker": worker, "_skipped": errors.skipped}
         yield {"_worker": worker, "_skipped": errors.skipped, "_end": True}
@@ -179,9 +206,13 @@ class _TrainStream(_Stream):
 
 def _accumulation(c: StreamConfig) -> int:
     per_step = c.global_batch or c.batch_size * c.world_size
-    if per_step % (c.batch_size * c.world_size) or c.num_batches % (per_step // (c.batch_size * c.world_size)):
-        raise ValueError(f"global_batch {per_step} is not batch_size {c.batch_size} x world_size {c.world_size} x "
-                         f"an accumulation that divides num_batches {c.num_batches}")  # fmt: skip
+    if per_step % (c.batch_size * c.world_size) or c.num_batches % (
+        per_step // (c.batch_size * c.world_size)
+    ):
+        raise ValueError(
+            f"global_batch {per_step} is not batch_size {c.batch_size} x world_size {c.world_size} x "
+            f"an accumulation that divides num_batches {c.num_batches}"
+        )
     return per_step // (c.batch_size * c.world_size)
 
 
@@ -241,10 +272,18 @@ class Loader:
     ``persistent``: one DataLoader, its workers kept across passes (a training run's epochs:
     ``set_epoch`` before each), instead of new worker processes every epoch."""
 
-    def __init__(self, dataset: IterableDataset, num_workers: int, num_batches: int | None, persistent: bool = False,
-                 key_log: Path | None = None):  # fmt: skip
+    def __init__(
+        self,
+        dataset: IterableDataset,
+        num_workers: int,
+        num_batches: int | None,
+        persistent: bool = False,
+        key_log: Path | None = None,
+    ):
         self.dataset, self.num_workers, self.num_batches = dataset, num_workers, num_batches
-        self.key_log = key_log  # a training stream's sample keys, a line per micro-batch (data.log_keys)
+        self.key_log = (
+            key_log  # a training stream's sample keys, a line per micro-batch (data.log_keys)
+        )
         self.persistent = persistent and num_workers > 0
         # a training micro-batch arrives in one part per worker, in worker order
         self.parts = max(1, num_workers) if isinstance(dataset, _TrainStream) else 1
@@ -278,23 +317,30 @@ class Loader:
         return self.num_batches
 
     def __iter__(self) -> Iterator[dict]:
-        loader = self._loader if self._loader is not None else DataLoader(
-            self.dataset,
-            batch_size=None,  # batches are built inside the workers
-            num_workers=self.num_workers,
-            pin_memory=torch.cuda.is_available() and self.parts == 1,  # parts: pinned once joined
-            persistent_workers=self.persistent,
-            # its own generator: DataLoader otherwise draws worker seeds from the global torch
-            # RNG, and re-creating a loader on resume would shift every later mask draw
-            generator=torch.Generator().manual_seed(0),
-            worker_init_fn=_ignore_stop_signals,
+        loader = (
+            self._loader
+            if self._loader is not None
+            else DataLoader(
+                self.dataset,
+                batch_size=None,  # batches are built inside the workers
+                num_workers=self.num_workers,
+                pin_memory=torch.cuda.is_available()
+                and self.parts == 1,  # parts: pinned once joined
+                persistent_workers=self.persistent,
+                # its own generator: DataLoader otherwise draws worker seeds from the global torch
+                # RNG, and re-creating a loader on resume would shift every later mask draw
+                generator=torch.Generator().manual_seed(0),
+                worker_init_fn=_ignore_stop_signals,
+            )
         )
         if self.persistent:
             self._loader = loader
         self._skipped = {}
         count, parts = 0, []
         items = iter(loader)
-        _WORKERS.update(getattr(items, "_workers", ()))  # DataLoader's worker processes (none in-process)
+        _WORKERS.update(
+            getattr(items, "_workers", ())
+        )  # DataLoader's worker processes (none in-process)
         try:
             for item in items:
                 self._skipped[item.pop("_worker")] = item.pop("_skipped")
@@ -309,7 +355,9 @@ class Loader:
                     self._log_keys(batch["key"], count)
                 count += 1
                 yield batch
-        except Exception:  # a worker's error (bad data): its workers stop now, not at interpreter exit
+        except (
+            Exception
+        ):  # a worker's error (bad data): its workers stop now, not at interpreter exit
             if hasattr(items, "_shutdown_workers"):
                 items._shutdown_workers()
             self._loader = None
@@ -317,7 +365,6 @@ class Loader:
         if self.num_batches is not None and count != self.num_batches:
             # unequal batch counts across ranks deadlock the next collective: fail loudly instead
             raise RuntimeError(f"training loader gave {count} batches, expected {self.num_batches}")
-
 
     def _log_keys(self, keys: list[str], count: int) -> None:
         epoch, start = self.dataset.position.tolist()
@@ -333,7 +380,9 @@ def _join(parts: list[dict]) -> dict:
     parts = [p for p in parts if p]  # workers without a stream in this micro-batch
     images = [p["image"] for p in parts]
     shape = (sum(len(x) for x in images), *images[0].shape[1:])
-    out = torch.empty(shape, dtype=images[0].dtype, pin_memory=torch.cuda.is_available())  # one copy, pinned
+    out = torch.empty(
+        shape, dtype=images[0].dtype, pin_memory=torch.cuda.is_available()
+    )  # one copy, pinned
     batch = {"image": torch.cat(images, out=out)}
     if "label" in parts[0]:
         batch["label"] = torch.cat([p["label"] for p in parts])
@@ -351,8 +400,13 @@ def _validate(shards, allow_pipe: bool, rank: int, world_size: int) -> list[str]
 
 
 def make_train_loader(
-    shards: str | list[str], stream: StreamConfig | None = None, *, num_workers: int = 2, persistent: bool = False,
-    key_log: Path | None = None, **settings,
+    shards: str | list[str],
+    stream: StreamConfig | None = None,
+    *,
+    num_workers: int = 2,
+    persistent: bool = False,
+    key_log: Path | None = None,
+    **settings,
 ) -> Loader:
     """Exactly ``num_batches - start_batch`` uint8 batches for this rank of this epoch.
 
@@ -381,10 +435,18 @@ def make_train_loader(
             f"need batch_size >= 1 and 0 <= start_batch <= num_batches (batch_size={cfg.batch_size}, "
             f"start_batch={cfg.start_batch}, num_batches={cfg.num_batches})"
         )
-    return Loader(_TrainStream(shards, cfg), num_workers, cfg.num_batches - cfg.start_batch, persistent, key_log)
+    return Loader(
+        _TrainStream(shards, cfg),
+        num_workers,
+        cfg.num_batches - cfg.start_batch,
+        persistent,
+        key_log,
+    )
 
 
-def make_eval_loader(shards: str | list[str], *, num_workers: int = 2, with_labels: bool = True, **settings) -> Loader:
+def make_eval_loader(
+    shards: str | list[str], *, num_workers: int = 2, with_labels: bool = True, **settings
+) -> Loader:
     """One exact pass over this rank's shards (split by rank, then by worker); the last batch may
     be short. ``settings``: the ``StreamConfig`` fields that apply (batch_size, img_size, rank,
     world_size, num_classes, with_keys, allow_pipe, max_consecutive_errors).

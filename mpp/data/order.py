@@ -33,8 +33,14 @@ def epoch_order(num_shards: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
-def read_from(shards: list[str], sizes: list[int], order: list[int], start: int, errors: SkipCounter,
-              allow_pipe: bool) -> Iterator[dict]:  # fmt: skip
+def read_from(
+    shards: list[str],
+    sizes: list[int],
+    order: list[int],
+    start: int,
+    errors: SkipCounter,
+    allow_pipe: bool,
+) -> Iterator[dict]:
     """Raw tar samples from position ``start`` of the epoch's concatenation, wrapping around forever."""
     offset = start % max(1, sum(sizes))
     first = 0
@@ -43,15 +49,31 @@ def read_from(shards: list[str], sizes: list[int], order: list[int], start: int,
         first += 1
     for n in itertools.count():
         url = shards[order[(first + n) % len(order)]]
-        yield from shard_samples([{"url": url, "skip": offset if n == 0 else 0}], errors, allow_pipe, images_only=True)
+        yield from shard_samples(
+            [{"url": url, "skip": offset if n == 0 else 0}], errors, allow_pipe, images_only=True
+        )
 
 
-def stream_samples(shards: list[str], sizes: list[int], order: list[int], stream: int, steps: int,
-                   window: int, rng: random.Random, select, errors: SkipCounter, allow_pipe: bool) -> Iterator:  # fmt: skip
+def stream_samples(
+    shards: list[str],
+    sizes: list[int],
+    order: list[int],
+    stream: int,
+    steps: int,
+    window: int,
+    rng: random.Random,
+    select,
+    errors: SkipCounter,
+    allow_pipe: bool,
+) -> Iterator:
     """Stream ``stream``'s samples: its ``steps`` positions through a shuffle window, then (only
     when bad data left it short) the samples after its range. ``select``: raw sample -> (bytes, label, key)."""
-    mine = itertools.islice(read_from(shards, sizes, order, stream * steps, errors, allow_pipe), steps)
-    shuffled = wds.shuffle(window, initial=window, rng=rng)(select(mine)) if window > 1 else select(mine)
+    mine = itertools.islice(
+        read_from(shards, sizes, order, stream * steps, errors, allow_pipe), steps
+    )
+    shuffled = (
+        wds.shuffle(window, initial=window, rng=rng)(select(mine)) if window > 1 else select(mine)
+    )
     after = select(read_from(shards, sizes, order, (stream + 1) * steps, errors, allow_pipe))
     return itertools.chain(shuffled, after)
 

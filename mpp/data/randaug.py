@@ -16,19 +16,33 @@ def _signed(v: float, rng: random.Random) -> float:
 
 
 def _shear_x(img, m, rng):
-    return img.transform(img.size, Image.Transform.AFFINE, (1, _signed(0.3 * m, rng), 0, 0, 1, 0), fillcolor=_FILL)
+    return img.transform(
+        img.size, Image.Transform.AFFINE, (1, _signed(0.3 * m, rng), 0, 0, 1, 0), fillcolor=_FILL
+    )
 
 
 def _shear_y(img, m, rng):
-    return img.transform(img.size, Image.Transform.AFFINE, (1, 0, 0, _signed(0.3 * m, rng), 1, 0), fillcolor=_FILL)
+    return img.transform(
+        img.size, Image.Transform.AFFINE, (1, 0, 0, _signed(0.3 * m, rng), 1, 0), fillcolor=_FILL
+    )
 
 
 def _translate_x(img, m, rng):  # fraction of the width, as timm's translate_rel
-    return img.transform(img.size, Image.Transform.AFFINE, (1, 0, _signed(0.45 * m, rng) * img.size[0], 0, 1, 0), fillcolor=_FILL)
+    return img.transform(
+        img.size,
+        Image.Transform.AFFINE,
+        (1, 0, _signed(0.45 * m, rng) * img.size[0], 0, 1, 0),
+        fillcolor=_FILL,
+    )
 
 
 def _translate_y(img, m, rng):
-    return img.transform(img.size, Image.Transform.AFFINE, (1, 0, 0, 0, 1, _signed(0.45 * m, rng) * img.size[1]), fillcolor=_FILL)
+    return img.transform(
+        img.size,
+        Image.Transform.AFFINE,
+        (1, 0, 0, 0, 1, _signed(0.45 * m, rng) * img.size[1]),
+        fillcolor=_FILL,
+    )
 
 
 def _rotate(img, m, rng):
@@ -75,7 +89,9 @@ RAND_OPS = {
 }
 
 
-def rand_augment(img: Image.Image, rng: random.Random, num_ops: int = 2, magnitude: int = 9, std: float = 0.5) -> Image.Image:
+def rand_augment(
+    img: Image.Image, rng: random.Random, num_ops: int = 2, magnitude: int = 9, std: float = 0.5
+) -> Image.Image:
     """Apply ``num_ops`` ops drawn uniformly (with replacement), each at magnitude
     N(m, std) clipped to [0, 10] (timm's mstd0.5), each applied with probability 0.5."""
     names = list(RAND_OPS)

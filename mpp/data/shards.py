@@ -50,10 +50,19 @@ def main(argv: list[str] | None = None) -> list[str]:
     if not samples:
         parser.error(f"no images under {args.src}")
     paths = write_shards(
-        samples, args.out_dir, args.prefix, max_count=args.max_count, max_size=int(args.max_size_mb * 2**20),
-        seed=None if args.seed < 0 else args.seed, class_names=class_names, resize=args.resize,
-        reencode=args.reencode, quality=args.quality, overwrite=args.overwrite, progress=not args.no_progress,
-    )  # fmt: skip
+        samples,
+        args.out_dir,
+        args.prefix,
+        max_count=args.max_count,
+        max_size=int(args.max_size_mb * 2**20),
+        seed=None if args.seed < 0 else args.seed,
+        class_names=class_names,
+        resize=args.resize,
+        reencode=args.reencode,
+        quality=args.quality,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+    )
     labels = f", {len(class_names)} classes" if class_names else ", unlabelled"
     print(
         f"wrote {len(samples)} samples{labels} to {shard_spec(args.out_dir, args.prefix, len(paths))}"

@@ -127,7 +127,10 @@ def read_sizes(shards: str | list[str]) -> dict | None:
 
 def shard_sizes(shards: list[str]) -> list[int] | None:
     """Samples per shard from sizes.json, in ``shards``' order; None unless it lists every one."""
-    found = {url: (_read_json(url) or {}).get("shards", {}) for url in dict.fromkeys(map(_sizes_url, shards))}
+    found = {
+        url: (_read_json(url) or {}).get("shards", {})
+        for url in dict.fromkeys(map(_sizes_url, shards))
+    }
     sizes = [found[_sizes_url(s)].get(s.rsplit("/", 1)[-1]) for s in shards]
     return None if None in sizes else sizes
 

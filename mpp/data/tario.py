@@ -62,7 +62,9 @@ def _skip(stream, n: int) -> bool:
     return len(_read_exact(stream, n)) == n
 
 
-def read_tar(stream, skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, bytes | None]]:
+def read_tar(
+    stream, skip: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, bytes | None]]:
     """(name, bytes) of each regular file in an uncompressed tar stream (ustar, GNU, pax names).
     ``skip(name)`` true: the member's data is passed over (a seek when the stream can) and
     (name, None) yielded: resuming inside a shard reads only its headers up to there."""
@@ -86,7 +88,9 @@ def read_tar(stream, skip: Callable[[str], bool] | None = None) -> Iterator[tupl
             prefix = header[345:500].rstrip(b"\0").decode("utf-8", "replace")
             name = f"{prefix}/{name}" if prefix else name
         name = pax.get("path") or long_name or name
-        regular = kind in (b"0", b"\0", b"7") and not name.endswith("/")  # old tars mark directories by the slash
+        regular = kind in (b"0", b"\0", b"7") and not name.endswith(
+            "/"
+        )  # old tars mark directories by the slash
         padding = -size % BLOCK
         if regular and skip is not None and skip(name):
             if not _skip(stream, size + padding):
@@ -94,7 +98,9 @@ def read_tar(stream, skip: Callable[[str], bool] | None = None) -> Iterator[tupl
             pax, long_name = {}, None
             yield name, None
             continue
-        data = _read_exact(stream, size)  # exactly the member: slicing off the padding would copy it
+        data = _read_exact(
+            stream, size
+        )  # exactly the member: slicing off the padding would copy it
         if len(data) < size or len(_read_exact(stream, padding)) < padding:
             raise TarError(f"truncated inside {name} ({len(data)} of {size} bytes)", name)
         if kind == b"x":
@@ -124,7 +130,11 @@ def _is_meta(key: str | None) -> bool:
 def _first_samples(n: int) -> Callable[[str], bool]:
     """A ``read_tar`` skip rule: true for the members of the shard's first ``n`` samples that have
     an image (the training order counts only those: ``tar_samples(images_only=True)``)."""
-    seen = {"key": None, "with_image": False, "done": 0}  # done: image samples finished before this one
+    seen = {
+        "key": None,
+        "with_image": False,
+        "done": 0,
+    }  # done: image samples finished before this one
 
     def skip(name: str) -> bool:
         key, ext = split_name(name)
@@ -143,8 +153,9 @@ def _always(name: str) -> bool:
     return True
 
 
-def tar_samples(stream, skip: int = 0, headers_only: bool = False,
-                images_only: bool = False) -> Iterator[tuple[str, dict[str, bytes | None]]]:  # fmt: skip
+def tar_samples(
+    stream, skip: int = 0, headers_only: bool = False, images_only: bool = False
+) -> Iterator[tuple[str, dict[str, bytes | None]]]:
     """(key, {ext: bytes}) for each sample of a tar stream, grouped as webdataset groups them:
     consecutive members with the same key. The one grouping rule of the reader and the census
     (``mpp.data.census``), so a shard's counted samples are exactly the ones read.
@@ -179,8 +190,9 @@ def tar_samples(stream, skip: int = 0, headers_only: bool = False,
         yield key, sample
 
 
-def shard_samples(src: Iterator[dict], errors: SkipCounter, allow_pipe: bool = False,
-                  images_only: bool = False) -> Iterator[dict]:  # fmt: skip
+def shard_samples(
+    src: Iterator[dict], errors: SkipCounter, allow_pipe: bool = False, images_only: bool = False
+) -> Iterator[dict]:
     """Pipeline stage: {url[, skip]} -> samples {"__key__", "__url__", ext: bytes}, grouped by key
     within a shard (``tar_samples``); ``skip``: the shard's first samples are passed over unread."""
     for item in src:

@@ -101,7 +101,9 @@ def train_transform(
     if randaug is not None and randaug[0] > 0:
         from .randaug import rand_augment
 
-        array = np.asarray(rand_augment(Image.fromarray(np.ascontiguousarray(array)), rng, *randaug))
+        array = np.asarray(
+            rand_augment(Image.fromarray(np.ascontiguousarray(array)), rng, *randaug)
+        )
     return array[:, ::-1] if flip else array  # a view: the copy into the batch does the flip
 
 

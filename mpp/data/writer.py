@@ -139,7 +139,9 @@ def _clear_old_shards(out_dir: Path, prefix: str, overwrite: bool) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     old = sorted(out_dir.glob(f"{prefix}-[0-9][0-9][0-9][0-9][0-9][0-9].tar"))
     if old and not overwrite:
-        raise FileExistsError(f"{out_dir} already holds {prefix}-*.tar shards; pass overwrite=True to replace them")
+        raise FileExistsError(
+            f"{out_dir} already holds {prefix}-*.tar shards; pass overwrite=True to replace them"
+        )
     for path in old:
         path.unlink()
 
@@ -184,7 +186,9 @@ def write_shards(
         tqdm(samples, desc=f"{prefix} shards", unit="img", disable=not progress)
     ):
         data, ext = encode_image(image, resize, reencode, quality)
-        members = [(f"{index:09d}.{ext}", data)]  # the image first: a cut inside it loses one sample only
+        members = [
+            (f"{index:09d}.{ext}", data)
+        ]  # the image first: a cut inside it loses one sample only
         if label is not None:
             members.append((f"{index:09d}.cls", str(int(label)).encode()))
         needed = sum(_member_bytes(d) for _, d in members)
@@ -192,7 +196,9 @@ def write_shards(
             close()
             tar = None
         if tar is None:
-            tar = tarfile.open(out_dir / f".{prefix}-{len(paths):06d}.tar.tmp", "w", format=tarfile.USTAR_FORMAT)
+            tar = tarfile.open(
+                out_dir / f".{prefix}-{len(paths):06d}.tar.tmp", "w", format=tarfile.USTAR_FORMAT
+            )
             count, size = 0, _TAR_END
         for name, blob in members:
             _add_member(tar, name, blob)

@@ -23,7 +23,9 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, mean, std) ->
     """Top-1 / top-5 / loss over an exact single pass, summed over ranks."""
     was_training = model.training
     model.eval()
-    stats = torch.zeros(4, device=device, dtype=torch.float64)  # correct1, correct5, loss sum, count
+    stats = torch.zeros(
+        4, device=device, dtype=torch.float64
+    )  # correct1, correct5, loss sum, count
     for batch in in_step(loader, device):
         if batch is None:  # this rank's shards are done, another rank's are not: a forward to match
             model.encoder(torch.zeros(1, 3, *model.encoder.patch_embed.img_size, device=device))
@@ -40,7 +42,12 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, mean, std) ->
         dist.all_reduce(stats)
     model.train(was_training)
     n = max(stats[3].item(), 1.0)
-    return {"top1": 100.0 * stats[0].item() / n, "top5": 100.0 * stats[1].item() / n, "val_loss": stats[2].item() / n, "num_val": int(n)}
+    return {
+        "top1": 100.0 * stats[0].item() / n,
+        "top5": 100.0 * stats[1].item() / n,
+        "val_loss": stats[2].item() / n,
+        "num_val": int(n),
+    }
 
 
 def in_step(loader, device: torch.device) -> Iterator[dict | None]:
@@ -70,11 +77,24 @@ class EpochEvaluator:
     (.safetensors, fp32, with the architecture) and ``results.json`` (best and last), print a line.
     Every rank calls it (the evaluation and the ZeRO-3 gather are collectives)."""
 
-    def __init__(self, cfg: Any, plan: Plan, run_dir: Path, device: torch.device, model_kwargs: dict,
-                 resume: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: Any,
+        plan: Plan,
+        run_dir: Path,
+        device: torch.device,
+        model_kwargs: dict,
+        resume: str | None = None,
+    ) -> None:
         from mpp.data import digits_shards
 
-        self.cfg, self.plan, self.run_dir, self.device, self.model_kwargs = cfg, plan, run_dir, device, model_kwargs
+        self.cfg, self.plan, self.run_dir, self.device, self.model_kwargs = (
+            cfg,
+            plan,
+            run_dir,
+            device,
+            model_kwargs,
+        )
         self.val_shards = cfg.data.val_shards or digits_shards(plan.img_size)["val"]
         self.batch_size = cfg.finetune.eval_batch_size or plan.micro_batch
         self.results_path = run_dir / "results.json"
@@ -85,11 +105,20 @@ class EpochEvaluator:
     def __call__(self, engine: Any, state: RunState) -> dict:
         d = self.cfg.data
         rank, world = dist.get_rank(), dist.get_world_size()
-        loader = make_eval_loader(self.val_shards, batch_size=self.batch_size, img_size=self.plan.img_size, rank=rank,
-                                  world_size=world, num_workers=d.num_workers, allow_pipe=d.allow_pipe,
-                                  num_classes=engine.module.num_classes)  # fmt: skip
-        res = {**evaluate(engine.module, loader, self.device, d.mean, d.std),
-               "epoch": round(state.step / self.plan.steps_per_epoch, 3)}  # fmt: skip
+        loader = make_eval_loader(
+            self.val_shards,
+            batch_size=self.batch_size,
+            img_size=self.plan.img_size,
+            rank=rank,
+            world_size=world,
+            num_workers=d.num_workers,
+            allow_pipe=d.allow_pipe,
+            num_classes=engine.module.num_classes,
+        )
+        res = {
+            **evaluate(engine.module, loader, self.device, d.mean, d.std),
+            "epoch": round(state.step / self.plan.steps_per_epoch, 3),
+        }
         weights = ckpt.gathered_state_dict(engine)
         if rank == 0:
             self.write(weights, res)
@@ -103,7 +132,15 @@ class EpochEvaluator:
             self.best = res
             ckpt.save_weights(enc, self.run_dir / "model_best.safetensors", meta)
         best = self.best
-        out = {"top1": best["top1"], "top5": best["top5"], "epoch": best["epoch"], "init": self.cfg.init,
-               "last": res, "best": best}  # fmt: skip
+        out = {
+            "top1": best["top1"],
+            "top5": best["top5"],
+            "epoch": best["epoch"],
+            "init": self.cfg.init,
+            "last": res,
+            "best": best,
+        }
         self.results_path.write_text(json.dumps(out, indent=2) + "\n")
-        print(f"epoch {res['epoch']:.2f}: top1 {res['top1']:.2f}  top5 {res['top5']:.2f}  (best {best['top1']:.2f})")
+        print(
+            f"epoch {res['epoch']:.2f}: top1 {res['top1']:.2f}  top5 {res['top5']:.2f}  (best {best['top1']:.2f})"
+        )

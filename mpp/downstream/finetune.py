@@ -29,9 +29,13 @@ def resolve_classes(cfg: FinetuneConfig, train_shards: list[str]) -> int:
     names = sizes.get("class_names") or []
     n = cfg.finetune.num_classes or cfg.data.num_classes or (len(names) or None)
     if n is None:
-        raise ConfigError(f"{cfg._source}: finetune.num_classes: not set and the shards carry no class list")
+        raise ConfigError(
+            f"{cfg._source}: finetune.num_classes: not set and the shards carry no class list"
+        )
     if names and n != len(names):
-        raise ConfigError(f"{cfg._source}: finetune.num_classes: {n} does not match the {len(names)} classes of {train_shards[0]}")
+        raise ConfigError(
+            f"{cfg._source}: finetune.num_classes: {n} does not match the {len(names)} classes of {train_shards[0]}"
+        )
     return n
 
 
@@ -42,12 +46,26 @@ def build_classifier(cfg: FinetuneConfig) -> Classifier:
     num_classes = resolve_classes(cfg, expand_shards(spec))
     encoder = build_encoder(cfg, num_classes=num_classes, global_pool=cfg.finetune.global_pool)
     f = cfg.finetune
-    return Classifier(encoder, f.label_smoothing, f.mixup, f.cutmix, f.mixup_prob, f.mixup_switch_prob, f.reprob,
-                      f.head_init_std)
+    return Classifier(
+        encoder,
+        f.label_smoothing,
+        f.mixup,
+        f.cutmix,
+        f.mixup_prob,
+        f.mixup_switch_prob,
+        f.reprob,
+        f.head_init_std,
+    )
 
 
-def run_finetune(cfg: FinetuneConfig, model: Classifier, plan: Plan, run_dir: Path, device: torch.device,
-                 resume: str | None = None) -> dict:  # fmt: skip
+def run_finetune(
+    cfg: FinetuneConfig,
+    model: Classifier,
+    plan: Plan,
+    run_dir: Path,
+    device: torch.device,
+    resume: str | None = None,
+) -> dict:
     """Fine-tune under DeepSpeed, evaluate every epoch, keep the best and last weights,
     write results.json (top1, top5, epoch, init). Returns the results on rank 0."""
     model_kwargs = {**vit_config(cfg.model.name), **encoder_kwargs(cfg, model.encoder)}

@@ -123,7 +123,10 @@ def place(x: Tensor, device: torch.device) -> Tensor:
     """``x`` on ``device`` when it takes under half of the free memory there, else left on the
     host (every slot of ViT-B over ImageNet's train set is 47 GB in fp32): the probes move each
     batch to the device."""
-    too_big = device.type == "cuda" and x.numel() * x.element_size() > torch.cuda.mem_get_info(device)[0] / 2
+    too_big = (
+        device.type == "cuda"
+        and x.numel() * x.element_size() > torch.cuda.mem_get_info(device)[0] / 2
+    )
     return x if too_big else x.to(device)
 
 
@@ -300,7 +303,12 @@ def linear_probes(
     device = train_y.device
     peak = scaled_lr(blr, batch_size)
     dim, slots = train_x.shape[2], range(train_x.shape[1])
-    probes = [Probe(f"slot{s}", [s], peak, LinearHead(dim, num_classes, torch.Generator().manual_seed(seed))) for s in slots]
+    probes = [
+        Probe(
+            f"slot{s}", [s], peak, LinearHead(dim, num_classes, torch.Generator().manual_seed(seed))
+        )
+        for s in slots
+    ]
     for p in probes:
         p.head.to(device)
     steps_per_epoch = max(1, -(-train_x.shape[0] // batch_size))

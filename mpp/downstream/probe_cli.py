@@ -36,7 +36,10 @@ def probe_parser(kind: str):
     from mpp.cli import run_parser
 
     p = run_parser(
-        f"{kind} evaluation of a frozen encoder", "linear_demo, linear_b16", resume=False, submit=True
+        f"{kind} evaluation of a frozen encoder",
+        "linear_demo, linear_b16",
+        resume=False,
+        submit=True,
     )
     if kind == "linear":
         p.add_argument(
@@ -134,19 +137,30 @@ def _evaluate(
     if rank != 0:
         return facts
     if protocol == "dinov2":
-        return facts | dinov2_probe(train, val, num_classes, depth=depth, settings=pr, seed=cfg.seed)
+        return facts | dinov2_probe(
+            train, val, num_classes, depth=depth, settings=pr, seed=cfg.seed
+        )
     if protocol == "knn":
         (train_x, train_y), (val_x, val_y) = train, val
         per_slot = [
-            knn_classify(train_x[:, s], train_y, val_x[:, s], val_y, num_classes, pr.k, pr.temperature)
+            knn_classify(
+                train_x[:, s], train_y, val_x[:, s], val_y, num_classes, pr.k, pr.temperature
+            )
             for s in range(len(slots))
         ]
     else:
         per_slot = linear_probes(
-            *train, *val, num_classes, epochs=pr.epochs, batch_size=pr.batch_size, blr=pr.blr,
-            momentum=pr.momentum, weight_decay=pr.weight_decay, warmup_epochs=pr.warmup_epochs,
+            *train,
+            *val,
+            num_classes,
+            epochs=pr.epochs,
+            batch_size=pr.batch_size,
+            blr=pr.blr,
+            momentum=pr.momentum,
+            weight_decay=pr.weight_decay,
+            warmup_epochs=pr.warmup_epochs,
             seed=cfg.seed,
-        )  # fmt: skip
+        )
     return facts | _headline(per_slot, slots)
 
 
@@ -159,9 +173,15 @@ def _headline(per_slot: list[dict], slots: list) -> dict:
 
 
 def _mae(
-    cfg, encoder: VisionTransformer, spec: dict, val: tuple, num_classes: int, slots: list, rank: int,
+    cfg,
+    encoder: VisionTransformer,
+    spec: dict,
+    val: tuple,
+    num_classes: int,
+    slots: list,
+    rank: int,
     world: int,
-) -> dict:  # fmt: skip
+) -> dict:
     """MAE's protocol: the training stream augmented on the fly (mpp.data's RandomResizedCrop +
     flip at MAE_CROP_SCALE), a step of probe.batch_size images across the ranks, LARS."""
     from mpp.data import expand_shards
@@ -181,27 +201,52 @@ def _mae(
     for p in heads:
         p.head.to(next(encoder.parameters()).device)
     trainer = HeadTrainer(
-        heads, total_steps=pr.epochs * steps, warmup_steps=pr.warmup_epochs * steps,
-        momentum=pr.momentum, weight_decay=pr.weight_decay, optimizer="lars",
-    )  # fmt: skip
+        heads,
+        total_steps=pr.epochs * steps,
+        warmup_steps=pr.warmup_epochs * steps,
+        momentum=pr.momentum,
+        weight_decay=pr.weight_decay,
+        optimizer="lars",
+    )
     accum = micro_batches(pr.batch_size // world)
     loader = make_train_loader(
-        shards, batch_size=pr.batch_size // world // accum, num_batches=steps * accum,
-        global_batch=pr.batch_size, img_size=encoder.patch_embed.img_size[0], rank=rank,
-        world_size=world, with_labels=True, num_classes=num_classes, seed=cfg.seed,
-        crop_scale=MAE_CROP_SCALE, shard_sizes=tuple(counted.sizes), num_workers=d.num_workers,
-        persistent=True, allow_pipe=d.allow_pipe,
-    )  # fmt: skip
+        shards,
+        batch_size=pr.batch_size // world // accum,
+        num_batches=steps * accum,
+        global_batch=pr.batch_size,
+        img_size=encoder.patch_embed.img_size[0],
+        rank=rank,
+        world_size=world,
+        with_labels=True,
+        num_classes=num_classes,
+        seed=cfg.seed,
+        crop_scale=MAE_CROP_SCALE,
+        shard_sizes=tuple(counted.sizes),
+        num_workers=d.num_workers,
+        persistent=True,
+        allow_pipe=d.allow_pipe,
+    )
     try:
-        res = mae_probe(encoder, loader, trainer, val, epochs=pr.epochs, accum=accum, slots=slots,
-                        mean=d.mean, std=d.std)  # fmt: skip
+        res = mae_probe(
+            encoder,
+            loader,
+            trainer,
+            val,
+            epochs=pr.epochs,
+            accum=accum,
+            slots=slots,
+            mean=d.mean,
+            std=d.std,
+        )
     finally:
         loader.close()
     per_slot = [
         {**r, "max_top1": m, "train_loss": loss}
         for r, m, loss in zip(res["last"], res["max_top1"], res["train_loss"], strict=True)
     ]
-    return {"num_train": counted.total, "lr": lr, "steps_per_epoch": steps} | _headline(per_slot, slots)
+    return {"num_train": counted.total, "lr": lr, "steps_per_epoch": steps} | _headline(
+        per_slot, slots
+    )
 
 
 def _probe_setup(cfg, kind: str) -> tuple[VisionTransformer, dict[str, object], int]:

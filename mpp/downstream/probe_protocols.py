@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 # main_linprobe.py: RandomResizedCrop(224, interpolation=3), at torchvision's default scale
 MAE_CROP_SCALE = (0.08, 1.0)
 # eval/linear.py --learning-rates; each scaled by batch / 256
-DINOV2_LRS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 1e-1)  # fmt: skip
+DINOV2_LRS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 1e-1)
 DINOV2_N_LAST_BLOCKS = (1, 4)  # n_last_blocks_list
 DINOV2_AVGPOOL = (False, True)  # avgpools_choices
 MAX_MICRO_BATCH = 1024  # images per loader batch of the MAE stream; a step accumulates several
@@ -48,7 +48,13 @@ MAX_MICRO_BATCH = 1024  # images per loader batch of the MAE stream; a step accu
 def mae_heads(slots: list[Slot], dim: int, num_classes: int, lr: float, seed: int) -> list[Probe]:
     """A BatchNorm + Linear head per slot (one: the cls token of the last block), each from ``seed``."""
     return [
-        Probe(f"block{b}", [i], lr, LinearHead(dim, num_classes, torch.Generator().manual_seed(seed)), {"block": b})
+        Probe(
+            f"block{b}",
+            [i],
+            lr,
+            LinearHead(dim, num_classes, torch.Generator().manual_seed(seed)),
+            {"block": b},
+        )
         for i, (b, _) in enumerate(slots)
     ]
 
@@ -67,7 +73,9 @@ def _gather_rows(x: Tensor) -> Tensor:
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return x
-    counts = [torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(dist.get_world_size())]
+    counts = [
+        torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(dist.get_world_size())
+    ]
     dist.all_gather(counts, torch.tensor([x.shape[0]], device=x.device))
     longest = int(max(c.item() for c in counts))
     padded = torch.zeros(longest, *x.shape[1:], dtype=x.dtype, device=x.device)
@@ -78,9 +86,17 @@ def _gather_rows(x: Tensor) -> Tensor:
 
 
 def mae_probe(
-    encoder: VisionTransformer, loader, trainer: HeadTrainer, val: tuple[Tensor, Tensor], *, epochs: int,
-    accum: int, slots: list[Slot], mean, std,
-) -> dict:  # fmt: skip
+    encoder: VisionTransformer,
+    loader,
+    trainer: HeadTrainer,
+    val: tuple[Tensor, Tensor],
+    *,
+    epochs: int,
+    accum: int,
+    slots: list[Slot],
+    mean,
+    std,
+) -> dict:
     """Train ``trainer``'s heads for ``epochs`` passes of the augmented training stream (each
     step the features of ``accum`` loader batches on every rank, gathered: every rank takes the
     same step), evaluating on the cached ``val`` features after each epoch (MAE reports the max)."""
@@ -129,7 +145,9 @@ def dinov2_heads(depth: int, dim: int, num_classes: int, batch_size: int, seed: 
             slots = list(range(n_max - n, n_max)) + ([n_max] if avgpool else [])
             for lr in DINOV2_LRS:
                 head = nn.Linear(len(slots) * dim, num_classes)
-                nn.init.normal_(head.weight, std=0.01, generator=torch.Generator().manual_seed(seed))
+                nn.init.normal_(
+                    head.weight, std=0.01, generator=torch.Generator().manual_seed(seed)
+                )
                 nn.init.zeros_(head.bias)
                 name = f"classifier_{n}_blocks_avgpool_{avgpool}_lr_{lr:.5f}"  # DINOv2's names
                 facts = {"lr": lr, "n_blocks": n, "avgpool": avgpool}
@@ -145,9 +163,14 @@ def holdout_split(n: int, fraction: float, seed: int) -> tuple[Tensor, Tensor]:
 
 
 def dinov2_probe(
-    train: tuple[Tensor, Tensor], val: tuple[Tensor, Tensor], num_classes: int, *, depth: int,
-    settings: ProbeSection, seed: int,
-) -> dict:  # fmt: skip
+    train: tuple[Tensor, Tensor],
+    val: tuple[Tensor, Tensor],
+    num_classes: int,
+    *,
+    depth: int,
+    settings: ProbeSection,
+    seed: int,
+) -> dict:
     """Train the grid on the fit part of ``train`` (features (N, S, D) in ``dinov2_slots``
     order) for ``settings.epochs`` at ``settings.batch_size``, pick the head with the best
     held-out top-1 (the first on a tie), report its val top-1/top-5; ``grid`` lists every
@@ -159,11 +182,16 @@ def dinov2_probe(
         p.head.to(y.device)
     steps = max(1, -(-len(fit) // batch_size))
     trainer = HeadTrainer(
-        probes, total_steps=settings.epochs * steps, warmup_steps=0,  # CosineAnnealingLR(max_iter, eta_min=0)
-        momentum=settings.momentum, weight_decay=settings.weight_decay,
-    )  # fmt: skip
+        probes,
+        total_steps=settings.epochs * steps,
+        warmup_steps=0,  # CosineAnnealingLR(max_iter, eta_min=0)
+        momentum=settings.momentum,
+        weight_decay=settings.weight_decay,
+    )
     fit_x, fit_y = x[fit.to(x.device)], y[fit.to(y.device)]
-    train_on_features(trainer, fit_x, fit_y, epochs=settings.epochs, batch_size=batch_size, seed=seed)
+    train_on_features(
+        trainer, fit_x, fit_y, epochs=settings.epochs, batch_size=batch_size, seed=seed
+    )
     on_held = trainer.evaluate(x[held.to(x.device)], y[held.to(y.device)])
     on_val = trainer.evaluate(*val)
     best = max(range(len(probes)), key=lambda i: (on_held[i]["top1"], -i))

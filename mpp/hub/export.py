@@ -28,7 +28,17 @@ from mpp.train.checkpoint import save_weights
 from mpp.train.storage import CheckpointError
 
 # model kwargs of ours that are timm VisionTransformer constructor arguments
-_TIMM_ARGS = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias", "drop_path_rate")
+_TIMM_ARGS = (
+    "img_size",
+    "patch_size",
+    "in_chans",
+    "embed_dim",
+    "depth",
+    "num_heads",
+    "mlp_ratio",
+    "qkv_bias",
+    "drop_path_rate",
+)
 FORMATS = ("safetensors", "timm", "hf")
 TIMM_NORM_EPS = 1e-6  # timm's ViT: norm_layer = partial(nn.LayerNorm, eps=1e-6)
 
@@ -38,13 +48,21 @@ def timm_model_args(model_kwargs: dict) -> dict:
     classifier with its head and pooling (``fc_norm`` after an average pool, as timm and MAE do)."""
     full = full_vit_config(model_kwargs)
     if full.get("norm_eps", TIMM_NORM_EPS) != TIMM_NORM_EPS:
-        raise ValueError(f"norm_eps={full['norm_eps']}: timm's VisionTransformer builds its LayerNorms with eps "
-                         f"{TIMM_NORM_EPS} and its model_args cannot state another; export with --format hf or safetensors")  # fmt: skip
+        raise ValueError(
+            f"norm_eps={full['norm_eps']}: timm's VisionTransformer builds its LayerNorms with eps "
+            f"{TIMM_NORM_EPS} and its model_args cannot state another; export with --format hf or safetensors"
+        )
     args = {k: full[k] for k in _TIMM_ARGS if k in full}
     args.pop("drop_path_rate", None)  # a training choice, not the architecture
     num_classes = int(full.get("num_classes", 0) or 0)
     pool = full.get("global_pool", "token") if num_classes else "token"
-    return {**args, "num_classes": num_classes, "global_pool": pool, "class_token": True, "fc_norm": pool == "avg"}
+    return {
+        **args,
+        "num_classes": num_classes,
+        "global_pool": pool,
+        "class_token": True,
+        "fc_norm": pool == "avg",
+    }
 
 
 def run_info(source: str | Path) -> dict:
@@ -54,7 +72,14 @@ def run_info(source: str | Path) -> dict:
 
     src = Path(source)
     # beside a run's encoder.safetensors, or above its checkpoints/ or checkpoints/stepN
-    cfg_file = next((d / "config.json" for d in (src, src.parent, src.parent.parent) if (d / "config.json").is_file()), None)
+    cfg_file = next(
+        (
+            d / "config.json"
+            for d in (src, src.parent, src.parent.parent)
+            if (d / "config.json").is_file()
+        ),
+        None,
+    )
     info = {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD), "class_names": None}
     if cfg_file is None:
         return info
@@ -62,7 +87,10 @@ def run_info(source: str | Path) -> dict:
     data = cfg.get("data") or {}
     info.update(mean=list(data.get("mean", info["mean"])), std=list(data.get("std", info["std"])))
     try:
-        spec = data.get("train_shards") or digits_shards(full_vit_config(cfg["model"])["img_size"])["train"]
+        spec = (
+            data.get("train_shards")
+            or digits_shards(full_vit_config(cfg["model"])["img_size"])["train"]
+        )
         info["class_names"] = (read_sizes(expand_shards(spec)) or {}).get("class_names")
     except (KeyError, ValueError, OSError):
         pass  # no class names: HF labels stay "0", "1", ...
@@ -74,7 +102,9 @@ def export(source: str | Path, fmt: str, out: str | Path | None = None) -> Path:
         raise ValueError(f"unknown format {fmt!r}; allowed: {FORMATS}")
     sd, kwargs = load_pretrained(source)
     if "name" not in kwargs:
-        raise ValueError(f"{source}: the architecture is unknown (no metadata or config.json beside it)")
+        raise ValueError(
+            f"{source}: the architecture is unknown (no metadata or config.json beside it)"
+        )
     classifier = int(kwargs.get("num_classes", 0) or 0) > 0 and "head.weight" in sd
     if not classifier:
         sd = {k: v for k, v in sd.items() if not k.startswith("head.")}
@@ -123,30 +153,57 @@ def write_timm(sd: dict, kwargs: dict, info: dict, folder: Path) -> None:
 def write_hf(sd: dict, kwargs: dict, info: dict, folder: Path) -> None:
     full = full_vit_config(kwargs)
     num_classes = int(full.get("num_classes", 0) or 0)
-    names = info["class_names"] if info["class_names"] and len(info["class_names"]) == num_classes else None
-    config = hf_config(kwargs, dict(enumerate(names)) if names else None)  # refuses what HF cannot express
+    names = (
+        info["class_names"]
+        if info["class_names"] and len(info["class_names"]) == num_classes
+        else None
+    )
+    config = hf_config(
+        kwargs, dict(enumerate(names)) if names else None
+    )  # refuses what HF cannot express
     folder.mkdir(parents=True, exist_ok=True)
-    save_weights(to_hf(sd, full["depth"], classifier=num_classes > 0), folder / "model.safetensors", {"format": "pt"})
+    save_weights(
+        to_hf(sd, full["depth"], classifier=num_classes > 0),
+        folder / "model.safetensors",
+        {"format": "pt"},
+    )
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    h, w = (full["img_size"], full["img_size"]) if isinstance(full["img_size"], int) else full["img_size"]
+    h, w = (
+        (full["img_size"], full["img_size"])
+        if isinstance(full["img_size"], int)
+        else full["img_size"]
+    )
     processor = {
         "image_processor_type": "ViTImageProcessor",
-        "do_resize": True, "size": {"height": h, "width": w}, "resample": 3,  # PIL bicubic
-        "do_rescale": True, "rescale_factor": 1 / 255,
-        "do_normalize": True, "image_mean": info["mean"], "image_std": info["std"],
-    }  # fmt: skip
+        "do_resize": True,
+        "size": {"height": h, "width": w},
+        "resample": 3,  # PIL bicubic
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": info["mean"],
+        "image_std": info["std"],
+    }
     (folder / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", help="a run directory, a DeepSpeed checkpoint, or an encoder .safetensors")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "source", help="a run directory, a DeepSpeed checkpoint, or an encoder .safetensors"
+    )
     p.add_argument("--format", choices=FORMATS, default="safetensors")
     p.add_argument("--out", help="output file (safetensors) or folder (timm, hf)")
     args = p.parse_args(argv)
     try:
         path = export(args.source, args.format, args.out)
-    except (FileNotFoundError, ValueError, CheckpointError) as e:  # CheckpointError: a damaged file, named
+    except (
+        FileNotFoundError,
+        ValueError,
+        CheckpointError,
+    ) as e:  # CheckpointError: a damaged file, named
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(path)

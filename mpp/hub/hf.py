@@ -30,7 +30,9 @@ def hf_config(model_kwargs: dict, id2label: dict[int, str] | None = None) -> dic
         )
     dim, mlp_ratio = full["embed_dim"], full.get("mlp_ratio", 4.0)
     if float(dim * mlp_ratio) != int(dim * mlp_ratio):
-        raise ValueError(f"mlp_ratio {mlp_ratio} x embed_dim {dim} is not a whole intermediate size")
+        raise ValueError(
+            f"mlp_ratio {mlp_ratio} x embed_dim {dim} is not a whole intermediate size"
+        )
     config = {
         "model_type": "vit",
         "architectures": ["ViTForImageClassification" if num_classes else "ViTModel"],
@@ -70,10 +72,14 @@ def to_hf(state_dict: dict[str, Tensor], depth: int, classifier: bool) -> dict[s
     }
     for i in range(depth):
         src, dst = f"blocks.{i}.", f"{p}encoder.layer.{i}."
-        for name, w in zip(("query", "key", "value"), sd[src + "attn.qkv.weight"].chunk(3), strict=True):
+        for name, w in zip(
+            ("query", "key", "value"), sd[src + "attn.qkv.weight"].chunk(3), strict=True
+        ):
             out[f"{dst}attention.attention.{name}.weight"] = w
         if src + "attn.qkv.bias" in sd:  # qkv_bias=False: none
-            for name, b in zip(("query", "key", "value"), sd[src + "attn.qkv.bias"].chunk(3), strict=True):
+            for name, b in zip(
+                ("query", "key", "value"), sd[src + "attn.qkv.bias"].chunk(3), strict=True
+            ):
                 out[f"{dst}attention.attention.{name}.bias"] = b
         for ours, theirs in _BLOCK_NAMES:
             for kind in ("weight", "bias"):
@@ -95,10 +101,13 @@ _BLOCK_NAMES = (
 # transformers 5 names the block's modules like this; its from_pretrained still reads the
 # names above (the Hub's checkpoints), which is what we write
 _V5_NAMES = {
-    "attention.q_proj": "attention.attention.query", "attention.k_proj": "attention.attention.key",
-    "attention.v_proj": "attention.attention.value", "attention.o_proj": "attention.output.dense",
-    "mlp.fc1": "intermediate.dense", "mlp.fc2": "output.dense",
-}  # fmt: skip
+    "attention.q_proj": "attention.attention.query",
+    "attention.k_proj": "attention.attention.key",
+    "attention.v_proj": "attention.attention.value",
+    "attention.o_proj": "attention.output.dense",
+    "mlp.fc1": "intermediate.dense",
+    "mlp.fc2": "output.dense",
+}
 
 
 def _legacy_name(key: str) -> str:
@@ -126,9 +135,13 @@ def from_hf(state_dict: dict[str, Tensor], depth: int) -> dict[str, Tensor]:
         out["norm.weight"], out["norm.bias"] = sd["layernorm.weight"], sd["layernorm.bias"]
     for i in range(depth):
         src, dst = f"encoder.layer.{i}.attention.attention.", f"blocks.{i}."
-        out[dst + "attn.qkv.weight"] = torch.cat([sd[f"{src}{n}.weight"] for n in ("query", "key", "value")])
+        out[dst + "attn.qkv.weight"] = torch.cat(
+            [sd[f"{src}{n}.weight"] for n in ("query", "key", "value")]
+        )
         if f"{src}query.bias" in sd:  # qkv_bias=False: none
-            out[dst + "attn.qkv.bias"] = torch.cat([sd[f"{src}{n}.bias"] for n in ("query", "key", "value")])
+            out[dst + "attn.qkv.bias"] = torch.cat(
+                [sd[f"{src}{n}.bias"] for n in ("query", "key", "value")]
+            )
         for ours, theirs in _BLOCK_NAMES:
             for kind in ("weight", "bias"):
                 out[f"{dst}{ours}.{kind}"] = sd[f"encoder.layer.{i}.{theirs}.{kind}"]
@@ -146,12 +159,16 @@ def model_kwargs_from_hf(config: dict) -> dict:
         raise ValueError(f"hidden_act {config['hidden_act']!r}: our ViT uses the exact GELU only")
     kwargs = {
         "name": f"vit_base_patch{patch_side}_{side}",
-        "img_size": img, "patch_size": patch_side, "in_chans": config.get("num_channels", 3),
-        "embed_dim": config["hidden_size"], "depth": config["num_hidden_layers"],
+        "img_size": img,
+        "patch_size": patch_side,
+        "in_chans": config.get("num_channels", 3),
+        "embed_dim": config["hidden_size"],
+        "depth": config["num_hidden_layers"],
         "num_heads": config["num_attention_heads"],
         "mlp_ratio": config["intermediate_size"] / config["hidden_size"],
-        "qkv_bias": config.get("qkv_bias", True), "norm_eps": config.get("layer_norm_eps", 1e-12),
-    }  # fmt: skip
+        "qkv_bias": config.get("qkv_bias", True),
+        "norm_eps": config.get("layer_norm_eps", 1e-12),
+    }
     return kwargs
 
 
@@ -166,6 +183,8 @@ def read_hf_folder(folder: str | Path) -> tuple[dict[str, Tensor], dict]:
         raise ValueError(f"{folder}: model_type {config.get('model_type')!r}, expected 'vit'")
     weights = folder / "model.safetensors"
     if not weights.is_file():
-        raise ValueError(f"{folder}: no model.safetensors (a pickled pytorch_model.bin is not loaded)")
+        raise ValueError(
+            f"{folder}: no model.safetensors (a pickled pytorch_model.bin is not loaded)"
+        )
     kwargs = model_kwargs_from_hf(config)
     return from_hf(load_encoder_file(weights)[0], kwargs["depth"]), kwargs

@@ -63,14 +63,18 @@ def load_pretrained(init: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
         raise ValueError(_no_weights(path))
     sd = zero_to_fp32(*found)
     # the encoder inside any objective: keys ending in a ViT parameter, under '...encoder.'
-    prefixes = sorted({k[: k.index("encoder.") + len("encoder.")] for k in sd if "encoder." in k}, key=len)
+    prefixes = sorted(
+        {k[: k.index("encoder.") + len("encoder.")] for k in sd if "encoder." in k}, key=len
+    )
     prefixes = [p for p in prefixes if not p.startswith("teacher")]
     if not prefixes:
         raise ValueError(f"{init}: the checkpoint holds no encoder weights")
     prefix = prefixes[0]
     encoder = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
     kwargs = _run_model_kwargs(found[0])
-    if "head.weight" in encoder:  # a fine-tuning run's classifier: its config.json leaves the head out
+    if (
+        "head.weight" in encoder
+    ):  # a fine-tuning run's classifier: its config.json leaves the head out
         pool = "avg" if "fc_norm.weight" in encoder else "token"
         kwargs.update(num_classes=encoder["head.weight"].shape[0], global_pool=pool)
     return encoder, kwargs
@@ -79,7 +83,9 @@ def load_pretrained(init: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
 def _no_weights(path: Path) -> str:
     results = path / "results.json"
     if results.is_file() and "eval" in (done := json.loads(results.read_text())):
-        return f"{path}: a {done['eval']} evaluation run keeps no weights (it read {done.get('init')})"
+        return (
+            f"{path}: a {done['eval']} evaluation run keeps no weights (it read {done.get('init')})"
+        )
     return f"{path}: neither encoder.safetensors nor a DeepSpeed checkpoint found there"
 
 
@@ -88,8 +94,10 @@ def _existing(init: str | Path) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"{init}: no such file or directory")
     if path.is_file() and path.suffix not in RELEASE_SUFFIXES + (".safetensors",):
-        raise ValueError(f"{init}: unknown kind (expected .safetensors, .pth, a run directory, a Hugging Face "
-                         "or timm folder, or a DeepSpeed checkpoint)")  # fmt: skip
+        raise ValueError(
+            f"{init}: unknown kind (expected .safetensors, .pth, a run directory, a Hugging Face "
+            "or timm folder, or a DeepSpeed checkpoint)"
+        )
     return path
 
 
@@ -99,7 +107,10 @@ def _run_model_kwargs(ckpt_root: Path) -> dict:
     if not cfg_file.is_file():
         return {}
     model = json.loads(cfg_file.read_text()).get("model", {})
-    architecture = {"name", *inspect.signature(VisionTransformer).parameters}  # not init, grad_checkpointing
+    architecture = {
+        "name",
+        *inspect.signature(VisionTransformer).parameters,
+    }  # not init, grad_checkpointing
     return {k: v for k, v in model.items() if v is not None and k in architecture}
 
 
@@ -130,11 +141,25 @@ def _metadata_kwargs(path: Path) -> dict:
 
 # timm VisionTransformer arguments that only change training (dropout rates), and those whose
 # timm default is the only value our ViT has
-_TIMM_TRAINING_ARGS = ("drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate", "attn_drop_rate",
-                       "drop_path_rate")  # fmt: skip
-_TIMM_FIXED_ARGS = {"class_token": True, "reg_tokens": 0, "no_embed_class": False, "pre_norm": False,
-                    "qk_norm": False, "init_values": None, "dynamic_img_size": False, "act_layer": None,
-                    "norm_layer": None}  # fmt: skip
+_TIMM_TRAINING_ARGS = (
+    "drop_rate",
+    "pos_drop_rate",
+    "patch_drop_rate",
+    "proj_drop_rate",
+    "attn_drop_rate",
+    "drop_path_rate",
+)
+_TIMM_FIXED_ARGS = {
+    "class_token": True,
+    "reg_tokens": 0,
+    "no_embed_class": False,
+    "pre_norm": False,
+    "qk_norm": False,
+    "init_values": None,
+    "dynamic_img_size": False,
+    "act_layer": None,
+    "norm_layer": None,
+}
 
 
 def timm_model_kwargs(config: dict) -> dict:
@@ -143,11 +168,17 @@ def timm_model_kwargs(config: dict) -> dict:
     args = dict(config.get("model_args") or {})
     for key, value in args.items():
         if key in _TIMM_FIXED_ARGS and value != _TIMM_FIXED_ARGS[key]:
-            raise ValueError(f"timm model_args {key}={value!r}: our ViT supports only {_TIMM_FIXED_ARGS[key]!r}")
+            raise ValueError(
+                f"timm model_args {key}={value!r}: our ViT supports only {_TIMM_FIXED_ARGS[key]!r}"
+            )
     if args.pop("fc_norm", None) not in (None, args.get("global_pool") == "avg"):
-        raise ValueError(f"timm model_args fc_norm={config['model_args']['fc_norm']!r} with global_pool="
-                         f"{args.get('global_pool')!r}: ours normalises after pooling exactly when it averages")  # fmt: skip
-    kwargs = {k: v for k, v in args.items() if k not in _TIMM_FIXED_ARGS and k not in _TIMM_TRAINING_ARGS}
+        raise ValueError(
+            f"timm model_args fc_norm={config['model_args']['fc_norm']!r} with global_pool="
+            f"{args.get('global_pool')!r}: ours normalises after pooling exactly when it averages"
+        )
+    kwargs = {
+        k: v for k, v in args.items() if k not in _TIMM_FIXED_ARGS and k not in _TIMM_TRAINING_ARGS
+    }
     name = str(config.get("architecture", "")).split(".")[0]  # "vit_base_patch16_224.augreg_in21k"
     try:
         vit_config(name)
@@ -168,17 +199,29 @@ def tensor_facts(sd: dict[str, torch.Tensor]) -> dict:
     dim, chans, patch, _ = sd["patch_embed.proj.weight"].shape
     depth = len({k.split(".")[1] for k in sd if k.startswith("blocks.")})
     mlp_ratio = sd["blocks.0.mlp.fc1.weight"].shape[0] / dim
-    return dict(patch_size=patch, in_chans=chans, embed_dim=dim, depth=depth, mlp_ratio=mlp_ratio,
-                qkv_bias="blocks.0.attn.qkv.bias" in sd)  # fmt: skip
+    return dict(
+        patch_size=patch,
+        in_chans=chans,
+        embed_dim=dim,
+        depth=depth,
+        mlp_ratio=mlp_ratio,
+        qkv_bias="blocks.0.attn.qkv.bias" in sd,
+    )
 
 
 def model_facts(model: VisionTransformer) -> dict:
     """The same facts of a built model."""
     block = model.blocks[0]
-    return dict(patch_size=model.patch_size, in_chans=model.patch_embed.in_chans, embed_dim=model.embed_dim,
-                depth=len(model.blocks), mlp_ratio=block.mlp.fc1.out_features / model.embed_dim,
-                qkv_bias=block.attn.qkv.bias is not None, num_heads=block.attn.num_heads,
-                norm_eps=block.norm1.eps)  # fmt: skip
+    return dict(
+        patch_size=model.patch_size,
+        in_chans=model.patch_embed.in_chans,
+        embed_dim=model.embed_dim,
+        depth=len(model.blocks),
+        mlp_ratio=block.mlp.fc1.out_features / model.embed_dim,
+        qkv_bias=block.attn.qkv.bias is not None,
+        num_heads=block.attn.num_heads,
+        norm_eps=block.norm1.eps,
+    )
 
 
 def stated_facts(sd: dict[str, torch.Tensor], model_kwargs: dict, init: str | Path) -> dict:
@@ -189,8 +232,11 @@ def stated_facts(sd: dict[str, torch.Tensor], model_kwargs: dict, init: str | Pa
         return facts
     meta = {**FACT_DEFAULTS, **full_vit_config(model_kwargs)}
     if differ := [k for k in SHAPE_FACTS if k in meta and not _same(meta[k], facts[k])]:
-        log.warning("%s: its metadata does not describe its tensors (%s): num_heads and norm_eps not checked", init,
-                    ", ".join(f"{k} {meta[k]} vs {facts[k]}" for k in differ))  # fmt: skip
+        log.warning(
+            "%s: its metadata does not describe its tensors (%s): num_heads and norm_eps not checked",
+            init,
+            ", ".join(f"{k} {meta[k]} vs {facts[k]}" for k in differ),
+        )
         return facts
     return {**facts, **{k: meta[k] for k in STATED_FACTS}}
 
@@ -206,39 +252,54 @@ def _same(a: object, b: object) -> bool:
 def check_pooling(model: VisionTransformer, sd: dict[str, torch.Tensor], init: str | Path) -> None:
     """A mean-pooled classifier's weights (fc_norm, no final norm) fit only a mean-pooling model."""
     if "fc_norm.weight" in sd and "norm.weight" not in sd and model.global_pool != "avg":
-        raise ValueError(f"init {init}: its weights pool global_pool='avg' (fc_norm after the mean, no final norm: a "
-                         f"fine-tuned classifier), the model pools {model.global_pool!r}; fine-tune it with "
-                         "finetune.global_pool=avg, or start from its pretraining run")  # fmt: skip
+        raise ValueError(
+            f"init {init}: its weights pool global_pool='avg' (fc_norm after the mean, no final norm: a "
+            f"fine-tuned classifier), the model pools {model.global_pool!r}; fine-tune it with "
+            "finetune.global_pool=avg, or start from its pretraining run"
+        )
 
 
-def check_shapes(model: VisionTransformer, sd: dict[str, torch.Tensor], init: str | Path) -> list[str]:
+def check_shapes(
+    model: VisionTransformer, sd: dict[str, torch.Tensor], init: str | Path
+) -> list[str]:
     """Every weight a parameter of the model with its shape, every encoder parameter there;
     returns the model's keys left at their initialisation."""
     own = model.state_dict()
     for k, v in sd.items():
         if k not in own:
-            raise ValueError(f"init {init}: {k} is not a parameter of the model (a different architecture?)")
+            raise ValueError(
+                f"init {init}: {k} is not a parameter of the model (a different architecture?)"
+            )
         if v.shape != own[k].shape:
             hint = ""
             if k == "patch_embed.proj.weight":
-                hint = f" (patch_size {v.shape[-1]}, the model's {own[k].shape[-1]}: model.patch_size)"
-            raise ValueError(f"init {init}: {k} has shape {tuple(v.shape)}, the model expects {tuple(own[k].shape)}{hint}")
+                hint = (
+                    f" (patch_size {v.shape[-1]}, the model's {own[k].shape[-1]}: model.patch_size)"
+                )
+            raise ValueError(
+                f"init {init}: {k} has shape {tuple(v.shape)}, the model expects {tuple(own[k].shape)}{hint}"
+            )
     missing = [k for k in own if k not in sd]
     unexpected_missing = [k for k in missing if not k.startswith(("head.", "fc_norm.", "norm."))]
     if unexpected_missing:
-        raise ValueError(f"init {init}: missing {len(unexpected_missing)} encoder weights, e.g. {unexpected_missing[:3]} (a different depth or size?)")
+        raise ValueError(
+            f"init {init}: missing {len(unexpected_missing)} encoder weights, e.g. {unexpected_missing[:3]} (a different depth or size?)"
+        )
     return missing
 
 
-def check_stated_facts(model: VisionTransformer, sd: dict[str, torch.Tensor], model_kwargs: dict,
-                       init: str | Path) -> None:  # fmt: skip
+def check_stated_facts(
+    model: VisionTransformer, sd: dict[str, torch.Tensor], model_kwargs: dict, init: str | Path
+) -> None:
     """The qkv bias, heads and LayerNorm eps the file states must be the model's; a difference is
     an error naming the key and both values."""
     ours, stated = model_facts(model), stated_facts(sd, model_kwargs, init)
     for key, theirs in ((k, stated[k]) for k in NAMED_FACTS if k in stated):
         if not _same(theirs, ours[key]):
-            raise ValueError(f"init {init}: its weights state {key}={theirs!r}, the config's model has "
-                             f"{key}={ours[key]!r} (model.{key}): they must agree")  # fmt: skip
+            raise ValueError(
+                f"init {init}: its weights state {key}={theirs!r}, the config's model has "
+                f"{key}={ours[key]!r} (model.{key}): they must agree"
+            )
 
 
 def load_into(model: VisionTransformer, init: str | Path) -> dict[str, list[str]]:
@@ -246,13 +307,19 @@ def load_into(model: VisionTransformer, init: str | Path) -> dict[str, list[str]
     embedding resampled to the model's grid; an architecture fact or a shape that differs is an
     error naming it. Returns the keys left at their initialisation (e.g. head, fc_norm)."""
     sd, kwargs = load_pretrained(init)
-    check_pooling(model, sd, init)  # first: its fc_norm would read as "not a parameter of the model"
+    check_pooling(
+        model, sd, init
+    )  # first: its fc_norm would read as "not a parameter of the model"
     if "pos_embed" in sd and sd["pos_embed"].shape != model.pos_embed.shape:
-        sd["pos_embed"] = resample_abs_pos_embed(sd["pos_embed"], model.grid_size, num_prefix_tokens=model.num_prefix_tokens)
+        sd["pos_embed"] = resample_abs_pos_embed(
+            sd["pos_embed"], model.grid_size, num_prefix_tokens=model.num_prefix_tokens
+        )
     facts_sd = sd  # the file's own keys, before the head and the final norm are set aside
     sd = {k: v for k, v in sd.items() if not k.startswith("head.")}
     if model.global_pool == "avg":
-        sd = {k: v for k, v in sd.items() if not k.startswith("norm.")}  # MAE: pooled features get a fresh fc_norm
+        sd = {
+            k: v for k, v in sd.items() if not k.startswith("norm.")
+        }  # MAE: pooled features get a fresh fc_norm
     check_stated_facts(model, facts_sd, kwargs, init)
     missing = check_shapes(model, sd, init)
     model.load_state_dict(sd, strict=False)
@@ -269,7 +336,11 @@ def is_timm_folder(path: Path) -> bool:
     """A timm hub folder (``config.json`` with ``architecture`` + ``model.safetensors``), as
     ``python -m mpp.export --format timm`` writes."""
     cfg = path / "config.json"
-    return (path / "model.safetensors").is_file() and cfg.is_file() and "architecture" in json.loads(cfg.read_text())
+    return (
+        (path / "model.safetensors").is_file()
+        and cfg.is_file()
+        and "architecture" in json.loads(cfg.read_text())
+    )
 
 
 def read_release_file(path: str | Path) -> dict[str, torch.Tensor]:
@@ -281,22 +352,33 @@ def read_release_file(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise ValueError(f"{path}: refused: not a plain weights file ({str(e).splitlines()[0]})") from None
+        raise ValueError(
+            f"{path}: refused: not a plain weights file ({str(e).splitlines()[0]})"
+        ) from None
     except (RuntimeError, EOFError, OSError) as e:  # a truncated or damaged copy
-        raise CheckpointError(f"{path}: not a readable weights file ({str(e).splitlines()[0]})") from None
+        raise CheckpointError(
+            f"{path}: not a readable weights file ({str(e).splitlines()[0]})"
+        ) from None
     for key in ("model", "state_dict", "module"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
             break
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ValueError(f"{path}: no state dict found (expected {{'model': state_dict}} or a state dict)")
+        raise ValueError(
+            f"{path}: no state dict found (expected {{'model': state_dict}} or a state dict)"
+        )
     return {k.removeprefix("module."): v for k, v in obj.items()}
 
 
 # MAE's decoder names (models_mae.py) -> ours (mpp.objectives.mae: decoder_embed.*, decoder.*)
-_MAE_DECODER = (("decoder_embed.", "decoder_embed.proj."), ("mask_token", "decoder_embed.mask_token"),
-                ("decoder_pos_embed", "decoder_embed.pos_embed"), ("decoder_blocks.", "decoder.blocks."),
-                ("decoder_norm.", "decoder.norm."), ("decoder_pred.", "decoder.pred."))  # fmt: skip
+_MAE_DECODER = (
+    ("decoder_embed.", "decoder_embed.proj."),
+    ("mask_token", "decoder_embed.mask_token"),
+    ("decoder_pos_embed", "decoder_embed.pos_embed"),
+    ("decoder_blocks.", "decoder.blocks."),
+    ("decoder_norm.", "decoder.norm."),
+    ("decoder_pred.", "decoder.pred."),
+)
 
 
 def mae_decoder_weights(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -325,8 +407,10 @@ def init_objective(objective: torch.nn.Module, init: str | Path) -> dict[str, li
         for k, v in decoder.items():
             if k not in own or own[k].shape != v.shape:
                 got = tuple(v.shape)
-                raise ValueError(f"init {init}: decoder weight {k} {got} does not fit the objective "
-                                 f"({tuple(own[k].shape) if k in own else 'no such parameter'})")  # fmt: skip
+                raise ValueError(
+                    f"init {init}: decoder weight {k} {got} does not fit the objective "
+                    f"({tuple(own[k].shape) if k in own else 'no such parameter'})"
+                )
         if decoder:
             mae.load_state_dict(decoder, strict=False)
             loaded.append("decoder")

@@ -69,7 +69,9 @@ def resolve_backend(requested: str, device: torch.device) -> str:
             resolved = "sdpa"
     else:
         resolved, why = requested, ""
-    if not torch.compiler.is_compiling():  # a logger call would break torch.compile's graph at every block
+    if (
+        not torch.compiler.is_compiling()
+    ):  # a logger call would break torch.compile's graph at every block
         _log_once(requested, resolved, dev, why)
     return resolved
 
@@ -78,7 +80,12 @@ _XFORMERS_REFUSED: set[tuple] = set()  # (dtype, head_dim, device) xformers foun
 
 
 def attention(
-    q: Tensor, k: Tensor, v: Tensor, backend: str = "sdpa", dropout_p: float = 0.0, fallback: bool = False
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    backend: str = "sdpa",
+    dropout_p: float = 0.0,
+    fallback: bool = False,
 ) -> Tensor:
     """softmax(q k^T / sqrt(d)) v for (B, N, H, hd) inputs -> (B, N, H, hd), on a resolved backend.
     ``fallback`` (``auto``): inputs xformers has no kernel for run on SDPA, with one warning."""
@@ -92,7 +99,12 @@ def attention(
                 if not fallback:
                     raise
                 _XFORMERS_REFUSED.add(key)
-                _log_once("auto", "sdpa", q.device.type, f"xformers has no kernel for {key[:2]}: {str(e)[:200]}")
+                _log_once(
+                    "auto",
+                    "sdpa",
+                    q.device.type,
+                    f"xformers has no kernel for {key[:2]}: {str(e)[:200]}",
+                )
         backend = "sdpa"
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, N, hd)
     if backend == "sdpa":
@@ -135,7 +147,11 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         B, N, C = x.shape
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).unbind(2)  # (B, N, H, hd)
+        q, k, v = (
+            self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).unbind(2)
+        )  # (B, N, H, hd)
         backend = resolve_backend(self.attn_backend, x.device)
-        x = attention(q, k, v, backend, self.attn_drop if self.training else 0.0, self.attn_backend == "auto")
+        x = attention(
+            q, k, v, backend, self.attn_drop if self.training else 0.0, self.attn_backend == "auto"
+        )
         return self.proj_drop(self.proj(x.reshape(B, N, C)))

@@ -73,7 +73,9 @@ class Decoder(nn.Module):
             )
         self.in_proj = nn.Identity() if in_dim in (None, dim) else nn.Linear(in_dim, dim)
         block = dict(qkv_bias=True, attn_backend=attn_backend, norm_eps=norm_eps)
-        self.blocks = nn.Sequential(*[Block(dim, num_heads, mlp_ratio, **block) for _ in range(depth)])
+        self.blocks = nn.Sequential(
+            *[Block(dim, num_heads, mlp_ratio, **block) for _ in range(depth)]
+        )
         self.norm = nn.LayerNorm(dim, eps=norm_eps)
         self.pred = nn.Linear(dim, out_dim)
         self.grad_checkpointing = False
@@ -83,4 +85,6 @@ class Decoder(nn.Module):
         self.grad_checkpointing = enable
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.pred(self.norm(run_blocks(self.blocks, self.in_proj(x), self.grad_checkpointing)))
+        return self.pred(
+            self.norm(run_blocks(self.blocks, self.in_proj(x), self.grad_checkpointing))
+        )

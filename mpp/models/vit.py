@@ -35,7 +35,9 @@ GLOBAL_POOLS = ("token", "avg", "")
 class PatchEmbed(nn.Module):
     """Image (B, C, H, W) -> patch embeddings (B, N, D) by a stride-P convolution."""
 
-    def __init__(self, img_size: int | tuple[int, int], patch_size: int, in_chans: int, embed_dim: int) -> None:
+    def __init__(
+        self, img_size: int | tuple[int, int], patch_size: int, in_chans: int, embed_dim: int
+    ) -> None:
         super().__init__()
         self.img_size = to_2tuple(img_size, "img_size")
         self.patch_size = patch_size
@@ -52,7 +54,9 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.ndim != 4 or x.shape[1] != self.in_chans:
-            raise ValueError(f"expected images (B, {self.in_chans}, H, W), got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"expected images (B, {self.in_chans}, H, W), got shape {tuple(x.shape)}"
+            )
         if tuple(x.shape[-2:]) != self.img_size:
             raise ValueError(f"expected {self.img_size} images, got {tuple(x.shape[-2:])}")
         # fp32 images in, the model's own dtype from here: the objectives compute their targets
@@ -124,7 +128,9 @@ def run_blocks(blocks: nn.Sequential, x: Tensor, checkpointing: bool) -> Tensor:
 def sincos_pos_embed(embed_dim: int, grid_size: tuple[int, int], cls_token: bool = True) -> Tensor:
     """Fixed 2-D sin-cos position embedding (MAE): (1 + H*W, D), zeros for the cls position."""
     if embed_dim % 4:
-        raise ValueError(f"sincos position embedding needs embed_dim divisible by 4, got {embed_dim}")
+        raise ValueError(
+            f"sincos position embedding needs embed_dim divisible by 4, got {embed_dim}"
+        )
     gh, gw = grid_size
     # MAE's convention: grid = meshgrid(w, h); the first half of D encodes w, the second h.
     grid_w, grid_h = np.meshgrid(np.arange(gw, dtype=np.float64), np.arange(gh, dtype=np.float64))
@@ -156,7 +162,9 @@ def resample_abs_pos_embed(
     if old_size is None:
         side = math.isqrt(num_patches)
         if side * side != num_patches:
-            raise ValueError(f"cannot infer the grid of {num_patches} position embeddings; pass old_size")
+            raise ValueError(
+                f"cannot infer the grid of {num_patches} position embeddings; pass old_size"
+            )
         old_size = (side, side)
     new_size = to_2tuple(new_size, "new_size")
     if tuple(old_size) == new_size:
@@ -164,7 +172,9 @@ def resample_abs_pos_embed(
     prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
     dim = pos_embed.shape[-1]
     grid = grid.reshape(1, old_size[0], old_size[1], dim).permute(0, 3, 1, 2).float()
-    grid = F.interpolate(grid, size=new_size, mode=mode, align_corners=False, antialias=mode != "nearest")
+    grid = F.interpolate(
+        grid, size=new_size, mode=mode, align_corners=False, antialias=mode != "nearest"
+    )
     grid = grid.permute(0, 2, 3, 1).reshape(1, new_size[0] * new_size[1], dim).to(pos_embed.dtype)
     return torch.cat([prefix, grid], dim=1)
 
@@ -225,9 +235,14 @@ class VisionTransformer(nn.Module):
             torch.zeros(1, self.num_prefix_tokens + self.patch_embed.num_patches, embed_dim),
             requires_grad=pos_embed == "learned",
         )
-        dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # stochastic depth, linear 0 -> rate
+        dpr = [
+            drop_path_rate * i / max(depth - 1, 1) for i in range(depth)
+        ]  # stochastic depth, linear 0 -> rate
         self.blocks = nn.Sequential(
-            *[Block(embed_dim, num_heads, mlp_ratio, qkv_bias, dpr[i], attn_backend, norm_eps) for i in range(depth)]
+            *[
+                Block(embed_dim, num_heads, mlp_ratio, qkv_bias, dpr[i], attn_backend, norm_eps)
+                for i in range(depth)
+            ]
         )
         # timm: global-average-pooled models normalise after pooling (fc_norm), token models before
         use_fc_norm = global_pool == "avg"
@@ -272,8 +287,12 @@ class VisionTransformer(nn.Module):
         ``visible_idx`` (B, N_vis) selects which patch tokens the blocks see."""
         x = patch_tokens + self.pos_embed[:, self.num_prefix_tokens :]
         if visible_idx is not None:
-            x = torch.gather(x, 1, visible_idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # (B, N_vis, D)
-        cls = (self.cls_token + self.pos_embed[:, : self.num_prefix_tokens]).expand(x.shape[0], -1, -1)
+            x = torch.gather(
+                x, 1, visible_idx.unsqueeze(-1).expand(-1, -1, x.shape[-1])
+            )  # (B, N_vis, D)
+        cls = (self.cls_token + self.pos_embed[:, : self.num_prefix_tokens]).expand(
+            x.shape[0], -1, -1
+        )
         x = torch.cat([cls, x], dim=1)
         x = run_blocks(self.blocks, x, self.grad_checkpointing)
         return self.norm(x)
@@ -308,7 +327,11 @@ def vit_config(name: str) -> dict:
         )
     dim, depth, heads = VIT_SIZES[m["size"]]
     return dict(
-        img_size=int(m["img"]), patch_size=int(m["patch"]), embed_dim=dim, depth=depth, num_heads=heads
+        img_size=int(m["img"]),
+        patch_size=int(m["patch"]),
+        embed_dim=dim,
+        depth=depth,
+        num_heads=heads,
     )
 
 

@@ -38,7 +38,12 @@ class Classifier(Objective):
         nn.init.trunc_normal_(encoder.head.weight, std=head_init_std)
         nn.init.zeros_(encoder.head.bias)
         self.label_smoothing, self.reprob = label_smoothing, reprob
-        self.mixup, self.cutmix, self.mixup_prob, self.switch_prob = mixup, cutmix, mixup_prob, mixup_switch_prob
+        self.mixup, self.cutmix, self.mixup_prob, self.switch_prob = (
+            mixup,
+            cutmix,
+            mixup_prob,
+            mixup_switch_prob,
+        )
 
     def no_weight_decay(self) -> set[str]:
         return {f"encoder.{n}" for n in self.encoder.no_weight_decay()}
@@ -49,10 +54,17 @@ class Classifier(Objective):
     def forward(self, images: Tensor, labels: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         if not self.training:
             logits = self.encoder(images)
-            return F.cross_entropy(logits.float(), labels), {"acc": (logits.argmax(-1) == labels).float().mean()}
+            return F.cross_entropy(logits.float(), labels), {
+                "acc": (logits.argmax(-1) == labels).float().mean()
+            }
         targets = soft_targets(labels, self.num_classes, self.label_smoothing)
-        images, targets, _ = mixup_cutmix(images, targets, self.mixup, self.cutmix, self.mixup_prob, self.switch_prob)
+        images, targets, _ = mixup_cutmix(
+            images, targets, self.mixup, self.cutmix, self.mixup_prob, self.switch_prob
+        )
         images = random_erasing(images, self.reprob)
         logits = self.encoder(images).float()
         loss = torch.sum(-targets * F.log_softmax(logits, dim=-1), dim=-1).mean()
-        return loss, {"loss": loss.detach(), "acc": (logits.argmax(-1) == labels).float().mean().detach()}
+        return loss, {
+            "loss": loss.detach(),
+            "acc": (logits.argmax(-1) == labels).float().mean().detach(),
+        }

@@ -134,12 +134,26 @@ class HardPatchesMining(Objective):
         for key, m in {"momentum_start": momentum_start, "momentum_end": momentum_end}.items():
             if not 0.0 <= m <= 1.0:
                 raise ValueError(f"{key} must be in [0, 1], got {m}")
-        shared = dict(decoder_dim=decoder_dim, decoder_depth=decoder_depth, decoder_heads=decoder_heads,
-                      mlp_ratio=mlp_ratio, attn_backend=attn_backend, mean=mean, std=std)  # fmt: skip
+        shared = dict(
+            decoder_dim=decoder_dim,
+            decoder_depth=decoder_depth,
+            decoder_heads=decoder_heads,
+            mlp_ratio=mlp_ratio,
+            attn_backend=attn_backend,
+            mean=mean,
+            std=std,
+        )
         self.base = build_base(base, encoder, shared, base_kwargs)
         # the loss predictor is the size of the pixel decoder, fed what the base hands it
-        self.predictor = Decoder(decoder_dim, decoder_depth, decoder_heads, out_dim=1, in_dim=self.base.token_dim,
-                                 mlp_ratio=mlp_ratio, attn_backend=attn_backend)  # fmt: skip
+        self.predictor = Decoder(
+            decoder_dim,
+            decoder_depth,
+            decoder_heads,
+            out_dim=1,
+            in_dim=self.base.token_dim,
+            mlp_ratio=mlp_ratio,
+            attn_backend=attn_backend,
+        )
         self.num_masked = self.base.mask_generator.num_masked
         self.mean, self.std = tuple(mean), tuple(std)  # to show the images (mpp.tools.viz)
         self.hard_ratio, self.schedule = hard_ratio, schedule

@@ -70,7 +70,12 @@ class MaskedAutoencoder(Objective):
             encoder.embed_dim, decoder_dim, encoder.grid_size, encoder.num_prefix_tokens
         )
         self.decoder = Decoder(
-            decoder_dim, decoder_depth, decoder_heads, patch_dim, mlp_ratio=mlp_ratio, attn_backend=attn_backend
+            decoder_dim,
+            decoder_depth,
+            decoder_heads,
+            patch_dim,
+            mlp_ratio=mlp_ratio,
+            attn_backend=attn_backend,
         )
 
     def no_weight_decay(self) -> set[str]:

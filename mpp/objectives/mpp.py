@@ -59,20 +59,30 @@ class MaskedPatchPrediction(Objective):
         super().__init__()
         if target not in MPP_TARGETS:
             raise ValueError(f"unknown MPP target {target!r}; allowed: {MPP_TARGETS}")
-        probs = {"mask_token_prob": mask_token_prob, "random_token_prob": random_token_prob, "keep_prob": keep_prob}
+        probs = {
+            "mask_token_prob": mask_token_prob,
+            "random_token_prob": random_token_prob,
+            "keep_prob": keep_prob,
+        }
         for key, p in {"mask_ratio": mask_ratio, **probs}.items():
             if not 0.0 <= p <= 1.0:
                 raise ValueError(f"{key} must be in [0, 1], got {p}")
         if abs(sum(probs.values()) - 1.0) > 1e-6:
-            raise ValueError(f"mask_token_prob + random_token_prob + keep_prob must sum to 1, got {probs}")
+            raise ValueError(
+                f"mask_token_prob + random_token_prob + keep_prob must sum to 1, got {probs}"
+            )
         if not 1 <= bits <= 8:
             raise ValueError(f"bits must be in [1, 8], got {bits}")
         if encoder.patch_embed.in_chans != 3 and target != "pixel":
-            raise ValueError(f"target {target!r} needs RGB input (in_chans=3), got {encoder.patch_embed.in_chans}")
+            raise ValueError(
+                f"target {target!r} needs RGB input (in_chans=3), got {encoder.patch_embed.in_chans}"
+            )
         self.encoder = encoder
         self.mask_generator = mask_generator or RandomMask(encoder.grid_size, mask_ratio)
         if self.mask_generator.num_patches != encoder.num_patches:
-            raise ValueError(f"mask generator covers {self.mask_generator.num_patches} patches, encoder has {encoder.num_patches}")
+            raise ValueError(
+                f"mask generator covers {self.mask_generator.num_patches} patches, encoder has {encoder.num_patches}"
+            )
         self.num_corrupt = self.mask_generator.num_masked
         self.mask_token_prob, self.random_token_prob = mask_token_prob, random_token_prob
         self.target, self.bits, self.cells = target, bits, downsample_cells
@@ -89,7 +99,9 @@ class MaskedPatchPrediction(Objective):
             "pixel": patch * patch * encoder.patch_embed.in_chans,
         }[target]
         if target == "downsampled" and patch % downsample_cells:
-            raise ValueError(f"patch_size {patch} is not divisible by downsample_cells {downsample_cells}")
+            raise ValueError(
+                f"patch_size {patch} is not divisible by downsample_cells {downsample_cells}"
+            )
         self.head = nn.Linear(dim, out)
         nn.init.xavier_uniform_(self.head.weight)
         nn.init.zeros_(self.head.bias)
@@ -104,10 +116,17 @@ class MaskedPatchPrediction(Objective):
         (B, N) int8: 0 clean, 1 [mask], 2 another patch of the same image, 3 kept."""
         B, N, _ = tokens.shape
         u = torch.rand(B, N, device=tokens.device)
-        kind = torch.where(u < self.mask_token_prob, 1, torch.where(u < self.mask_token_prob + self.random_token_prob, 2, 3))
+        kind = torch.where(
+            u < self.mask_token_prob,
+            1,
+            torch.where(u < self.mask_token_prob + self.random_token_prob, 2, 3),
+        )
         kind = torch.where(mask, kind, 0).to(torch.int8)
         # a uniformly drawn *other* patch: offset by 1..N-1 so it can never be the token itself
-        other = (torch.arange(N, device=tokens.device) + torch.randint(1, max(N, 2), (B, N), device=tokens.device)) % N
+        other = (
+            torch.arange(N, device=tokens.device)
+            + torch.randint(1, max(N, 2), (B, N), device=tokens.device)
+        ) % N
         swapped = gather_tokens(tokens, other)
         out = torch.where((kind == 1).unsqueeze(-1), self.mask_token.to(tokens.dtype), tokens)
         out = torch.where((kind == 2).unsqueeze(-1), swapped, out)
@@ -127,9 +146,13 @@ class MaskedPatchPrediction(Objective):
             loss = (pred.float() - target).pow(2).mean(dim=-1)
             return loss, torch.zeros_like(loss)
         num_classes = 2 ** (3 * self.bits)
-        logits = pred.float().reshape(*target.shape[:2], -1, num_classes)  # (B, n, cells^2 or 1, classes)
+        logits = pred.float().reshape(
+            *target.shape[:2], -1, num_classes
+        )  # (B, n, cells^2 or 1, classes)
         target = target.reshape(*target.shape[:2], -1)
-        ce = F.cross_entropy(logits.flatten(0, 2), target.flatten(), reduction="none").view_as(target)
+        ce = F.cross_entropy(logits.flatten(0, 2), target.flatten(), reduction="none").view_as(
+            target
+        )
         correct = (logits.argmax(-1) == target).float()
         return ce.mean(-1), correct.mean(-1)
 
@@ -147,12 +170,19 @@ class MaskedPatchPrediction(Objective):
         _, corrupt_idx = mask_indices(mask, self.num_corrupt)  # (B, n)
         tokens, kind = self.corrupt(self.encoder.patch_embed(images), mask)
         latent = self.encoder.encode(tokens)  # (B, 1 + N, D)
-        pred = self.head(gather_tokens(latent[:, self.encoder.num_prefix_tokens :], corrupt_idx))  # (B, n, out)
+        pred = self.head(
+            gather_tokens(latent[:, self.encoder.num_prefix_tokens :], corrupt_idx)
+        )  # (B, n, out)
         target = gather_tokens(self.targets(images), corrupt_idx)
         loss, correct = self.forward_loss(pred, target)
         return {
-            "loss": loss, "correct": correct, "idx": corrupt_idx, "kind": kind, "mask": mask,
-            "tokens": latent, "pred": pred,
+            "loss": loss,
+            "correct": correct,
+            "idx": corrupt_idx,
+            "kind": kind,
+            "mask": mask,
+            "tokens": latent,
+            "pred": pred,
         }
 
     def forward(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:

@@ -8,8 +8,14 @@ import copy
 from typing import Any
 
 
-def derive(user: dict[str, Any], batch: int, micro: int, accum: int, grad_clip: float | None,
-           precision: str) -> dict[str, Any]:  # fmt: skip
+def derive(
+    user: dict[str, Any],
+    batch: int,
+    micro: int,
+    accum: int,
+    grad_clip: float | None,
+    precision: str,
+) -> dict[str, Any]:
     """The dict for ``deepspeed.initialize(config=...)`` from the config's ``deepspeed`` section."""
     ds = copy.deepcopy(user)
     ds.update(
@@ -38,7 +44,9 @@ def derive(user: dict[str, Any], batch: int, micro: int, accum: int, grad_clip: 
         ds.setdefault("zero_force_ds_cpu_optimizer", False)
     if precision == "bf16":
         ds["bf16"] = {"enabled": True}
-        ds.update({k: v for k, v in bf16_reduction_dtypes(zero.get("stage", 0)).items() if k not in ds})
+        ds.update(
+            {k: v for k, v in bf16_reduction_dtypes(zero.get("stage", 0)).items() if k not in ds}
+        )
     elif precision == "fp16":
         ds["fp16"] = {"enabled": True}
     return ds

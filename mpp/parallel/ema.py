@@ -82,9 +82,14 @@ class EMA:
         if not state or all(t.dtype == torch.float32 for t in targets):
             return  # nothing saved, or fp32 params are their own average
         saved = [state.get(f"ema_fp32.{i}") for i in range(len(targets))]
-        if len(state) != len(targets) or any(s is None or s.shape != t.shape for s, t in zip(saved, targets, strict=True)):
-            log.warning("ema: the checkpoint's fp32 average does not match these parameters (another world size "
-                        "under ZeRO-3?): it restarts from the %s weights", targets[0].dtype)  # fmt: skip
+        if len(state) != len(targets) or any(
+            s is None or s.shape != t.shape for s, t in zip(saved, targets, strict=True)
+        ):
+            log.warning(
+                "ema: the checkpoint's fp32 average does not match these parameters (another world size "
+                "under ZeRO-3?): it restarts from the %s weights",
+                targets[0].dtype,
+            )
             return
         self.fp32 = [s.to(t.device, torch.float32) for s, t in zip(saved, targets, strict=True)]
 

@@ -12,7 +12,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 # a child job forms its own process group: none of the caller's may leak in
-DIST_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE"}
+DIST_VARS = {
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "LOCAL_SIZE",
+    "CROSS_RANK",
+    "CROSS_SIZE",
+}
 
 
 def free_port() -> int:
@@ -26,7 +35,9 @@ def job_env() -> dict[str, str]:
     a comm op, and two ninja versions sharing the build cache rebuild it, 30-100 s, each time
     they alternate), and no distributed variables of the caller."""
     env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", PYTHONUNBUFFERED="1")
+    env.update(
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", PYTHONUNBUFFERED="1"
+    )
     return env
 
 
@@ -39,7 +50,11 @@ def default_launcher_args() -> list[str]:
 
 def deepspeed_cmd(launcher_args: list[str], script: str, args: list[str]) -> list[str]:
     """``deepspeed [launcher args] --master_port <free> REPO/script args`` (a given port is kept)."""
-    port = [] if any(a.startswith("--master_port") for a in launcher_args) else ["--master_port", str(free_port())]
+    port = (
+        []
+        if any(a.startswith("--master_port") for a in launcher_args)
+        else ["--master_port", str(free_port())]
+    )
     return ["deepspeed", *launcher_args, *port, str(REPO / script), *args]
 
 
@@ -50,7 +65,9 @@ def launch(cmd: list[str], log: Path) -> int:
         f.write(f"$ {shlex.join(cmd)}\n")
         f.flush()
         try:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=f, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                cmd, cwd=REPO, env=job_env(), stdout=f, stderr=subprocess.STDOUT
+            )
         except OSError as e:  # e.g. no deepspeed on PATH: this job fails, the caller decides
             f.write(f"error: {e}\n")
             return 127

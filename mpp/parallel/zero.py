@@ -53,6 +53,8 @@ def order_gathers_after_writes(optimizer: object) -> None:
     offload = getattr(optimizer, "parameter_offload", None)
     if offload is None or not torch.cuda.is_available():
         return
-    stream = getattr(offload.get_param_coordinator(), "_PartitionedParameterCoordinator__allgather_stream", None)
+    stream = getattr(
+        offload.get_param_coordinator(), "_PartitionedParameterCoordinator__allgather_stream", None
+    )
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream())

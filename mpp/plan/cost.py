@@ -126,7 +126,10 @@ def comm_bytes(
         ops = {"all_reduce grads": 2 * share * grads}
     elif stage in (1, 2):
         reductions = 1 if stage == 1 else accum
-        ops = {"all_reduce grads": reductions * 2 * share * grads, "all_gather params": share * params}
+        ops = {
+            "all_reduce grads": reductions * 2 * share * grads,
+            "all_gather params": share * params,
+        }
     else:
         ops = {
             "reduce_scatter grads": accum * share * grads,

@@ -89,4 +89,7 @@ def spec_peak(device_name: str) -> tuple[float | None, str]:
     for key, flops, source in SPEC_BF16_DENSE:
         if key in device_name:
             return flops, source
-    return None, f"no datasheet peak for {device_name!r} in mpp.plan.hardware.SPEC_BF16_DENSE: no MFU"
+    return (
+        None,
+        f"no datasheet peak for {device_name!r} in mpp.plan.hardware.SPEC_BF16_DENSE: no MFU",
+    )

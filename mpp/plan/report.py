@@ -146,7 +146,9 @@ def plan_gpus(cfg: Config, data_known: bool, ranks: int, spec: GPU, probe: Probe
         "comm_bytes_per_step": t["comm"]["total"],
         "comm_ops": t["comm"]["ops"],
         "recipe": rec,
-        "host_syncs_per_step": accum if cfg.train.skip_nonfinite else 0,  # mpp.train.nonfinite.all_finite's
+        "host_syncs_per_step": accum
+        if cfg.train.skip_nonfinite
+        else 0,  # mpp.train.nonfinite.all_finite's
         "parameters": {
             "trainable": sum(probe_out["trainable"]),
             "frozen": sum(probe_out["frozen"]),
@@ -188,8 +190,11 @@ def render(plan: dict[str, Any]) -> str:
         f"comm per step    {plan['comm_bytes_per_step'] / 1e9:.2f} GB per GPU: "
         + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in plan["comm_ops"].items()),
         f"host syncs       {plan['host_syncs_per_step']} per step"
-        + (" (train.skip_nonfinite: one flag all-reduced and read per micro-batch; python -m mpp.doctor times it)"
-           if plan["host_syncs_per_step"] else ""),
+        + (
+            " (train.skip_nonfinite: one flag all-reduced and read per micro-batch; python -m mpp.doctor times it)"
+            if plan["host_syncs_per_step"]
+            else ""
+        ),
         f"recipe           {r['split']} (global {r['global_batch']}), lr {r['lr']:.3g} ({r['lr_rule']}), "
         f"steps/epoch {r['steps_per_epoch'] if r['steps_per_epoch'] is not None else 'unknown (no data)'}",
         f"data per node    {r['images_per_s_per_gpu']:.0f} img/s per GPU at the bound: "

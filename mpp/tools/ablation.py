@@ -97,11 +97,17 @@ class AblationSpec(BaseModel):
             if "=" not in item or not item.split("=", 1)[0].strip():
                 raise ValueError(f"set: expected KEY=VALUE, got {item!r}")
         if isinstance(self.seeds, int) and self.seeds < 1 or self.seeds == []:
-            raise ValueError(f"seeds must be >= 1 (or a non-empty list of seeds), got {self.seeds!r}")
+            raise ValueError(
+                f"seeds must be >= 1 (or a non-empty list of seeds), got {self.seeds!r}"
+            )
         if not self.eval or len(set(self.eval)) != len(self.eval):
-            raise ValueError(f"eval: expected one or more of finetune, linear, knn, each once; got {self.eval}")
+            raise ValueError(
+                f"eval: expected one or more of finetune, linear, knn, each once; got {self.eval}"
+            )
         if len(set(self.baselines)) != len(self.baselines):
-            raise ValueError(f"baselines: each of scratch_own, scratch_same once; got {self.baselines}")
+            raise ValueError(
+                f"baselines: each of scratch_own, scratch_same once; got {self.baselines}"
+            )
         return self
 
     @property
@@ -135,14 +141,18 @@ def load_spec(path: str | None, cli: dict[str, Any]) -> AblationSpec:
     if "out" in raw and "output_dir" in raw:
         raise ConfigError(f"{source}: out: the older name of output_dir; set one of them")
     cli = {k: v for k, v in cli.items() if v is not None}
-    if "output_dir" in cli or "out" in cli:  # the command line's replaces the file's, by either name
+    if (
+        "output_dir" in cli or "out" in cli
+    ):  # the command line's replaces the file's, by either name
         raw.pop("out", None)
         raw.pop("output_dir", None)
     raw.update(cli)
     if isinstance(raw.get("launcher_args"), str):
         raw["launcher_args"] = shlex.split(raw["launcher_args"])
     if "base" not in raw:
-        raise ConfigError(f"{source}: base: the pretraining config is not set (--base or \"base\" in the spec)")
+        raise ConfigError(
+            f'{source}: base: the pretraining config is not set (--base or "base" in the spec)'
+        )
     return validate(raw, source, AblationSpec)
 
 
@@ -179,8 +189,10 @@ class Job:
 
 
 # the baselines' labels in the tables, and the config each fine-tunes with
-BASELINES = {"scratch_own": ("scratch, own schedule", "scratch_config"),
-             "scratch_same": ("scratch, same schedule", "finetune_config")}  # fmt: skip
+BASELINES = {
+    "scratch_own": ("scratch, own schedule", "scratch_config"),
+    "scratch_same": ("scratch, same schedule", "finetune_config"),
+}
 
 
 @dataclass(frozen=True)
@@ -197,8 +209,11 @@ class Baseline:
 
 
 def plan_baselines(spec: AblationSpec) -> list[Baseline]:
-    return [Baseline(n, s, spec.out_dir / f"baseline={n}" / f"seed{s}") for n in spec.baseline_names
-            for s in spec.seed_list]  # fmt: skip
+    return [
+        Baseline(n, s, spec.out_dir / f"baseline={n}" / f"seed{s}")
+        for n in spec.baseline_names
+        for s in spec.seed_list
+    ]
 
 
 def plan_cells(spec: AblationSpec) -> list[Cell]:
@@ -216,12 +231,18 @@ def eval_config(spec: AblationSpec, kind: str) -> tuple[str, type[BaseModel]]:
     """An evaluation's (or a baseline's: its name) config and its type."""
     if kind in BASELINES:
         return getattr(spec, BASELINES[kind][1]), FinetuneConfig
-    return (spec.finetune_config, FinetuneConfig) if kind == "finetune" else (spec.probe_config, ProbeConfig)
+    return (
+        (spec.finetune_config, FinetuneConfig)
+        if kind == "finetune"
+        else (spec.probe_config, ProbeConfig)
+    )
 
 
 def eval_overrides(kind: str, model_sets: list[str], init: str | Path, seed: int) -> list[str]:
     """The pretrained weights, the pretraining's architecture and the seed, for one evaluation."""
-    seed_key = "train.seed" if kind == "finetune" else "seed"  # the probes' config has no train section
+    seed_key = (
+        "train.seed" if kind == "finetune" else "seed"
+    )  # the probes' config has no train section
     return [f"init={json.dumps(str(init))}", *model_sets, f"{seed_key}={seed}"]
 
 
@@ -234,7 +255,15 @@ def pretrain_overrides(spec: AblationSpec, cell: Cell, seed: int) -> list[str]:
 def pretrain_args(spec: AblationSpec, job: Job) -> list[str]:
     """The arguments of one job's ``pretrain/run.py`` (after the launcher's)."""
     sets = [a for o in pretrain_overrides(spec, job.cell, job.seed) for a in ("--set", o)]
-    return ["--config", str(spec.base), *sets, "--output-dir", str(job.dir / "pretrain"), "--resume", "auto"]
+    return [
+        "--config",
+        str(spec.base),
+        *sets,
+        "--output-dir",
+        str(job.dir / "pretrain"),
+        "--resume",
+        "auto",
+    ]
 
 
 def check_cells(spec: AblationSpec, cells: list[Cell]) -> dict[Cell | None, list[str]]:
@@ -248,25 +277,37 @@ def check_cells(spec: AblationSpec, cells: list[Cell]) -> dict[Cell | None, list
     model_sets, bad = {}, []
     seed = spec.seed_list[0]
     for cell in [*cells, None]:
-        if cell is None and (bad or not spec.baseline_names):  # the baselines' after good cells only
+        if cell is None and (
+            bad or not spec.baseline_names
+        ):  # the baselines' after good cells only
             break
         try:
             cfg = load_config(spec.base, pretrain_overrides(spec, cell or Cell(()), seed))
             if cell is not None:
                 build_objective(cfg)
             model = cfg.model.model_dump(mode="json")
-            sets = [f"model.{k}={json.dumps(v)}" for k, v in model.items() if k not in EVAL_OWN_MODEL_KEYS]
+            sets = [
+                f"model.{k}={json.dumps(v)}"
+                for k, v in model.items()
+                if k not in EVAL_OWN_MODEL_KEYS
+            ]
             kinds = spec.eval if cell is not None else spec.baseline_names
             for kind in kinds:
                 path, cls = eval_config(spec, kind)
-                load_config(path, eval_overrides("finetune" if cell is None else kind, sets, "scratch", seed), cls=cls)
+                load_config(
+                    path,
+                    eval_overrides("finetune" if cell is None else kind, sets, "scratch", seed),
+                    cls=cls,
+                )
             model_sets[cell] = sets
         except ConfigError as e:
             bad.append(f"  {cell.name if cell is not None else 'the baselines'}: {e}")
     if bad:
         head = f"{len(bad)} of {len(cells)} cells have a bad config; nothing was run:"
         if spec.set:
-            bad.append(f"  (every cell's config has --set {shlex.join(spec.set)} before its grid values)")
+            bad.append(
+                f"  (every cell's config has --set {shlex.join(spec.set)} before its grid values)"
+            )
         raise ConfigError("\n".join([head, *bad]))
     return model_sets
 
@@ -279,7 +320,9 @@ def is_done(kind: str, run_dir: Path) -> bool:
     rewrites results.json every epoch, so that alone would not do); a probe writes
     results.json last."""
     final = "encoder.safetensors" if kind in ("pretrain", "finetune") else "results.json"
-    return (run_dir / final).is_file() and (kind == "pretrain" or (run_dir / "results.json").is_file())
+    return (run_dir / final).is_file() and (
+        kind == "pretrain" or (run_dir / "results.json").is_file()
+    )
 
 
 class AblationStopped(Exception):
@@ -299,7 +342,9 @@ def _run(cmd: list[str], log: Path, what: str) -> int:
     return code
 
 
-def run_job(spec: AblationSpec, job: Job, model_overrides: list[str], launcher_args: list[str], tag: str) -> list[dict]:
+def run_job(
+    spec: AblationSpec, job: Job, model_overrides: list[str], launcher_args: list[str], tag: str
+) -> list[dict]:
     """Pretrain (or resume), then each evaluation not yet done; one row per evaluation."""
     if all(is_done(kind, job.dir / kind) for kind in spec.eval):
         print(f"{tag} {job.label}: skip (complete)", flush=True)
@@ -307,17 +352,28 @@ def run_job(spec: AblationSpec, job: Job, model_overrides: list[str], launcher_a
     pre = job.dir / "pretrain"
     if not is_done("pretrain", pre):
         resume_from = latest_complete(pre / "checkpoints")
-        print(f"{tag} {job.label}: pretrain{f' (resume from {resume_from})' if resume_from else ''}", flush=True)
+        print(
+            f"{tag} {job.label}: pretrain{f' (resume from {resume_from})' if resume_from else ''}",
+            flush=True,
+        )
         cmd = deepspeed_cmd(launcher_args, SCRIPTS["pretrain"], pretrain_args(spec, job))
         code = _run(cmd, job.dir / "pretrain.log", f"{job.label}: pretrain")
         if code:
-            print(f"{tag} {job.label}: pretrain FAILED (exit {code}), log: {job.dir / 'pretrain.log'}", flush=True)
+            print(
+                f"{tag} {job.label}: pretrain FAILED (exit {code}), log: {job.dir / 'pretrain.log'}",
+                flush=True,
+            )
             return [result_row(job, kind, "failed", job.dir / "pretrain.log") for kind in spec.eval]
     return evaluate(spec, job, model_overrides, launcher_args, tag)
 
 
-def evaluate(spec: AblationSpec, job: Job | Baseline, model_overrides: list[str], launcher_args: list[str],
-             tag: str) -> list[dict]:  # fmt: skip
+def evaluate(
+    spec: AblationSpec,
+    job: Job | Baseline,
+    model_overrides: list[str],
+    launcher_args: list[str],
+    tag: str,
+) -> list[dict]:
     """Each evaluation of a pretrained job (or a baseline's fine-tuning) not yet done; a row each."""
     rows = []
     init = job.dir / "pretrain" if isinstance(job, Job) else "scratch"
@@ -325,12 +381,27 @@ def evaluate(spec: AblationSpec, job: Job | Baseline, model_overrides: list[str]
         out, log = job.dir / kind, job.dir / f"{kind}.log"
         if not is_done(kind, out):
             path, _ = eval_config(spec, kind if isinstance(job, Job) else job.name)
-            args = ["--config", str(path), *[a for o in eval_overrides(kind, model_overrides, init, job.seed) for a in ("--set", o)],
-                    "--output-dir", str(out)]
+            args = [
+                "--config",
+                str(path),
+                *[
+                    a
+                    for o in eval_overrides(kind, model_overrides, init, job.seed)
+                    for a in ("--set", o)
+                ],
+                "--output-dir",
+                str(out),
+            ]
             if kind == "finetune":
-                code = _run(deepspeed_cmd(launcher_args, SCRIPTS[kind], [*args, "--resume", "auto"]), log, f"{job.label}: {kind}")
+                code = _run(
+                    deepspeed_cmd(launcher_args, SCRIPTS[kind], [*args, "--resume", "auto"]),
+                    log,
+                    f"{job.label}: {kind}",
+                )
             else:  # the probes run in one process on cached features
-                code = _run([sys.executable, str(REPO / SCRIPTS[kind]), *args], log, f"{job.label}: {kind}")
+                code = _run(
+                    [sys.executable, str(REPO / SCRIPTS[kind]), *args], log, f"{job.label}: {kind}"
+                )
             if code:
                 print(f"{tag} {job.label}: {kind} FAILED (exit {code}), log: {log}", flush=True)
                 rows.append(result_row(job, kind, "failed", log))
@@ -345,15 +416,27 @@ def result_row(job: Job | Baseline, kind: str, status: str, path: Path) -> dict:
     """One row of results.csv: the cell's grid values (a baseline's: its name), seed, eval, top-1/5."""
     res = json.loads(path.read_text()) if status == "ok" else {}
     where = dict(job.cell.values) if isinstance(job, Job) else {"baseline": job.name}
-    return {**where, "seed": job.seed, "eval": kind, "top1": res.get("top1"), "top5": res.get("top5"),
-            "status": status, "path": str(path)}
+    return {
+        **where,
+        "seed": job.seed,
+        "eval": kind,
+        "top1": res.get("top1"),
+        "top5": res.get("top5"),
+        "status": status,
+        "path": str(path),
+    }
 
 
 def resolved(spec: AblationSpec) -> AblationSpec:
     """The spec with its configs as absolute paths (the runs start in the repository root)."""
-    needed = ["base", *{"finetune_config" if kind == "finetune" else "probe_config" for kind in spec.eval}]
+    needed = [
+        "base",
+        *{"finetune_config" if kind == "finetune" else "probe_config" for kind in spec.eval},
+    ]
     needed += [BASELINES[name][1] for name in spec.baseline_names]
-    return spec.model_copy(update={k: str(resolve_config_path(getattr(spec, k)).resolve()) for k in needed})
+    return spec.model_copy(
+        update={k: str(resolve_config_path(getattr(spec, k)).resolve()) for k in needed}
+    )
 
 
 def prepare(spec: AblationSpec) -> tuple[AblationSpec, list[Job], list[Baseline], dict]:
@@ -373,11 +456,15 @@ def run_ablation(spec: AblationSpec) -> tuple[list[dict], int]:
     """Validate every cell, then run them all and the baselines on this machine; (rows, number
     of failed rows). ConfigError before anything is created when a cell is bad."""
     spec, jobs, baselines, model_sets = prepare(spec)
-    launcher_args = spec.launcher_args if spec.launcher_args is not None else default_launcher_args()
+    launcher_args = (
+        spec.launcher_args if spec.launcher_args is not None else default_launcher_args()
+    )
     rows, n = [], len(jobs) + len(baselines)
     # the cluster's stop signal reaches every process of the job: the running cell checkpoints
     # and exits 75; the runner waits for it instead of dying, then stops (AblationStopped)
-    previous = {s: signal.signal(s, lambda signum, frame: _stop_signal.append(signum)) for s in SIGNALS}
+    previous = {
+        s: signal.signal(s, lambda signum, frame: _stop_signal.append(signum)) for s in SIGNALS
+    }
     try:
         for i, job in enumerate(jobs, 1):
             rows += run_job(spec, job, model_sets[job.cell], launcher_args, f"[{i}/{n}]")

@@ -42,8 +42,16 @@ JOBS_FILE = "jobs.json"
 ACTIVE = ("queued", "running", "unknown")  # unknown: sacct could not say; never resubmitted
 POLL_S = 5.0
 # SLURM's job states (sacct) as ours: anything else (CANCELLED, TIMEOUT, NODE_FAIL, ...) ended it
-SLURM_STATES = {"PENDING": "queued", "REQUEUED": "queued", "CONFIGURING": "queued", "SUSPENDED": "queued",
-                "RESIZING": "queued", "RUNNING": "running", "COMPLETING": "running", "COMPLETED": "finished"}  # fmt: skip
+SLURM_STATES = {
+    "PENDING": "queued",
+    "REQUEUED": "queued",
+    "CONFIGURING": "queued",
+    "SUSPENDED": "queued",
+    "RESIZING": "queued",
+    "RUNNING": "running",
+    "COMPLETING": "running",
+    "COMPLETED": "finished",
+}
 
 
 def saved_spec(out_dir: Path) -> AblationSpec:
@@ -85,7 +93,9 @@ def job_state(backend: str, folder: Path, job_id: str) -> str:
             return SLURM_STATES[state]
         if state not in ("UNKNOWN", "COMPLETED", "FAILED"):
             return state.lower()
-    result = folder / f"{job_id}_0_result.pkl"  # submitit's: ("success", value) or ("error", traceback)
+    result = (
+        folder / f"{job_id}_0_result.pkl"
+    )  # submitit's: ("success", value) or ("error", traceback)
     if not result.is_file():
         return "killed" if backend == "local" else "unknown"
     with open(result, "rb") as f:
@@ -98,7 +108,9 @@ def _local_controller_alive(job_id: str) -> bool:
 
     try:
         proc = psutil.Process(int(job_id))
-        return proc.status() != psutil.STATUS_ZOMBIE and "submitit.local._local" in " ".join(proc.cmdline())
+        return proc.status() != psutil.STATUS_ZOMBIE and "submitit.local._local" in " ".join(
+            proc.cmdline()
+        )
     except (psutil.Error, ValueError):
         return False
 
@@ -120,12 +132,17 @@ def item_state(spec: AblationSpec, item: Job | Baseline, record: dict[str, Any])
     ids = record["jobs"].get(item.label)
     if not ids:
         return "not submitted", ""
-    states = {stage: job_state(record["backend"], item.dir / "submitit", job_id)
-              for stage, job_id in ids.items() if job_id}  # fmt: skip
+    states = {
+        stage: job_state(record["backend"], item.dir / "submitit", job_id)
+        for stage, job_id in ids.items()
+        if job_id
+    }
     for stage in ("pretrain", "evaluate"):
         if states.get(stage) in ACTIVE:
             doing = "pretraining" if stage == "pretrain" else "evaluating"
-            return states[stage], f"{doing}: job {ids[stage]}" + (" (sacct does not know it)" if states[stage] == "unknown" else "")
+            return states[stage], f"{doing}: job {ids[stage]}" + (
+                " (sacct does not know it)" if states[stage] == "unknown" else ""
+            )
     for stage in ("pretrain", "evaluate"):
         if stage in states and states[stage] != "finished":
             log = item.dir / "submitit" / f"{ids[stage]}_0_log.err"
@@ -143,7 +160,11 @@ def status_rows(spec: AblationSpec) -> tuple[list[dict], list[tuple[str, str, st
         for kind in spec.eval if isinstance(item, Job) else ["finetune"]:
             out = item.dir / kind
             done = is_done(kind, out)
-            rows.append(result_row(item, kind, "ok" if done else state, out / "results.json" if done else item.dir))
+            rows.append(
+                result_row(
+                    item, kind, "ok" if done else state, out / "results.json" if done else item.dir
+                )
+            )
     return rows, lines
 
 
@@ -153,8 +174,14 @@ class EvaluateJob:
     submitit's Checkpointable protocol: on the preemption signal the running evaluation
     checkpoints and exits 75, then this job requeues itself and skips what has finished."""
 
-    def __init__(self, spec: AblationSpec, item: Job | Baseline, model_overrides: list[str],
-                 backend: str, pretrain_id: str | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        spec: AblationSpec,
+        item: Job | Baseline,
+        model_overrides: list[str],
+        backend: str,
+        pretrain_id: str | None,
+    ) -> None:
         self.spec, self.item, self.model_overrides = spec, item, model_overrides
         self.backend, self.pretrain_id = backend, pretrain_id
 
@@ -167,9 +194,15 @@ class EvaluateJob:
         ablation._stop_signal.clear()
         record = lambda signum, frame: ablation._stop_signal.append(signum)  # noqa: E731
         previous = {s: signal.signal(s, record) for s in {*ablation.SIGNALS, usr_sig}}
-        launcher_args = self.spec.launcher_args if self.spec.launcher_args is not None else default_launcher_args()
+        launcher_args = (
+            self.spec.launcher_args
+            if self.spec.launcher_args is not None
+            else default_launcher_args()
+        )
         try:
-            rows = ablation.evaluate(self.spec, self.item, self.model_overrides, launcher_args, "[job]")
+            rows = ablation.evaluate(
+                self.spec, self.item, self.model_overrides, launcher_args, "[job]"
+            )
         except AblationStopped:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -186,7 +219,9 @@ class EvaluateJob:
     def checkpoint(self) -> Any:
         from submitit.helpers import DelayedSubmission
 
-        return DelayedSubmission(EvaluateJob(self.spec, self.item, self.model_overrides, self.backend, None))
+        return DelayedSubmission(
+            EvaluateJob(self.spec, self.item, self.model_overrides, self.backend, None)
+        )
 
     def _wait_for_pretraining(self) -> None:
         """SLURM starts this job after the pretraining's succeeded (afterok); locally, wait here."""
@@ -194,14 +229,22 @@ class EvaluateJob:
             return
         pre = self.item.dir / "pretrain"
         while not is_done("pretrain", pre):
-            state = job_state(self.backend, self.item.dir / "submitit", self.pretrain_id) if self.pretrain_id else "none"
+            state = (
+                job_state(self.backend, self.item.dir / "submitit", self.pretrain_id)
+                if self.pretrain_id
+                else "none"
+            )
             if state not in ACTIVE:
-                raise RuntimeError(f"{self.item.label}: the pretraining (job {self.pretrain_id}) ended ({state}) "
-                                   f"without finishing: {pre}")  # fmt: skip
+                raise RuntimeError(
+                    f"{self.item.label}: the pretraining (job {self.pretrain_id}) ended ({state}) "
+                    f"without finishing: {pre}"
+                )
             time.sleep(POLL_S)
 
 
-def submit_item(spec: AblationSpec, item: Job | Baseline, model_overrides: list[str], sub: Any) -> dict[str, str | None]:
+def submit_item(
+    spec: AblationSpec, item: Job | Baseline, model_overrides: list[str], sub: Any
+) -> dict[str, str | None]:
     """Submit what ``item`` still needs; its job ids by stage."""
     from mpp.submit import SubmittedRun, make_executor
 
@@ -210,10 +253,18 @@ def submit_item(spec: AblationSpec, item: Job | Baseline, model_overrides: list[
     if isinstance(item, Job) and not is_done("pretrain", item.dir / "pretrain"):
         run = SubmittedRun(str(REPO / SCRIPTS["pretrain"]), ablation.pretrain_args(spec, item))
         pretrain_id = make_executor(sub, folder, f"pretrain-{item.label}").submit(run).job_id
-    after = {"dependency": f"afterok:{pretrain_id}", "kill_on_invalid_dep": "yes"} if pretrain_id else {}
+    after = (
+        {"dependency": f"afterok:{pretrain_id}", "kill_on_invalid_dep": "yes"}
+        if pretrain_id
+        else {}
+    )
     one_task = argparse.Namespace(**{**vars(sub), "nodes": 1})
-    executor = make_executor(one_task, folder, f"evaluate-{item.label}", tasks_per_node=1, sbatch_extra=after)
-    evaluate_id = executor.submit(EvaluateJob(spec, item, model_overrides, sub.submit, pretrain_id)).job_id
+    executor = make_executor(
+        one_task, folder, f"evaluate-{item.label}", tasks_per_node=1, sbatch_extra=after
+    )
+    evaluate_id = executor.submit(
+        EvaluateJob(spec, item, model_overrides, sub.submit, pretrain_id)
+    ).job_id
     return {"pretrain": pretrain_id, "evaluate": evaluate_id}
 
 
@@ -229,7 +280,10 @@ def submit_ablation(spec: AblationSpec, sub: Any) -> tuple[list[str], dict[str, 
     for item in [*jobs, *baselines]:
         state, detail = item_state(spec, item, record)
         if state in ("done", *ACTIVE):
-            print(f"{item.label}: {state}{f' ({detail})' if detail else ''}; not submitted", flush=True)
+            print(
+                f"{item.label}: {state}{f' ({detail})' if detail else ''}; not submitted",
+                flush=True,
+            )
             continue
         overrides = model_sets[item.cell] if isinstance(item, Job) else model_sets[None]
         record["jobs"][item.label] = submit_item(spec, item, overrides, sub)

@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 def write_csv(rows: list[dict], keys: list[str], path: Path) -> None:
     """A row per cell, seed and evaluation; a baseline's row has its name under ``baseline``."""
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, [*keys, "baseline", "seed", "eval", "top1", "top5", "status", "path"], restval="")
+        w = csv.DictWriter(
+            f, [*keys, "baseline", "seed", "eval", "top1", "top5", "status", "path"], restval=""
+        )
         w.writeheader()
         w.writerows(rows)
 
@@ -28,28 +30,51 @@ def baseline_lines(rows: list[dict], title: str) -> list[str]:
     if not rows:
         return []
     stats = summarize(rows, ["baseline"], "top1")
-    lines = ["", f"## {title}: fine-tuning from scratch (top-1 %)", "",
-             "The fair comparison is **own schedule** (its config's longer recipe); **same schedule** "
-             "uses the pretrained cells' fine-tuning recipe, which under-trains scratch and overstates "
-             "pretraining's gain.", "", "| baseline | finetune |", "|---|---|"]  # fmt: skip
+    lines = [
+        "",
+        f"## {title}: fine-tuning from scratch (top-1 %)",
+        "",
+        "The fair comparison is **own schedule** (its config's longer recipe); **same schedule** "
+        "uses the pretrained cells' fine-tuning recipe, which under-trains scratch and overstates "
+        "pretraining's gain.",
+        "",
+        "| baseline | finetune |",
+        "|---|---|",
+    ]
     for (name, _), (mean, std, n) in stats.items():
-        lines.append(f"| {BASELINES[name][0]} | {f'{mean:.2f} ± {std:.2f} ({n})' if n else 'failed (0)'} |")
+        lines.append(
+            f"| {BASELINES[name][0]} | {f'{mean:.2f} ± {std:.2f} ({n})' if n else 'failed (0)'} |"
+        )
     return lines
 
 
-def summarize(rows: list[dict], keys: list[str], metric: str) -> dict[tuple, tuple[float, float, int]]:
+def summarize(
+    rows: list[dict], keys: list[str], metric: str
+) -> dict[tuple, tuple[float, float, int]]:
     """(cell values..., eval) -> (mean, sample std over seeds (0 for one), seeds that finished)."""
     groups: dict[tuple, list[float]] = {}
     for r in rows:
         values = groups.setdefault((*[r[k] for k in keys], r["eval"]), [])
         if r["status"] == "ok":
             values.append(float(r[metric]))
-    return {g: (statistics.fmean(v) if v else float("nan"), statistics.stdev(v) if len(v) > 1 else 0.0, len(v))
-            for g, v in groups.items()}
+    return {
+        g: (
+            statistics.fmean(v) if v else float("nan"),
+            statistics.stdev(v) if len(v) > 1 else 0.0,
+            len(v),
+        )
+        for g, v in groups.items()
+    }
 
 
-def write_markdown(rows: list[dict], keys: list[str], evals: list[str], path: Path, title: str,
-                   shared: list[str] = ()) -> None:
+def write_markdown(
+    rows: list[dict],
+    keys: list[str],
+    evals: list[str],
+    path: Path,
+    title: str,
+    shared: list[str] = (),
+) -> None:
     """The tables; ``shared`` (the spec's ``set``) is listed under the title."""
     baselines = [r for r in rows if r.get("baseline")]
     rows = [r for r in rows if not r.get("baseline")]
@@ -57,10 +82,18 @@ def write_markdown(rows: list[dict], keys: list[str], evals: list[str], path: Pa
     lines = [f"# {title}", ""]
     if shared:
         lines += ["Every cell: " + ", ".join(f"`{s}`" for s in shared), ""]
-    lines += ["mean ± std (n) over seeds; std is the sample standard deviation, n the seeds that finished."]
+    lines += [
+        "mean ± std (n) over seeds; std is the sample standard deviation, n the seeds that finished."
+    ]
     for metric in ("top1", "top5"):
         stats = summarize(rows, keys, metric)
-        lines += ["", f"## {metric} (%)", "", "| " + " | ".join([*keys, *evals]) + " |", "|" + "---|" * (len(keys) + len(evals))]
+        lines += [
+            "",
+            f"## {metric} (%)",
+            "",
+            "| " + " | ".join([*keys, *evals]) + " |",
+            "|" + "---|" * (len(keys) + len(evals)),
+        ]
         for cell in cells:
             entries = []
             for kind in evals:
@@ -73,15 +106,34 @@ def write_markdown(rows: list[dict], keys: list[str], evals: list[str], path: Pa
     if failed:
         lines += ["", "## Failed or not finished", ""]
         where = lambda r: r.get("baseline") or ", ".join(r[k] for k in keys) or "base"  # noqa: E731
-        lines += [f"- {where(r)}, seed {r['seed']}, {r['eval']}: {r['status']} `{r['path']}`" for r in failed]
+        lines += [
+            f"- {where(r)}, seed {r['seed']}, {r['eval']}: {r['status']} `{r['path']}`"
+            for r in failed
+        ]
     path.write_text("\n".join(lines) + "\n")
 
 
-PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
-           (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]
+PALETTE = [
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (214, 39, 40),
+    (148, 103, 189),
+    (140, 86, 75),
+    (227, 119, 194),
+    (127, 127, 127),
+    (188, 189, 34),
+    (23, 190, 207),
+]
 
 
-def plot(rows: list[dict], keys: list[str], evals: list[str], path: Path, group_key: str = "masking.strategy") -> None:
+def plot(
+    rows: list[dict],
+    keys: list[str],
+    evals: list[str],
+    path: Path,
+    group_key: str = "masking.strategy",
+) -> None:
     """Top-1 per cell as bars with ± std error bars (PIL only): one panel per evaluation, bars
     grouped by ``group_key`` (the strategy; else the first grid key) and coloured by the others."""
     from PIL import Image, ImageDraw, ImageFont
@@ -100,7 +152,10 @@ def plot(rows: list[dict], keys: list[str], evals: list[str], path: Path, group_
     bar, left, plot_h, panel_h = 26, 80, 200, 275
     width = max(460, left + len(groups) * max(len(series) * bar + 30, 90) + 20)
     group_w = (width - left - 20) / len(groups)
-    labels = [", ".join(f"{k}={v}" for k, v in zip(others, s, strict=True)) or "mean top-1" for s in series]
+    labels = [
+        ", ".join(f"{k}={v}" for k, v in zip(others, s, strict=True)) or "mean top-1"
+        for s in series
+    ]
     labels.append("± std over seeds (n finished)")
     per_row = max(1, (width - left) // 200)
     legend_h = 24 * -(-len(labels) // per_row) + 12
@@ -109,11 +164,15 @@ def plot(rows: list[dict], keys: list[str], evals: list[str], path: Path, group_
     d.text((left, 10), "top-1 (%) per cell, mean ± std over seeds", fill="black", font=font)
     legend(d, labels, len(series), left, per_row, small)
     ylabel = Image.new("RGB", (plot_h, 16), "white")
-    ImageDraw.Draw(ylabel).text((plot_h // 2, 0), "top-1 (%)", fill="black", font=small, anchor="ma")
+    ImageDraw.Draw(ylabel).text(
+        (plot_h // 2, 0), "top-1 (%)", fill="black", font=small, anchor="ma"
+    )
     ylabel = ylabel.rotate(90, expand=True)
     for p, kind in enumerate(evals):
         y0 = 40 + legend_h + p * panel_h + 24  # top of this panel's plot area
-        found = [m + sd for (*_, k), (m, sd, n) in [*stats.items(), *scratch.items()] if k == kind and n]
+        found = [
+            m + sd for (*_, k), (m, sd, n) in [*stats.items(), *scratch.items()] if k == kind and n
+        ]
         ymax = max(10.0, -(-max(found, default=10.0) // 10) * 10)
         y_of = lambda v, y0=y0, ymax=ymax: y0 + plot_h - min(v, ymax) / ymax * plot_h  # noqa: E731
         d.text((left, y0 - 22), kind, fill="black", font=font)
@@ -128,17 +187,37 @@ def plot(rows: list[dict], keys: list[str], evals: list[str], path: Path, group_
                 mean, std, n = stats[(*cell_of(g, s), kind)]
                 x, cx = gx + j * bar, gx + j * bar + bar / 2
                 if not n:
-                    d.text((cx, y0 + plot_h - 4), "failed", fill=(200, 0, 0), font=small, anchor="mb")
+                    d.text(
+                        (cx, y0 + plot_h - 4), "failed", fill=(200, 0, 0), font=small, anchor="mb"
+                    )
                     continue
-                d.rectangle([x + 2, y_of(mean), x + bar - 2, y0 + plot_h], fill=PALETTE[j % len(PALETTE)])
+                d.rectangle(
+                    [x + 2, y_of(mean), x + bar - 2, y0 + plot_h], fill=PALETTE[j % len(PALETTE)]
+                )
                 lo, hi = y_of(max(0.0, mean - std)), y_of(mean + std)
                 for line in ([cx, lo, cx, hi], [cx - 5, lo, cx + 5, lo], [cx - 5, hi, cx + 5, hi]):
                     d.line(line, fill="black", width=2)
-            d.text((left + (gi + 0.5) * group_w, y0 + plot_h + 6), str(g), fill="black", font=small, anchor="mt")
-        d.text(((left + width) / 2, y0 + plot_h + 24), gkey or "", fill="black", font=small, anchor="mt")
-        for j, ((name, k), (mean, _, n)) in enumerate(scratch.items()):  # the baselines: dashed lines
+            d.text(
+                (left + (gi + 0.5) * group_w, y0 + plot_h + 6),
+                str(g),
+                fill="black",
+                font=small,
+                anchor="mt",
+            )
+        d.text(
+            ((left + width) / 2, y0 + plot_h + 24),
+            gkey or "",
+            fill="black",
+            font=small,
+            anchor="mt",
+        )
+        for j, ((name, k), (mean, _, n)) in enumerate(
+            scratch.items()
+        ):  # the baselines: dashed lines
             if k == kind and n:
-                dashed_line(d, left, width - 20, y_of(mean), BASELINES[name][0], small, below=j % 2 == 1)
+                dashed_line(
+                    d, left, width - 20, y_of(mean), BASELINES[name][0], small, below=j % 2 == 1
+                )
     img.save(path)
 
 
@@ -159,7 +238,13 @@ def dashed_line(d, x0: float, x1: float, y: float, label: str, font, below: bool
     """A grey dashed line at height ``y``, its label right-aligned above it (or below)."""
     for x in range(int(x0), int(x1), 12):
         d.line([x, y, min(x + 6, x1), y], fill=(90, 90, 90), width=2)
-    d.text((x1 - 2, y + 3 if below else y - 2), label, fill=(90, 90, 90), font=font, anchor="rt" if below else "rb")
+    d.text(
+        (x1 - 2, y + 3 if below else y - 2),
+        label,
+        fill=(90, 90, 90),
+        font=font,
+        anchor="rt" if below else "rb",
+    )
 
 
 def write_report(spec: AblationSpec, rows: list[dict]) -> list[Path]:

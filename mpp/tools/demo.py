@@ -49,25 +49,65 @@ ROWS = (
 def stages(out: Path, launcher_args: list[str]) -> list[tuple[str, list[str], Path]]:
     """(name, command, the file that marks it done) for every stage, in order."""
     py, pre = sys.executable, out / "pretrain"
-    todo = [("pretrain", deepspeed_cmd(launcher_args, "pretrain/run.py", ["--config", "mpp_demo", "--output-dir", str(pre)]),
-             pre / "encoder.safetensors")]  # fmt: skip
+    todo = [
+        (
+            "pretrain",
+            deepspeed_cmd(
+                launcher_args, "pretrain/run.py", ["--config", "mpp_demo", "--output-dir", str(pre)]
+            ),
+            pre / "encoder.safetensors",
+        )
+    ]
     for key, _, config, extra in ROWS:
         init = str(pre) if key == "pretrained" else "scratch"
         ft = out / f"finetune_{key}"
-        todo.append((f"finetune {key}", deepspeed_cmd(launcher_args, "downstream/finetune.py", [
-            "--config", config, "--set", f"init={init}", *extra, "--output-dir", str(ft)]), ft / "encoder.safetensors"))
-    for key in ("pretrained", "scratch"):  # probes read the encoder as initialised: no schedule to be fair about
+        todo.append(
+            (
+                f"finetune {key}",
+                deepspeed_cmd(
+                    launcher_args,
+                    "downstream/finetune.py",
+                    ["--config", config, "--set", f"init={init}", *extra, "--output-dir", str(ft)],
+                ),
+                ft / "encoder.safetensors",
+            )
+        )
+    for key in (
+        "pretrained",
+        "scratch",
+    ):  # probes read the encoder as initialised: no schedule to be fair about
         init = str(pre) if key == "pretrained" else "scratch"
         for tool in ("linear_probe", "knn"):
             d = out / f"{tool}_{key}"
-            todo.append((f"{tool} {key}", [py, f"downstream/{tool}.py", "--config", "linear_demo", "--set", f"init={init}",
-                                           "--output-dir", str(d)], d / "results.json"))  # fmt: skip
+            todo.append(
+                (
+                    f"{tool} {key}",
+                    [
+                        py,
+                        f"downstream/{tool}.py",
+                        "--config",
+                        "linear_demo",
+                        "--set",
+                        f"init={init}",
+                        "--output-dir",
+                        str(d),
+                    ],
+                    d / "results.json",
+                )
+            )
     return todo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=None, help="processes for the DeepSpeed runs (default: GPUs, or 2 on CPU)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help="processes for the DeepSpeed runs (default: GPUs, or 2 on CPU)",
+    )
     p.add_argument("--out", default="runs/demo", help="where the runs go")
     args = p.parse_args(argv)
     launcher_args = ["--num_gpus", str(args.ranks)] if args.ranks else default_launcher_args()
@@ -83,24 +123,37 @@ def main(argv: list[str] | None = None) -> int:
 
 def summary(out: Path) -> dict[str, dict[str, float | None]]:
     """Top-1 per row and column (None where a row has no such run)."""
+
     def top1(path: Path) -> float | None:
         return json.loads(path.read_text())["top1"] if path.is_file() else None
 
-    return {key: {"fine-tune": top1(out / f"finetune_{key}" / "results.json"),
-                  "linear": top1(out / f"linear_probe_{key}" / "results.json"),
-                  "k-NN": top1(out / f"knn_{key}" / "results.json")} for key, *_ in ROWS}  # fmt: skip
+    return {
+        key: {
+            "fine-tune": top1(out / f"finetune_{key}" / "results.json"),
+            "linear": top1(out / f"linear_probe_{key}" / "results.json"),
+            "k-NN": top1(out / f"knn_{key}" / "results.json"),
+        }
+        for key, *_ in ROWS
+    }
 
 
 def render(table: dict, out: Path) -> str:
     cell = lambda v: f"{v:>10.1f}" if v is not None else f"{'-':>10}"  # noqa: E731
-    lines = [f"\ntop-1 on the digits validation split (300 images); runs in {out}",
-             f"{'':<26}{'fine-tune':>10}{'linear':>10}{'k-NN':>10}"]  # fmt: skip
+    lines = [
+        f"\ntop-1 on the digits validation split (300 images); runs in {out}",
+        f"{'':<26}{'fine-tune':>10}{'linear':>10}{'k-NN':>10}",
+    ]
     labels = {key: label for key, label, *_ in ROWS}
-    lines += [f"{labels[k]:<26}" + "".join(cell(row[c]) for c in ("fine-tune", "linear", "k-NN")) for k, row in table.items()]
+    lines += [
+        f"{labels[k]:<26}" + "".join(cell(row[c]) for c in ("fine-tune", "linear", "k-NN"))
+        for k, row in table.items()
+    ]
     ft = {k: row["fine-tune"] for k, row in table.items()}
     if None not in ft.values():
-        lines.append(f"pretraining's gain: {ft['pretrained'] - ft['scratch_own']:+.1f} against scratch on its own "
-                     f"schedule (the fair comparison), {ft['pretrained'] - ft['scratch']:+.1f} on the same short one")  # fmt: skip
+        lines.append(
+            f"pretraining's gain: {ft['pretrained'] - ft['scratch_own']:+.1f} against scratch on its own "
+            f"schedule (the fair comparison), {ft['pretrained'] - ft['scratch']:+.1f} on the same short one"
+        )
     return "\n".join(lines)
 
 

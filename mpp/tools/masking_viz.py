@@ -33,7 +33,9 @@ def load_image(size: int) -> np.ndarray:
 def grey_out(image: np.ndarray, mask: torch.Tensor, grid: int) -> np.ndarray:
     """image (S, S, 3) uint8 with the patches where mask (grid*grid,) is True set to grey."""
     patch = image.shape[0] // grid
-    pixel_mask = mask.view(grid, grid).repeat_interleave(patch, 0).repeat_interleave(patch, 1).numpy()
+    pixel_mask = (
+        mask.view(grid, grid).repeat_interleave(patch, 0).repeat_interleave(patch, 1).numpy()
+    )
     out = image.copy()
     out[pixel_mask] = GREY
     return out
@@ -57,13 +59,19 @@ def strategy_rows(grid: int, ratio: float) -> list[tuple[str, str, dict]]:
         ("grid (fixed)", "grid", {}),
         ("grid (offset per cell)", "grid", {"offset": "cell"}),
         ("center, jitter 2", "center", {"jitter": 2.0}),
-        (f"units {unit}x{unit}, ratio {unit_ratio:.3f}", "units", {"unit_size": unit, "ratio": unit_ratio}),
+        (
+            f"units {unit}x{unit}, ratio {unit_ratio:.3f}",
+            "units",
+            {"unit_size": unit, "ratio": unit_ratio},
+        ),
         ("hpm, hard 0.5 (std scores)", "hpm", {"hard_ratio": 0.5}),
     ]
     return [row for row in rows if row[1] != "grid" or ratio == 0.75]  # grid only does 0.75
 
 
-def render(grid: int = 14, ratio: float = 0.75, samples: int = 4, patch: int = 16, seed: int = 0) -> Image.Image:
+def render(
+    grid: int = 14, ratio: float = 0.75, samples: int = 4, patch: int = 16, seed: int = 0
+) -> Image.Image:
     """The whole sheet as a PIL image."""
     size = grid * patch
     image = load_image(size)
@@ -90,7 +98,9 @@ def render(grid: int = 14, ratio: float = 0.75, samples: int = 4, patch: int = 1
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="masks.png", help="PNG file to write")
-    parser.add_argument("--grid", type=int, default=14, help="patches per side (14 = ViT-B/16 at 224)")
+    parser.add_argument(
+        "--grid", type=int, default=14, help="patches per side (14 = ViT-B/16 at 224)"
+    )
     parser.add_argument("--ratio", type=float, default=0.75)
     parser.add_argument("--samples", type=int, default=4, help="masks per strategy")
     parser.add_argument("--patch", type=int, default=16, help="pixels per patch in the picture")

@@ -89,14 +89,18 @@ def load_weights(objective: Objective, checkpoint: str) -> None:
     if "patch_embed.proj.weight" in state:  # an encoder alone: decoders and predictor stay as built
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
         hpm = isinstance(objective, HardPatchesMining)
-        for encoder in (objective.encoder, objective.teacher["base"].encoder) if hpm else (objective.encoder,):
+        for encoder in (
+            (objective.encoder, objective.teacher["base"].encoder) if hpm else (objective.encoder,)
+        ):
             encoder.load_state_dict(state)
         return
     missing, unexpected = objective.load_state_dict(state, strict=False)
     # frozen sin-cos tables may be left out of a consolidated checkpoint: they are rebuilt anyway
     missing = [k for k in missing if not k.endswith("pos_embed")]
     if missing or unexpected:
-        raise ValueError(f"{checkpoint} does not fit the objective: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"{checkpoint} does not fit the objective: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
 
 
 def run_config(checkpoint: str) -> Path | None:
@@ -115,8 +119,10 @@ def pretraining_config(path: str | Path) -> Config:
     of run are refused with the reason."""
     raw = json.loads(resolve_config_path(path).read_text())
     if "finetune" in raw:
-        raise ValueError(f"{path}: a fine-tuning run (a classifier, no masked-patch objective to draw); "
-                         f"draw the pretraining run it started from ({raw.get('init')})")  # fmt: skip
+        raise ValueError(
+            f"{path}: a fine-tuning run (a classifier, no masked-patch objective to draw); "
+            f"draw the pretraining run it started from ({raw.get('init')})"
+        )
     if "probe" in raw:
         raise ValueError(f"{path}: a k-NN / linear probe run keeps no weights to draw")
     cfg = load_config(path)
@@ -153,9 +159,13 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--out", required=True, help="PNG file to write")
     ap.add_argument("--images", type=int, default=8, help="how many images (rows)")
-    ap.add_argument("--config", help="a pretraining config; default: the checkpoint's run's, else the flags below")
     ap.add_argument(
-        "--checkpoint", help="a pretraining run, DeepSpeed checkpoint folder, state dict file, or exported encoder"
+        "--config",
+        help="a pretraining config; default: the checkpoint's run's, else the flags below",
+    )
+    ap.add_argument(
+        "--checkpoint",
+        help="a pretraining run, DeepSpeed checkpoint folder, state dict file, or exported encoder",
     )
     ap.add_argument("--image-dir", help="folder of images to show (default: scikit-learn's digits)")
     ap.add_argument("--model", default="vit_tiny_patch4_32")

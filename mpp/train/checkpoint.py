@@ -31,7 +31,9 @@ log = logging.getLogger("mpp.checkpoint")
 
 MARKER = "COMPLETE"
 TAG_PREFIX = "step"
-RANK_STATE = "rank_state_{rank:05d}.safetensors"  # an objective's per-rank state (Objective.rank_state)
+RANK_STATE = (
+    "rank_state_{rank:05d}.safetensors"  # an objective's per-rank state (Objective.rank_state)
+)
 
 
 def tag_for(step: int) -> str:
@@ -52,7 +54,11 @@ def complete_tags(ckpt_root: str | Path) -> list[str]:
     root = Path(ckpt_root)
     if not root.is_dir():
         return []
-    tags = [p.name for p in root.iterdir() if p.is_dir() and p.name.startswith(TAG_PREFIX) and (p / MARKER).is_file()]
+    tags = [
+        p.name
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(TAG_PREFIX) and (p / MARKER).is_file()
+    ]
     return sorted(tags)
 
 
@@ -69,12 +75,16 @@ def newest_intact(ckpt_root: str | Path) -> str | None:
         problem = verify(ckpt_root, tag)
         if problem is None:
             if damaged:
-                log.warning("checkpoint %s is damaged (%s): using %s", damaged[0][0], damaged[0][1], tag)
+                log.warning(
+                    "checkpoint %s is damaged (%s): using %s", damaged[0][0], damaged[0][1], tag
+                )
             return tag
         damaged.append((tag, problem))
     if damaged:
-        raise CheckpointError(f"no intact checkpoint in {ckpt_root}: {damaged[0][1]}" +
-                              (f" (and {len(damaged) - 1} older damaged)" if len(damaged) > 1 else ""))  # fmt: skip
+        raise CheckpointError(
+            f"no intact checkpoint in {ckpt_root}: {damaged[0][1]}"
+            + (f" (and {len(damaged) - 1} older damaged)" if len(damaged) > 1 else "")
+        )
     return None
 
 
@@ -86,9 +96,13 @@ def verify(ckpt_root: str | Path, tag: str) -> str | None:
 
 def layout(engine: Any) -> dict:
     """How the run that writes a checkpoint splits its global batch (the COMPLETE marker keeps it)."""
-    return {"world_size": dist.get_world_size(), "micro_batch": engine.train_micro_batch_size_per_gpu(),
-            "grad_accum": engine.gradient_accumulation_steps(), "batch_size": engine.train_batch_size(),
-            "zero_stage": int(engine.zero_optimization_stage())}  # fmt: skip
+    return {
+        "world_size": dist.get_world_size(),
+        "micro_batch": engine.train_micro_batch_size_per_gpu(),
+        "grad_accum": engine.gradient_accumulation_steps(),
+        "batch_size": engine.train_batch_size(),
+        "zero_stage": int(engine.zero_optimization_stage()),
+    }
 
 
 def saved_layout(ckpt_root: str | Path, tag: str) -> dict:
@@ -100,9 +114,13 @@ def saved_layout(ckpt_root: str | Path, tag: str) -> dict:
 
 
 def save_checkpoint(
-    engine: Any, ckpt_root: str | Path, step: int, client_state: dict, keep_last: int,
+    engine: Any,
+    ckpt_root: str | Path,
+    step: int,
+    client_state: dict,
+    keep_last: int,
     rank_state: dict[str, torch.Tensor] | None = None,
-) -> str:  # fmt: skip
+) -> str:
     """Save on every rank (DeepSpeed requires it), then mark complete and prune on rank 0.
     ``rank_state`` (the objective's, may be empty) goes to the tag's rank_state_RANK.safetensors.
     The marker records the step, the batch layout (``layout``, read by an elastic resume) and
@@ -125,25 +143,39 @@ def save_checkpoint(
         raise DiskFullError(storage.no_room(root, tag, size, latest_complete(root), free)) from None
     dist.barrier()  # every rank's shard is on disk before the marker says so
     files = storage.manifest(root / tag)  # hashed by every rank, a share each
-    problem = _mark_complete(engine, root, tag, step, files, keep_last) if dist.get_rank() == 0 else None
+    problem = (
+        _mark_complete(engine, root, tag, step, files, keep_last) if dist.get_rank() == 0 else None
+    )
     problem = from_rank0(problem)  # every rank learns it (and waits for the marker)
     if problem:
-        raise (DiskFullError if "filled up" in problem else CheckpointError)(problem)  # rank 0's kind
+        raise (DiskFullError if "filled up" in problem else CheckpointError)(
+            problem
+        )  # rank 0's kind
     return tag
 
 
-def _mark_complete(engine: Any, root: Path, tag: str, step: int, files: dict, keep_last: int) -> str | None:
+def _mark_complete(
+    engine: Any, root: Path, tag: str, step: int, files: dict, keep_last: int
+) -> str | None:
     """Rank 0: the COMPLETE marker once every rank's files are seen and read back, then the prune."""
-    problem = missing_rank_files(root / tag, dist.get_world_size(), engine.zero_optimization_stage())
-    problem = problem or next((f"{root / tag / n}: {r['error']}" for n, r in files.items() if "error" in r), None)
+    problem = missing_rank_files(
+        root / tag, dist.get_world_size(), engine.zero_optimization_stage()
+    )
+    problem = problem or next(
+        (f"{root / tag / n}: {r['error']}" for n, r in files.items() if "error" in r), None
+    )
     if problem:
         return problem
     try:
-        _write_atomic(root / tag / MARKER, json.dumps({"step": step, **layout(engine), "files": files}) + "\n")
+        _write_atomic(
+            root / tag / MARKER, json.dumps({"step": step, **layout(engine), "files": files}) + "\n"
+        )
     except OSError:
         free = storage.free_bytes(root)
         storage.remove_partial(root / tag)
-        return storage.no_room(root, tag, storage.checkpoint_bytes(files), latest_complete(root), free)
+        return storage.no_room(
+            root, tag, storage.checkpoint_bytes(files), latest_complete(root), free
+        )
     for old in complete_tags(root)[:-keep_last]:
         shutil.rmtree(root / old, ignore_errors=True)
     return None
@@ -155,7 +187,11 @@ def room(engine: Any, root: Path, keep_last: int, tag: str | None = None) -> tup
     model; a warning when fewer than ``keep_last + 1`` fit."""
     tags = complete_tags(root)
     recorded = [saved_layout(root, t).get("files") for t in tags]
-    size = storage.checkpoint_bytes(recorded[-1]) if recorded and recorded[-1] else storage.estimate_bytes(engine.module)
+    size = (
+        storage.checkpoint_bytes(recorded[-1])
+        if recorded and recorded[-1]
+        else storage.estimate_bytes(engine.module)
+    )
     storage.warn_room(root, size, sum(storage.checkpoint_bytes(r) for r in recorded), keep_last)
     return size, storage.no_room(root, tag, size, tags[-1] if tags else None) if tag else None
 
@@ -166,11 +202,15 @@ def missing_rank_files(tag_dir: Path, world_size: int, stage: int) -> str | None
     if stage == 0:
         return None  # rank 0 writes the whole checkpoint itself
     seen = {p.name for p in tag_dir.glob("*optim_states.pt")}
-    missing = [r for r in range(world_size) if not any(f"zero_pp_rank_{r}_" in name for name in seen)]
+    missing = [
+        r for r in range(world_size) if not any(f"zero_pp_rank_{r}_" in name for name in seen)
+    ]
     if not missing:
         return None
-    return (f"checkpoint {tag_dir}: rank 0 sees no optimiser shard of rank(s) {missing[:8]} (of {world_size}); "
-            f"the output directory must be on storage every node shares (not node-local disk)")  # fmt: skip
+    return (
+        f"checkpoint {tag_dir}: rank 0 sees no optimiser shard of rank(s) {missing[:8]} (of {world_size}); "
+        f"the output directory must be on storage every node shares (not node-local disk)"
+    )
 
 
 def load_rank_state(ckpt_root: str | Path, tag: str) -> dict[str, torch.Tensor]:
@@ -182,7 +222,9 @@ def load_rank_state(ckpt_root: str | Path, tag: str) -> dict[str, torch.Tensor]:
     return {}
 
 
-def find_checkpoint(path: str | Path, complete_only: bool = False) -> tuple[Path, str | None] | None:
+def find_checkpoint(
+    path: str | Path, complete_only: bool = False
+) -> tuple[Path, str | None] | None:
     """The one path resolver: (checkpoint root, tag) for a tag folder, a checkpoint root (its
     newest complete tag, else the tag DeepSpeed's ``latest`` names: None here) or a run
     directory (its ``checkpoints/``); None when ``path`` is none of these. ``complete_only``:
@@ -198,7 +240,9 @@ def find_checkpoint(path: str | Path, complete_only: bool = False) -> tuple[Path
     return None
 
 
-def resolve_resume(resume: str | None, ckpt_root: Path, verified: bool = True) -> tuple[str, str] | None:
+def resolve_resume(
+    resume: str | None, ckpt_root: Path, verified: bool = True
+) -> tuple[str, str] | None:
     """``auto`` -> the newest complete tag in this run (None on a fresh run); a path -> its
     newest complete checkpoint (``find_checkpoint``). ``verified``: only an intact one (its files
     checked against its marker: ``newest_intact``), CheckpointError naming the file otherwise."""
@@ -266,14 +310,18 @@ def zero_to_fp32(ckpt_root: str | Path, tag: str | None = None) -> dict[str, tor
     with weights_only_loads():
         if any((root / tag).glob("*optim_states.pt")):
             return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
-        module = torch.load(root / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
+        module = torch.load(
+            root / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True
+        )["module"]
     return {k: v.float() for k, v in module.items()}
 
 
 # ---- encoder export ------------------------------------------------------------------------
 
 
-def full_state_dict(engine: Any, ckpt_root: str | Path | None = None, tag: str | None = None) -> dict[str, torch.Tensor] | None:
+def full_state_dict(
+    engine: Any, ckpt_root: str | Path | None = None, tag: str | None = None
+) -> dict[str, torch.Tensor] | None:
     """The model's fp32 weights on rank 0 (None elsewhere).
 
     ZeRO runs keep their fp32 master weights partitioned in the optimiser: read them through
@@ -305,7 +353,10 @@ def _stage0_state_dict(engine: Any) -> dict[str, torch.Tensor]:
     if next(module.parameters()).dtype != torch.float32:
         names = {id(p): n for n, p in module.named_parameters()}
         if hasattr(opt, "fp32_groups_flat"):  # FP16_Optimizer: one flat fp32 copy per group
-            masters = [_unflatten_dense_tensors(f, ps) for f, ps in zip(opt.fp32_groups_flat, opt.fp16_groups, strict=True)]
+            masters = [
+                _unflatten_dense_tensors(f, ps)
+                for f, ps in zip(opt.fp32_groups_flat, opt.fp16_groups, strict=True)
+            ]
         else:  # FP16_UnfusedOptimizer (a torch optimiser): one fp32 copy per parameter
             masters = opt.fp32_groups
         for params, copies in zip(opt.fp16_groups, masters, strict=True):
@@ -314,7 +365,12 @@ def _stage0_state_dict(engine: Any) -> dict[str, torch.Tensor]:
     return sd
 
 
-def export_encoder(state_dict: dict[str, torch.Tensor], model_kwargs: dict, path: str | Path, prefix: str = "encoder.") -> None:
+def export_encoder(
+    state_dict: dict[str, torch.Tensor],
+    model_kwargs: dict,
+    path: str | Path,
+    prefix: str = "encoder.",
+) -> None:
     """Write the encoder's fp32 weights (timm names) with the architecture in the metadata."""
     enc = {k[len(prefix) :]: v.float() for k, v in state_dict.items() if k.startswith(prefix)}
     if not enc:
@@ -361,7 +417,9 @@ def gathered_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
         return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
 
 
-def save_weights(state_dict: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
+def save_weights(
+    state_dict: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None
+) -> None:
     """A safetensors file written atomically."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")

@@ -42,7 +42,13 @@ class Checkpointer:
     (``keep_last`` kept), on a stop signal, and the final encoder. Every rank calls every method."""
 
     def __init__(self, engine: Any, run_dir: Path, cfg: RunConfig, plan: Plan) -> None:
-        self.engine, self.objective, self.run_dir, self.cfg, self.plan = engine, engine.module, run_dir, cfg, plan
+        self.engine, self.objective, self.run_dir, self.cfg, self.plan = (
+            engine,
+            engine.module,
+            run_dir,
+            cfg,
+            plan,
+        )
         self.root = run_dir / "checkpoints"
         self.keep_last, self.interval = cfg.train.keep_last, cfg.train.ckpt_every
 
@@ -54,12 +60,18 @@ class Checkpointer:
         if isinstance(found, str):
             raise ckpt.CheckpointError(found)
         if found:  # any world size, micro batch or accumulation
-            state = restore(self.engine, self.objective, found[0], found[1], self.plan, self.cfg.train.seed)
+            state = restore(
+                self.engine, self.objective, found[0], found[1], self.plan, self.cfg.train.seed
+            )
             if dist.get_rank() == 0:
-                logging.getLogger("mpp.engine").info("resumed from %s/%s at step %d", found[0], found[1], state.step)
+                logging.getLogger("mpp.engine").info(
+                    "resumed from %s/%s at step %d", found[0], found[1], state.step
+                )
         if dist.get_rank() == 0:
             (self.run_dir / "preempted.json").unlink(missing_ok=True)  # this run is going again
-            ckpt.room(self.engine, self.root, self.keep_last)  # a warning now if keep_last + 1 do not fit
+            ckpt.room(
+                self.engine, self.root, self.keep_last
+            )  # a warning now if keep_last + 1 do not fit
         return state
 
     def save(self, state: RunState) -> None:
@@ -68,8 +80,14 @@ class Checkpointer:
         rngs = [None] * dist.get_world_size()
         dist.all_gather_object(rngs, rng_state())
         client = {"state": asdict(state), "rng": rngs}
-        ckpt.save_checkpoint(self.engine, self.root, state.step, client, self.keep_last,
-                             rank_state=self.objective.rank_state())  # fmt: skip
+        ckpt.save_checkpoint(
+            self.engine,
+            self.root,
+            state.step,
+            client,
+            self.keep_last,
+            rank_state=self.objective.rank_state(),
+        )
 
     def maybe_save(self, state: RunState, stop: int, stop_request: StopRequest) -> None:
         """After an optimiser step: a checkpoint when due (every ``interval`` steps, and at ``stop``);
@@ -93,15 +111,22 @@ class Checkpointer:
         failed = [*state.rollback_steps, state.step + 1]
         if t.on_nonfinite != "rollback" or len(state.rollback_steps) >= t.max_rollbacks:
             if t.on_nonfinite == "rollback":
-                raise NonFiniteLossError(f"{error}; gave up after {len(state.rollback_steps)} rollback(s) "
-                                         f"(train.max_rollbacks={t.max_rollbacks}) at steps {failed}") from None  # fmt: skip
+                raise NonFiniteLossError(
+                    f"{error}; gave up after {len(state.rollback_steps)} rollback(s) "
+                    f"(train.max_rollbacks={t.max_rollbacks}) at steps {failed}"
+                ) from None
             raise error
         tag = from_rank0(_intact(self.root) if dist.get_rank() == 0 else None)
         if tag is None:
             raise NonFiniteLossError(f"{error}; no complete checkpoint to roll back to") from None
-        position = (state.epoch, state.batch_in_epoch)  # past the batch that failed (the caller advanced)
+        position = (
+            state.epoch,
+            state.batch_in_epoch,
+        )  # past the batch that failed (the caller advanced)
         lr_scale = state.lr_scale * t.rollback_lr_scale
-        loaded = restore(self.engine, self.objective, self.root, tag, self.plan, t.seed)  # maybe a resume's layout
+        loaded = restore(
+            self.engine, self.objective, self.root, tag, self.plan, t.seed
+        )  # maybe a resume's layout
         for key, value in asdict(loaded).items():
             setattr(state, key, value)
         state.epoch, state.batch_in_epoch = position
@@ -109,7 +134,10 @@ class Checkpointer:
         if dist.get_rank() == 0:
             logging.getLogger("mpp.nonfinite").warning(
                 "non-finite losses at step %d: rolled back to %s, data moved past the window, lr x %g",
-                failed[-1], tag, lr_scale)  # fmt: skip
+                failed[-1],
+                tag,
+                lr_scale,
+            )
 
     def export_encoder(self) -> None:
         """fp32 ``encoder.safetensors`` for downstream: from the final checkpoint (ZeRO, bf16) or
@@ -117,7 +145,9 @@ class Checkpointer:
         sd = ckpt.full_state_dict(self.engine, self.root, ckpt.latest_complete(self.root))
         if dist.get_rank() == 0:
             model = self.objective
-            prefix = next(n for n, m in model.named_modules() if m is model.encoder) + "."  # hpm: base.encoder.
+            prefix = (
+                next(n for n, m in model.named_modules() if m is model.encoder) + "."
+            )  # hpm: base.encoder.
             out = self.run_dir / "encoder.safetensors"
             ckpt.export_encoder(sd, encoder_kwargs(self.cfg, model.encoder), out, prefix=prefix)
             save_config(self.cfg, self.run_dir / "encoder_config.json")
@@ -130,7 +160,10 @@ def resolve_on_rank0(resume: str | None, ckpt_root: Path) -> tuple[str, str] | s
         return None
     try:
         return ckpt.resolve_resume(resume, ckpt_root)  # the newest intact checkpoint: files checked
-    except (FileNotFoundError, ckpt.CheckpointError) as e:  # every rank must learn it, not wait in the broadcast
+    except (
+        FileNotFoundError,
+        ckpt.CheckpointError,
+    ) as e:  # every rank must learn it, not wait in the broadcast
         return str(e)
 
 
@@ -149,7 +182,9 @@ def encoder_kwargs(cfg: RunConfig, encoder: torch.nn.Module) -> dict:
     return kwargs
 
 
-def restore(engine: Any, objective: torch.nn.Module, root: str | Path, tag: str, plan: Plan, seed: int) -> RunState:
+def restore(
+    engine: Any, objective: torch.nn.Module, root: str | Path, tag: str, plan: Plan, seed: int
+) -> RunState:
     """Every rank: the checkpoint's weights, optimiser, run state and RNG, for this run's layout."""
     saved = ckpt.saved_layout(root, tag)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -161,23 +196,39 @@ def restore(engine: Any, objective: torch.nn.Module, root: str | Path, tag: str,
         client = _load_universal(engine, Path(root), tag, saved["world_size"])
     state = RunState(**client["state"])
     accum = saved.get("grad_accum", plan.grad_accum)
-    if accum != plan.grad_accum or not same:  # the step in the epoch carries over, in this run's micro-batches
+    if (
+        accum != plan.grad_accum or not same
+    ):  # the step in the epoch carries over, in this run's micro-batches
         state.batch_in_epoch = math.ceil(state.batch_in_epoch / accum) * plan.grad_accum
     if same:
         set_rng_state(client["rng"][rank])
     else:
         seed_everything(seed + rank + 1_000_003 * state.step)
-    rank_state = ckpt.load_rank_state(root, tag)  # HPM's fp32 EMA under bf16: whole below ZeRO-3, a shard at 3
+    rank_state = ckpt.load_rank_state(
+        root, tag
+    )  # HPM's fp32 EMA under bf16: whole below ZeRO-3, a shard at 3
     if not same and engine.zero_optimization_stage() == 3:
         if rank_state and rank == 0:
-            log.warning("elastic resume: the per-rank state of %s/%s (HPM's fp32 EMA) is ZeRO-3 shards of another "
-                        "world size: it restarts from the weights", root, tag)  # fmt: skip
+            log.warning(
+                "elastic resume: the per-rank state of %s/%s (HPM's fp32 EMA) is ZeRO-3 shards of another "
+                "world size: it restarts from the weights",
+                root,
+                tag,
+            )
         rank_state = {}
     objective.load_rank_state(rank_state)
     if rank == 0 and not same:
-        log.info("elastic resume: %s/%s written by %d rank(s) (micro batch %s), now %d (micro batch %d); "
-                 "the epoch continues at step %d", root, tag, saved["world_size"], saved.get("micro_batch"),
-                 world, plan.micro_batch, state.step)  # fmt: skip
+        log.info(
+            "elastic resume: %s/%s written by %d rank(s) (micro batch %s), now %d (micro batch %d); "
+            "the epoch continues at step %d",
+            root,
+            tag,
+            saved["world_size"],
+            saved.get("micro_batch"),
+            world,
+            plan.micro_batch,
+            state.step,
+        )
     return state
 
 
@@ -188,8 +239,13 @@ def _load_universal(engine: Any, root: Path, tag: str, saved_world: int) -> dict
     problem = from_rank0(problem)
     if problem:
         raise RuntimeError(problem)
-    groups = [{k: v for k, v in g.items() if k not in ("params", "step")} for g in engine.optimizer.param_groups]
-    engine._config.load_universal_checkpoint = True  # this load only: a rollback later reads our own checkpoints
+    groups = [
+        {k: v for k, v in g.items() if k not in ("params", "step")}
+        for g in engine.optimizer.param_groups
+    ]
+    engine._config.load_universal_checkpoint = (
+        True  # this load only: a rollback later reads our own checkpoints
+    )
     try:
         with ckpt.weights_only_loads():
             _, client = engine.load_checkpoint(str(out), tag=tag)
@@ -222,7 +278,10 @@ def _restore_frozen(engine: Any, root: Path, tag: str) -> None:
         return
     rank, stage3 = dist.get_rank(), engine.zero_optimization_stage() == 3
     weights = ckpt.zero_to_fp32(root, tag) if rank == 0 else None
-    with deepspeed.zero.GatheredParameters([p for _, p in frozen], modifier_rank=0, enabled=stage3), torch.no_grad():
+    with (
+        deepspeed.zero.GatheredParameters([p for _, p in frozen], modifier_rank=0, enabled=stage3),
+        torch.no_grad(),
+    ):
         for name, param in frozen:
             if rank == 0 and name in weights:
                 param.data.copy_(weights[name].to(param.dtype))
@@ -234,8 +293,15 @@ def _convert(src: Path, dst: Path) -> str | None:
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     shutil.rmtree(dst, ignore_errors=True)
-    args = argparse.Namespace(input_folder=str(src), output_folder=str(dst), num_extract_workers=1, num_merge_workers=1,
-                              keep_temp_folder=False, strict=True, inject_missing_state=True)  # fmt: skip
+    args = argparse.Namespace(
+        input_folder=str(src),
+        output_folder=str(dst),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
     try:
         with ckpt.weights_only_loads():
             ds_to_universal(args)

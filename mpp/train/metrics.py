@@ -67,8 +67,14 @@ class WandB:
         id_file = run_dir / "wandb_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
         id_file.write_text(run_id + "\n")
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "mpp"), name=config.get("name"), id=run_id,
-                              resume="allow", dir=str(run_dir), config=config)  # fmt: skip
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "mpp"),
+            name=config.get("name"),
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            config=config,
+        )
         # our step as the x-axis, not W&B's own counter: W&B drops records whose step goes back,
         # and a resume from an older checkpoint or a rollback does go back
         self.run.define_metric("step")
@@ -80,7 +86,9 @@ class WandB:
     def image(self, tag: str, image: torch.Tensor, step: int, caption: str | None = None) -> None:
         import wandb
 
-        self.run.log({tag: wandb.Image(image.permute(1, 2, 0).numpy(), caption=caption), "step": step})
+        self.run.log(
+            {tag: wandb.Image(image.permute(1, 2, 0).numpy(), caption=caption), "step": step}
+        )
 
     def close(self) -> None:
         self.run.finish()
@@ -104,8 +112,14 @@ class MetricLog:
     """metrics.jsonl and the reporters (TensorBoard, W&B) on rank 0; sums metrics on the device
     between log steps so the step itself never waits for the host."""
 
-    def __init__(self, run_dir: Path, rank: int, state: RunState, report_to: list[str] = ("tensorboard",),
-                 config: dict | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        state: RunState,
+        report_to: list[str] = ("tensorboard",),
+        config: dict | None = None,
+    ) -> None:
         """Continues at ``state``: after a resume, records past its step (written before the run
         stopped, and about to be replayed) are dropped, so each step is in the file once."""
         self.rank = rank
@@ -122,6 +136,7 @@ class MetricLog:
                 drop_records_after(self.path, state.step)
             self.file = open(self.path, "a")
             self.reporters = open_reporters(list(report_to), run_dir, config or {})
+
     def rewind(self, state: RunState) -> None:
         """The run went back to ``state`` (a rollback): records past its step go, sums restart."""
         self.sums, self.count, self.data_wait = {}, 0, 0.0
@@ -138,7 +153,9 @@ class MetricLog:
         self.count += 1
         self.data_wait += data_wait
 
-    def flush(self, state: RunState, plan: Plan, lr: float, skipped: int) -> dict[str, float] | None:
+    def flush(
+        self, state: RunState, plan: Plan, lr: float, skipped: int
+    ) -> dict[str, float] | None:
         """All-reduce the averages (every rank calls this), write one record on rank 0."""
         keys = sorted(self.sums)
         dev = self.sums[keys[0]].device
@@ -170,7 +187,11 @@ class MetricLog:
     def _emit(self, record: dict, section: str) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        values = {f"{section}/{k}": v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+        values = {
+            f"{section}/{k}": v
+            for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float))
+        }
         for reporter in self.reporters:
             reporter.log(values, record["step"])
 
@@ -178,7 +199,11 @@ class MetricLog:
         """An extra record (e.g. validation results) at this step, rank 0 only."""
         if self.rank != 0 or not values:
             return
-        record = {"step": state.step, "epoch": round(state.step / plan.steps_per_epoch, 4), **values}
+        record = {
+            "step": state.step,
+            "epoch": round(state.step / plan.steps_per_epoch, 4),
+            **values,
+        }
         self._emit(record, "val")
 
     def close(self) -> None:

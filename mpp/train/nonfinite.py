@@ -44,7 +44,9 @@ def skip_bad_step(state: RunState, t: Any, rank: int) -> bool:
     state.bad_steps += 1
     step, limit = state.step + 1, (0 if t.on_nonfinite == "stop" else t.max_bad_steps)
     if rank == 0:
-        log.warning("non-finite loss at step %d: skipped (%d of at most %d)", step, state.bad_steps, limit)
+        log.warning(
+            "non-finite loss at step %d: skipped (%d of at most %d)", step, state.bad_steps, limit
+        )
     if state.bad_steps > limit:
         raise NonFiniteLossError(
             f"non-finite loss at step {step} ({state.bad_steps} such steps, train.max_bad_steps={limit}, "

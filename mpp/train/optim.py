@@ -26,7 +26,9 @@ def param_groups(
             continue
         decay = 0.0 if p.ndim <= 1 or name.endswith(".bias") or name in skip else weight_decay
         scale = lr_scale_of(name) if lr_scale_of else 1.0
-        group = groups.setdefault((decay, scale), {"params": [], "weight_decay": decay, "lr_scale": scale})
+        group = groups.setdefault(
+            (decay, scale), {"params": [], "weight_decay": decay, "lr_scale": scale}
+        )
         group["params"].append(p)
     return list(groups.values())
 
@@ -48,7 +50,11 @@ def build_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optim
 
 
 def adam(
-    name: str, groups: list[dict], lr: float, betas: tuple[float, float] | None = None, eps: float = 1e-8
+    name: str,
+    groups: list[dict],
+    lr: float,
+    betas: tuple[float, float] | None = None,
+    eps: float = 1e-8,
 ) -> torch.optim.Optimizer:
     """torch's Adam ("adam": L2-style decay, as the ViT paper's Adam with weight decay) or
     AdamW, betas by default the paper's: (0.9, 0.999) for Adam, (0.9, 0.95) for AdamW (MAE).
@@ -89,7 +95,12 @@ class Schedule:
 
     def lr(self, state: Any) -> float:
         """The lr of the step ``state`` is about to take."""
-        return lr_at(state.step, peak=self.peak, total=self.total, warmup=self.warmup, min_lr=self.min_lr) * state.lr_scale
+        return (
+            lr_at(
+                state.step, peak=self.peak, total=self.total, warmup=self.warmup, min_lr=self.min_lr
+            )
+            * state.lr_scale
+        )
 
     def apply(self, optimizer: torch.optim.Optimizer, state: Any) -> float:
         """Set the lr of the step ``state`` is about to take; returns it."""

@@ -68,7 +68,12 @@ def heat_colors(values: Tensor) -> Tensor:
 
 
 def masked_panels(
-    base, images: Tensor, mask: Tensor, hard: Tensor, mean: tuple[float, ...], std: tuple[float, ...]
+    base,
+    images: Tensor,
+    mask: Tensor,
+    hard: Tensor,
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
 ) -> list[Tensor]:
     """input | mask (grey, ``hard`` red) | reconstruction, each (B, 3, H, W) in [0, 1], of an MAE or
     MPP objective run on ``mask`` (B, N)."""
@@ -104,7 +109,11 @@ def hpm_panels(
 
 @torch.no_grad()
 def objective_panels(
-    objective: Objective, images: Tensor, mean: tuple[float, ...], std: tuple[float, ...], num_hard: int | None = None
+    objective: Objective,
+    images: Tensor,
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+    num_hard: int | None = None,
 ) -> list[Tensor]:
     """HPM's four panels, or MAE's / MPP's three on a mask from their own generator; in eval mode."""
     was_training = objective.training
@@ -136,7 +145,9 @@ def hpm_picture(
 ) -> Image.Image:
     """Write the picture grid of ``images`` (B, 3, H, W, normalised) to ``path`` (PNG); returns it.
     ``scale`` enlarges each panel (default: to at least 96 px); ``num_hard`` overrides k."""
-    return save_picture(objective_panels(objective, images, objective.mean, objective.std, num_hard), path, scale)
+    return save_picture(
+        objective_panels(objective, images, objective.mean, objective.std, num_hard), path, scale
+    )
 
 
 def panel_grid(panels: list[Tensor], scale: int | None = None) -> Tensor:

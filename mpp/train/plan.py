@@ -41,7 +41,9 @@ class Plan:
         return self.total_steps / self.steps_per_epoch
 
 
-def plan_run(cfg: RunConfig, world_size: int, dev_type: str, img_size: int, num_classes: int | None = None) -> Plan:
+def plan_run(
+    cfg: RunConfig, world_size: int, dev_type: str, img_size: int, num_classes: int | None = None
+) -> Plan:
     """Resolve data, batch and schedule; any problem is a ConfigError naming the key.
     ``num_classes`` (supervised runs): the stream yields labels, and drops those outside it."""
     fail = _failer(cfg)
@@ -58,20 +60,49 @@ def plan_run(cfg: RunConfig, world_size: int, dev_type: str, img_size: int, num_
     samples, sizes = counted.total, counted.sizes
     steps_per_epoch = samples // cfg.train.batch_size
     if steps_per_epoch < 1:
-        raise fail("train.batch_size", f"{cfg.train.batch_size} exceeds the {samples} samples of an epoch")
+        raise fail(
+            "train.batch_size", f"{cfg.train.batch_size} exceeds the {samples} samples of an epoch"
+        )
     t, o = cfg.train, cfg.optim
     total = t.max_steps if t.max_steps is not None else math.ceil(t.epochs * steps_per_epoch)
-    warmup = o.warmup_steps if o.warmup_steps is not None else round((o.warmup_epochs or 0.0) * steps_per_epoch)
+    warmup = (
+        o.warmup_steps
+        if o.warmup_steps is not None
+        else round((o.warmup_epochs or 0.0) * steps_per_epoch)
+    )
     if t.on_nonfinite == "rollback" and accum > 1:
-        log.warning("train.on_nonfinite=rollback with %d micro-batches per step: a rollback at a step's later "
-                    "micro-batch keeps the gradients of its earlier ones in DeepSpeed's buffers", accum)  # fmt: skip
+        log.warning(
+            "train.on_nonfinite=rollback with %d micro-batches per step: a rollback at a step's later "
+            "micro-batch keeps the gradients of its earlier ones in DeepSpeed's buffers",
+            accum,
+        )
     stream = StreamConfig(
-        batch_size=micro, img_size=img_size, world_size=world_size, num_batches=steps_per_epoch * accum,
-        with_labels=num_classes is not None, num_classes=num_classes, seed=t.seed, global_batch=t.batch_size,
-        shard_sizes=tuple(sizes), **cfg.stream_settings(),
-    )  # fmt: skip
-    return Plan(shards, samples, steps_per_epoch, total, warmup, micro, accum, world_size, img_size, ds_config,
-                stream, len(missing), counted)  # fmt: skip
+        batch_size=micro,
+        img_size=img_size,
+        world_size=world_size,
+        num_batches=steps_per_epoch * accum,
+        with_labels=num_classes is not None,
+        num_classes=num_classes,
+        seed=t.seed,
+        global_batch=t.batch_size,
+        shard_sizes=tuple(sizes),
+        **cfg.stream_settings(),
+    )
+    return Plan(
+        shards,
+        samples,
+        steps_per_epoch,
+        total,
+        warmup,
+        micro,
+        accum,
+        world_size,
+        img_size,
+        ds_config,
+        stream,
+        len(missing),
+        counted,
+    )
 
 
 def count_data(cfg: RunConfig, shards: list[str]) -> Census:
@@ -84,8 +115,11 @@ def count_data(cfg: RunConfig, shards: list[str]) -> Census:
     if not dist.is_initialized() or dist.get_rank() == 0:
         log.info("data: %s", counted.summary())
     if d.num_samples is not None and d.num_samples != counted.total:
-        raise fail("data.num_samples", f"{d.num_samples}, but the shards hold {counted.total} samples with an image "
-                   f"({counted.summary()}): remove the key, or correct it")  # fmt: skip
+        raise fail(
+            "data.num_samples",
+            f"{d.num_samples}, but the shards hold {counted.total} samples with an image "
+            f"({counted.summary()}): remove the key, or correct it",
+        )
     return counted
 
 
@@ -100,14 +134,19 @@ def check_resume(cfg: RunConfig, resume: str | None) -> None:
     from mpp.train.checkpoint import resolve_resume, saved_layout
 
     try:
-        found = resolve_resume(resume, Path(_output_dir(cfg)) / "checkpoints", verified=False)  # the engine verifies
+        found = resolve_resume(
+            resume, Path(_output_dir(cfg)) / "checkpoints", verified=False
+        )  # the engine verifies
     except FileNotFoundError:
         return  # said by the engine on every rank
     saved = saved_layout(*found) if found else {}
     if saved.get("batch_size", cfg.train.batch_size) != cfg.train.batch_size:
-        raise _failer(cfg)("train.batch_size", f"{cfg.train.batch_size}, but the checkpoint {found[0]}/{found[1]} was "
-                           f"trained with {saved['batch_size']}: a resume keeps the global batch (the world size, "
-                           f"micro batch and accumulation may change)")  # fmt: skip
+        raise _failer(cfg)(
+            "train.batch_size",
+            f"{cfg.train.batch_size}, but the checkpoint {found[0]}/{found[1]} was "
+            f"trained with {saved['batch_size']}: a resume keeps the global batch (the world size, "
+            f"micro batch and accumulation may change)",
+        )
 
 
 def train_shards(cfg: RunConfig, img_size: int) -> tuple[list[str], list[str]]:
@@ -121,12 +160,18 @@ def train_shards(cfg: RunConfig, img_size: int) -> tuple[list[str], list[str]]:
         shards = expand_shards(spec)
     except ValueError as e:
         raise fail(key, str(e)) from None
-    missing = [s for s in shards if "://" not in s and not s.startswith("pipe:") and not Path(s).is_file()]
+    missing = [
+        s for s in shards if "://" not in s and not s.startswith("pipe:") and not Path(s).is_file()
+    ]
     if len(missing) == len(shards):
         raise fail(key, f"{len(missing)} shard(s) not found, first: {missing[0]}")
     if missing:  # a lost shard costs its samples, not the run; named once, counted in metrics
-        log.warning("%d of %d shards not found, training without them: %s", len(missing), len(shards),
-                    ", ".join(missing[:10]))  # fmt: skip
+        log.warning(
+            "%d of %d shards not found, training without them: %s",
+            len(missing),
+            len(shards),
+            ", ".join(missing[:10]),
+        )
         shards = [s for s in shards if s not in set(missing)]
     if any(s.startswith("pipe:") for s in shards) and not d.allow_pipe:
         raise fail(key, "pipe: shards run shell commands; set data.allow_pipe=true to allow them")
@@ -146,7 +191,9 @@ class RunState:
     samples: int = 0  # images seen, all ranks
     bad_steps: int = 0
     overflow_steps: int = 0  # fp16 steps DeepSpeed skipped on a gradient overflow
-    rollback_steps: list[int] = field(default_factory=list)  # steps whose non-finite losses were rolled back
+    rollback_steps: list[int] = field(
+        default_factory=list
+    )  # steps whose non-finite losses were rolled back
     lr_scale: float = 1.0  # train.rollback_lr_scale per rollback
 
 

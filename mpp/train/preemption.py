@@ -45,8 +45,10 @@ class Preempted(Exception):
 
     def __init__(self, step: int, signum: int, reason: str | None = None) -> None:
         why = f"{signal.Signals(signum).name} ({reason})" if reason else signal.Signals(signum).name
-        super().__init__(f"preempted by {why} after step {step}: a complete checkpoint is saved; continue "
-                         f"with --resume auto")  # fmt: skip
+        super().__init__(
+            f"preempted by {why} after step {step}: a complete checkpoint is saved; continue "
+            f"with --resume auto"
+        )
         self.step, self.signum = step, signum
 
 
@@ -54,7 +56,9 @@ class StopRequest:
     """Installs the handlers (every rank, before the data workers start: they inherit them and
     only set their own copy of the flag, so they keep serving until the rank stops)."""
 
-    last_agreed = 0  # the signal this process's last stop was agreed on: mpp.submit requeues on its own only
+    last_agreed = (
+        0  # the signal this process's last stop was agreed on: mpp.submit requeues on its own only
+    )
 
     def __init__(self) -> None:
         self.signum, self.reason = 0, None
@@ -62,7 +66,9 @@ class StopRequest:
         self.group, self.device = control_group()
         self.done = threading.Event()
         if lineage := job_lineage():
-            threading.Thread(target=self._watch, args=(lineage,), daemon=True, name="mpp-job-watch").start()
+            threading.Thread(
+                target=self._watch, args=(lineage,), daemon=True, name="mpp-job-watch"
+            ).start()
 
     def _handle(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.signum == signal.SIGINT:
@@ -81,7 +87,9 @@ class StopRequest:
         flag = torch.tensor([self.signum], dtype=torch.int64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            if flag.item():  # once, at the stop; the watchers tick apart: rank 0's may not have seen it yet
+            if (
+                flag.item()
+            ):  # once, at the stop; the watchers tick apart: rank 0's may not have seen it yet
                 reasons = [None] * dist.get_world_size()
                 dist.all_gather_object(reasons, self.reason, group=self.group)
                 self.reason = next((r for r in reasons if r), None)
@@ -109,9 +117,11 @@ def control_group() -> tuple[Any, torch.device]:
     if ok.item():
         return dist.new_group(backend="gloo"), cpu
     if dist.get_rank() == 0:
-        log.warning("a node's hostname resolves to a loopback address and GLOO_SOCKET_IFNAME is unset: the "
-                    "stop flag goes over NCCL (one host sync per optimiser step); set GLOO_SOCKET_IFNAME to "
-                    "the nodes' network interface (e.g. eth0, ib0) to avoid it")  # fmt: skip
+        log.warning(
+            "a node's hostname resolves to a loopback address and GLOO_SOCKET_IFNAME is unset: the "
+            "stop flag goes over NCCL (one host sync per optimiser step); set GLOO_SOCKET_IFNAME to "
+            "the nodes' network interface (e.g. eth0, ib0) to avoid it"
+        )
     return None, gpu
 
 
@@ -119,7 +129,9 @@ def gloo_reachable() -> bool:
     """Whether gloo can connect this rank to the others: always on one node (loopback serves),
     across nodes when told the interface or when the hostname resolves off loopback."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")  # torchrun's, DeepSpeed's
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get(
+        "LOCAL_SIZE"
+    )  # torchrun's, DeepSpeed's
     if os.environ.get("GLOO_SOCKET_IFNAME") or (local and int(local) >= world):
         return True
     try:
@@ -138,7 +150,10 @@ def job_lineage() -> list[tuple[int, int, str]]:
         parent = psutil.Process(launcher)
         command = " ".join(parent.cmdline())
         if "deepspeed.launcher.launch" in command:
-            return [(me, launcher, "its launcher"), (launcher, parent.ppid(), "the deepspeed runner")]
+            return [
+                (me, launcher, "its launcher"),
+                (launcher, parent.ppid(), "the deepspeed runner"),
+            ]
         if "torch.distributed.run" in command or "torchrun" in command:
             return [(me, launcher, "its launcher")]
     except psutil.Error:
@@ -162,7 +177,11 @@ def lost_parent(lineage: list[tuple[int, int, str]]) -> str | None:
 def write_marker(run_dir: Path, step: int, signum: int, reason: str | None = None) -> None:
     """``RUN/preempted.json`` on rank 0: what stopped the run and where (a requeue script reads it)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        record = {"step": step, "signal": signal.Signals(signum).name, "exit_status": PREEMPTED_EXIT}
+        record = {
+            "step": step,
+            "signal": signal.Signals(signum).name,
+            "exit_status": PREEMPTED_EXIT,
+        }
         if reason:
             record["reason"] = reason
         (run_dir / "preempted.json").write_text(json.dumps(record) + "\n")

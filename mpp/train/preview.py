@@ -43,10 +43,19 @@ class Preview:
     """``preview(model, step, reporters)`` after each optimiser step; every rank calls it (under
     ZeRO-3 the parameters are gathered for the preview, a collective); rank 0 writes."""
 
-    def __init__(self, every: int, images: Tensor | None, mean: tuple[float, ...], std: tuple[float, ...],
-                 device: torch.device, rank: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        every: int,
+        images: Tensor | None,
+        mean: tuple[float, ...],
+        std: tuple[float, ...],
+        device: torch.device,
+        rank: int,
+    ) -> None:
         self.every, self.rank, self.mean, self.std = every, rank, mean, std
-        self.images = None if images is None else normalize(images, mean, std).to(device)  # (B, 3, H, W)
+        self.images = (
+            None if images is None else normalize(images, mean, std).to(device)
+        )  # (B, 3, H, W)
         self.captioned = False
 
     def __call__(self, model: Any, step: int, reporters: list) -> None:
@@ -64,25 +73,45 @@ class Preview:
         self.captioned = True
 
 
-def preview_images(shards: str | list[str], img_size: int, allow_pipe: bool = False) -> Tensor | None:
+def preview_images(
+    shards: str | list[str], img_size: int, allow_pipe: bool = False
+) -> Tensor | None:
     """The first ``NUM_IMAGES`` images of ``shards`` (B, 3, S, S) uint8, centre-cropped; None if none."""
     from mpp.data import make_eval_loader
 
-    loader = make_eval_loader(shards, batch_size=NUM_IMAGES, img_size=img_size, rank=0, world_size=1,
-                              num_workers=0, with_labels=False, allow_pipe=allow_pipe)  # fmt: skip
+    loader = make_eval_loader(
+        shards,
+        batch_size=NUM_IMAGES,
+        img_size=img_size,
+        rank=0,
+        world_size=1,
+        num_workers=0,
+        with_labels=False,
+        allow_pipe=allow_pipe,
+    )
     batch = next(iter(loader), None)
     return None if batch is None else batch["image"]
 
 
-def build_preview(cfg: Any, img_size: int, objective: Any, device: torch.device, rank: int) -> Preview:
+def build_preview(
+    cfg: Any, img_size: int, objective: Any, device: torch.device, rank: int
+) -> Preview:
     """The run's previews; one that never draws when off (``train.preview_every`` 0), with nothing
     to report to, or for an objective without masks (fine-tuning). Images: the val shards', else the built-in dataset's
     validation split, else the first training shard's."""
     t, d = cfg.train, cfg.data
-    if not t.preview_every or not t.report_to or not hasattr(getattr(objective, "base", objective), "forward_per_patch"):
+    if (
+        not t.preview_every
+        or not t.report_to
+        or not hasattr(getattr(objective, "base", objective), "forward_per_patch")
+    ):
         return Preview(0, None, d.mean, d.std, device, rank)
     from mpp.data import digits_shards, expand_shards
 
-    shards = d.val_shards or (digits_shards(img_size)["val"] if d.train_shards is None else expand_shards(d.train_shards)[:1])
+    shards = d.val_shards or (
+        digits_shards(img_size)["val"]
+        if d.train_shards is None
+        else expand_shards(d.train_shards)[:1]
+    )
     images = preview_images(shards, img_size, d.allow_pipe)
     return Preview(t.preview_every, images, d.mean, d.std, device, rank)

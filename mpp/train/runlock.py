@@ -50,10 +50,17 @@ def hold(run_dir: Path, stale_s: float = STALE_S) -> None:
             if _is_us(holder):
                 return
             if _alive(holder, path, stale_s):
-                raise RunHeld(f"{run_dir} is held by the job on {holder.get('host')} pid {holder.get('pid')} since "
-                              f"{holder.get('since')} ({path}): stop that job or choose another --output-dir") from None
-            log.warning("%s: taking over the lock of a job that is gone (%s pid %s since %s)", run_dir,
-                        holder.get("host"), holder.get("pid"), holder.get("since"))
+                raise RunHeld(
+                    f"{run_dir} is held by the job on {holder.get('host')} pid {holder.get('pid')} since "
+                    f"{holder.get('since')} ({path}): stop that job or choose another --output-dir"
+                ) from None
+            log.warning(
+                "%s: taking over the lock of a job that is gone (%s pid %s since %s)",
+                run_dir,
+                holder.get("host"),
+                holder.get("pid"),
+                holder.get("since"),
+            )
             path.unlink(missing_ok=True)
             continue
         with os.fdopen(fd, "w") as f:
@@ -66,8 +73,12 @@ def hold(run_dir: Path, stale_s: float = STALE_S) -> None:
 
 def _record() -> dict:
     me = psutil.Process()
-    return {"host": socket.gethostname(), "pid": me.pid, "started": me.create_time(),
-            "since": datetime.now().astimezone().isoformat(timespec="seconds")}  # fmt: skip
+    return {
+        "host": socket.gethostname(),
+        "pid": me.pid,
+        "started": me.create_time(),
+        "since": datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
 
 
 def _read(path: Path, patience_s: float = 2.0) -> dict | None:
@@ -95,7 +106,10 @@ def _alive(holder: dict, path: Path, stale_s: float) -> bool:
     if holder.get("host") == socket.gethostname():
         try:
             proc = psutil.Process(int(holder["pid"]))
-            return abs(proc.create_time() - holder["started"]) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
+            return (
+                abs(proc.create_time() - holder["started"]) < 1.0
+                and proc.status() != psutil.STATUS_ZOMBIE
+            )
         except (psutil.Error, KeyError, ValueError, TypeError):
             return False
     # another host: is its heartbeat still beating? (mtimes compared with each other, not with this
@@ -104,8 +118,13 @@ def _alive(holder: dict, path: Path, stale_s: float) -> bool:
         beat = path.stat().st_mtime
         if time.time() - beat > 10 * stale_s:
             return False
-        log.info("%s: held by %s pid %s; watching its heartbeat for up to %.0f s", path, holder.get("host"),
-                 holder.get("pid"), stale_s)  # fmt: skip
+        log.info(
+            "%s: held by %s pid %s; watching its heartbeat for up to %.0f s",
+            path,
+            holder.get("host"),
+            holder.get("pid"),
+            stale_s,
+        )
         deadline = time.monotonic() + stale_s
         while time.monotonic() < deadline:
             time.sleep(min(1.0, stale_s / 10))

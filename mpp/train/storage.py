@@ -49,7 +49,11 @@ def manifest(tag_dir: Path) -> dict[str, dict]:
     tag_dir = Path(tag_dir)
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    names = sorted(str(p.relative_to(tag_dir)) for p in tag_dir.rglob("*") if p.is_file()) if rank == 0 else None
+    names = (
+        sorted(str(p.relative_to(tag_dir)) for p in tag_dir.rglob("*") if p.is_file())
+        if rank == 0
+        else None
+    )
     if distributed:
         box = [names]
         dist.broadcast_object_list(box, src=0)
@@ -57,7 +61,10 @@ def manifest(tag_dir: Path) -> dict[str, dict]:
     mine = {}
     for name in names[rank::world]:
         try:
-            mine[name] = {"bytes": (tag_dir / name).stat().st_size, "sha256": sha256(tag_dir / name)}
+            mine[name] = {
+                "bytes": (tag_dir / name).stat().st_size,
+                "sha256": sha256(tag_dir / name),
+            }
         except OSError as e:  # said by rank 0 with the rest; raising here would strand the gather
             mine[name] = {"error": str(e)}
     if not distributed:
@@ -95,7 +102,9 @@ def estimate_bytes(module: torch.nn.Module) -> int:
     """A checkpoint's size before the first one exists: each parameter in its own dtype, and for a
     trained one its fp32 master and Adam's two moments (12 bytes; an fp32 run's master is the
     parameter itself, so this overstates it by 4 bytes a parameter)."""
-    return sum(p.numel() * (p.element_size() + (12 if p.requires_grad else 0)) for p in module.parameters())
+    return sum(
+        p.numel() * (p.element_size() + (12 if p.requires_grad else 0)) for p in module.parameters()
+    )
 
 
 def free_bytes(path: Path) -> int:
@@ -105,15 +114,24 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def no_room(ckpt_root: Path, tag: str, size: int, previous: str | None, free: int | None = None) -> str | None:
+def no_room(
+    ckpt_root: Path, tag: str, size: int, previous: str | None, free: int | None = None
+) -> str | None:
     """The one line a save stops with when it cannot fit (``free`` given: it did not fit, measured
     when the write failed), or None."""
     filled, free = free is not None, free_bytes(ckpt_root) if free is None else free
     if free >= size and not filled:
         return None
-    kept = f"the newest complete checkpoint, {previous}, is intact" if previous else "no checkpoint is complete yet"
-    what = f"the disk filled up during checkpoint {tag}, its partial files are removed" if filled else \
-        f"no room for checkpoint {tag}"
+    kept = (
+        f"the newest complete checkpoint, {previous}, is intact"
+        if previous
+        else "no checkpoint is complete yet"
+    )
+    what = (
+        f"the disk filled up during checkpoint {tag}, its partial files are removed"
+        if filled
+        else f"no room for checkpoint {tag}"
+    )
     return f"{what}: {ckpt_root} has {_mb(free)} free, a checkpoint takes {_mb(size)} ({kept}); free space, then --resume auto"
 
 
@@ -123,8 +141,15 @@ def warn_room(ckpt_root: Path, size: int, kept_bytes: int, keep_last: int) -> No
     fit = (free_bytes(ckpt_root) + kept_bytes) // max(size, 1)
     if fit < keep_last + 1 and _warned_room.get(str(ckpt_root)) != fit:
         _warned_room[str(ckpt_root)] = fit
-        log.warning("the disk under %s has room for %d checkpoint(s) of %s, train.keep_last=%d needs %d at a save: "
-                    "free space or lower train.keep_last", ckpt_root, fit, _mb(size), keep_last, keep_last + 1)  # fmt: skip
+        log.warning(
+            "the disk under %s has room for %d checkpoint(s) of %s, train.keep_last=%d needs %d at a save: "
+            "free space or lower train.keep_last",
+            ckpt_root,
+            fit,
+            _mb(size),
+            keep_last,
+            keep_last + 1,
+        )
 
 
 def is_disk_full(error: BaseException, ckpt_root: Path, size: int) -> bool:
@@ -141,4 +166,3 @@ def remove_partial(tag_dir: Path) -> None:
 
 def _mb(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
-

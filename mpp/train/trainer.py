@@ -43,13 +43,29 @@ class Trainer:
     ``resume`` (None, "auto" or a checkpoint path). ``on_epoch_end(engine, state)`` runs on every
     rank after each epoch and at the end (fine-tuning's evaluation)."""
 
-    def __init__(self, cfg: RunConfig, objective: torch.nn.Module, plan: Plan, run_dir: Path, device: torch.device,
-                 resume: str | None = None, on_epoch_end: EpochHook | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: RunConfig,
+        objective: torch.nn.Module,
+        plan: Plan,
+        run_dir: Path,
+        device: torch.device,
+        resume: str | None = None,
+        on_epoch_end: EpochHook | None = None,
+    ) -> None:
         from tqdm import tqdm
 
-        self.cfg, self.plan, self.run_dir, self.device, self.on_epoch_end = cfg, plan, run_dir, device, on_epoch_end
+        self.cfg, self.plan, self.run_dir, self.device, self.on_epoch_end = (
+            cfg,
+            plan,
+            run_dir,
+            device,
+            on_epoch_end,
+        )
         self.rank = dist.get_rank()
-        seed_everything(cfg.train.seed + self.rank)  # ranks draw different masks; data has its own seeds
+        seed_everything(
+            cfg.train.seed + self.rank
+        )  # ranks draw different masks; data has its own seeds
         self.stop = min(plan.total_steps, cfg.train.stop_at_step or plan.total_steps)
         self.engine, self.optimizer = start_engine(cfg, objective, plan)
         self.objective = self.engine.module
@@ -57,10 +73,17 @@ class Trainer:
         self.state = self.checkpointer.resume(resume)
         self.schedule = Schedule.of(cfg, plan)
         self.lr = self.schedule.apply(self.optimizer, self.state)
-        self.metrics = MetricLog(run_dir, self.rank, self.state, cfg.train.report_to, cfg.model_dump(mode="json"))
+        self.metrics = MetricLog(
+            run_dir, self.rank, self.state, cfg.train.report_to, cfg.model_dump(mode="json")
+        )
         self.preview = build_preview(cfg, plan.img_size, self.objective, device, self.rank)
-        self.bar = tqdm(total=plan.total_steps, initial=self.state.step, disable=self.rank != 0, dynamic_ncols=True,
-                        desc=cfg.name)  # fmt: skip
+        self.bar = tqdm(
+            total=plan.total_steps,
+            initial=self.state.step,
+            disable=self.rank != 0,
+            dynamic_ncols=True,
+            desc=cfg.name,
+        )
         # SIGTERM / SIGUSR1: finish the step, checkpoint, exit (installed before the workers fork)
         self.stop_request = StopRequest()
         # one loader, its workers kept across epochs (MAE's 1600 epochs would restart them 1600 times)
@@ -83,7 +106,9 @@ class Trainer:
                         self.on_step_end(stepped, epoch_done)
                         if self.done:
                             break
-                except NonFiniteLossError as error:  # train.on_nonfinite: roll back and go on, or stop
+                except (
+                    NonFiniteLossError
+                ) as error:  # train.on_nonfinite: roll back and go on, or stop
                     self.recover(error)
         finally:  # a stopped run still leaves a closed log, no workers and a clean terminal
             self.close()
@@ -106,8 +131,10 @@ class Trainer:
     def train_step(self, batch: dict) -> bool:
         """One micro-batch: forward, backward and DeepSpeed's step, which takes an optimiser step
         at the accumulation boundary. True when an optimiser step was taken and applied."""
-        self.objective.set_progress(self.state.epoch + self.state.batch_in_epoch / self.plan.micro_per_epoch,
-                                    self.plan.total_epochs)  # fmt: skip
+        self.objective.set_progress(
+            self.state.epoch + self.state.batch_in_epoch / self.plan.micro_per_epoch,
+            self.plan.total_epochs,
+        )
         batch = to_device(batch, self.device, self.cfg.data.mean, self.cfg.data.std)
         out = micro_step(self.engine, batch, self.state, self.cfg.train.skip_nonfinite)
         if out is None:  # a non-finite loss on some rank: every rank skips it
@@ -124,11 +151,19 @@ class Trainer:
             after_optimizer_step(self.engine)
             lr_done, self.lr = self.lr, self.schedule.apply(self.optimizer, self.state)
             self.bar.update(1)
-            if self.metrics.count and (self.state.step % t.log_every == 0 or self.state.step == self.stop):
+            if self.metrics.count and (
+                self.state.step % t.log_every == 0 or self.state.step == self.stop
+            ):
                 record = self.metrics.flush(self.state, self.plan, lr_done, self.skipped)
-                self.bar.set_postfix(loss=f"{record['loss']:.4f}", ips=f"{record['imgs_per_sec']:.1f}")
-            self.preview(self.objective, self.state.step, self.metrics.reporters)  # every train.preview_every steps
-        if self.on_epoch_end is not None and (epoch_done or (stepped and self.state.step == self.stop)):
+                self.bar.set_postfix(
+                    loss=f"{record['loss']:.4f}", ips=f"{record['imgs_per_sec']:.1f}"
+                )
+            self.preview(
+                self.objective, self.state.step, self.metrics.reporters
+            )  # every train.preview_every steps
+        if self.on_epoch_end is not None and (
+            epoch_done or (stepped and self.state.step == self.stop)
+        ):
             self.metrics.write(self.state, self.plan, self.on_epoch_end(self.engine, self.state))
         if stepped:
             self.checkpointer.maybe_save(self.state, self.stop, self.stop_request)
@@ -137,12 +172,18 @@ class Trainer:
         """``train.on_nonfinite=rollback``: back to the last complete checkpoint with the data past
         the batch that failed (``Checkpointer.rollback``), metrics.jsonl rewound to that step with
         the event recorded; re-raises otherwise."""
-        advance(self.state, self.plan, self.cfg, stepped=False)  # the batch that failed is behind us
+        advance(
+            self.state, self.plan, self.cfg, stepped=False
+        )  # the batch that failed is behind us
         self.checkpointer.rollback(self.state, error)
         self.lr = self.schedule.apply(self.optimizer, self.state)
         self.metrics.rewind(self.state)
-        event = {"event": "rollback", "failed_step": self.state.rollback_steps[-1], "to_step": self.state.step,
-                 "lr_scale": self.state.lr_scale}  # fmt: skip
+        event = {
+            "event": "rollback",
+            "failed_step": self.state.rollback_steps[-1],
+            "to_step": self.state.step,
+            "lr_scale": self.state.lr_scale,
+        }
         self.metrics.write(self.state, self.plan, event)
         self.bar.n = self.state.step
         self.bar.refresh()
@@ -157,18 +198,24 @@ class Trainer:
 # ---- the pieces the trainer (and the GPU step benchmark) share ---------------------------------
 
 
-def start_engine(cfg: RunConfig, objective: torch.nn.Module, plan: Plan) -> tuple[Any, torch.optim.Optimizer]:
+def start_engine(
+    cfg: RunConfig, objective: torch.nn.Module, plan: Plan
+) -> tuple[Any, torch.optim.Optimizer]:
     """``deepspeed.initialize`` with our optimiser; compiled when ``model.compile``."""
     import deepspeed
 
     optimizer = build_optimizer(cfg, objective)
-    engine, optimizer, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, config=plan.ds_config)
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=objective, optimizer=optimizer, config=plan.ds_config
+    )
     if cfg.model.compile:  # the training forward has no graph break (tests/test_compile.py)
         engine.compile()
     return engine, optimizer
 
 
-def micro_step(engine: Any, batch: dict, state: RunState, skip_nonfinite: bool) -> tuple[Any, dict, bool] | None:
+def micro_step(
+    engine: Any, batch: dict, state: RunState, skip_nonfinite: bool
+) -> tuple[Any, dict, bool] | None:
     """One micro-batch through DeepSpeed: forward; under ``train.skip_nonfinite`` the all-ranks
     finiteness check (None: non-finite somewhere, nothing applied); backward and ``engine.step()``.
     (loss, metrics, whether this was an accumulation boundary)."""
@@ -185,7 +232,9 @@ def micro_step(engine: Any, batch: dict, state: RunState, skip_nonfinite: bool) 
 def after_optimizer_step(engine: Any) -> None:
     """The objective's hook (HPM's EMA teacher), then ZeRO-3's gathers ordered after its writes."""
     engine.module.after_optimizer_step()
-    zero.order_gathers_after_writes(engine.optimizer)  # HPM's EMA wrote ZeRO-3 shards outside DeepSpeed
+    zero.order_gathers_after_writes(
+        engine.optimizer
+    )  # HPM's EMA wrote ZeRO-3 shards outside DeepSpeed
 
 
 def train_loader(cfg: RunConfig, plan: Plan, rank: int, run_dir: Path) -> Any:
@@ -193,14 +242,23 @@ def train_loader(cfg: RunConfig, plan: Plan, rank: int, run_dir: Path) -> Any:
     if rank == 0 and plan.census is not None:  # shard counts no shard folder could keep
         plan.census.write_run_cache(run_dir)
     key_log = run_dir / "keys" / f"rank{rank}.jsonl" if cfg.data.log_keys else None
-    return make_train_loader(plan.train_shards, plan.stream, rank=rank, num_workers=cfg.data.num_workers,
-                             persistent=True, key_log=key_log)  # fmt: skip
+    return make_train_loader(
+        plan.train_shards,
+        plan.stream,
+        rank=rank,
+        num_workers=cfg.data.num_workers,
+        persistent=True,
+        key_log=key_log,
+    )
 
 
 def to_device(batch: dict, device: torch.device, mean, std) -> dict:
     """The loader's uint8 images normalised on the device, in fp32 whatever the precision (the
     model casts them at its patch embedding; targets come from the exact pixels); tensors moved."""
-    out = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    out = {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        for k, v in batch.items()
+    }
     out["image"] = normalize(out["image"], mean, std)
     return out
 
