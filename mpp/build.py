@@ -12,7 +12,7 @@ from typing import Any
 
 from mpp.config import Config, ConfigError, ModelConfig
 from mpp.hub.pretrained import init_objective, load_into, read_model_kwargs
-from mpp.masking import build_mask_generator
+from mpp.masking import CONFIG_STRATEGIES, build_mask_generator
 from mpp.models.vit import VisionTransformer, create_vit
 from mpp.objectives import OBJECTIVES, Objective
 from mpp.objectives import build_objective as build_objective_by_name
@@ -81,6 +81,12 @@ def build_objective(cfg: Config) -> Objective:
         extra: dict[str, Any] = {}
         init_params = inspect.signature(cls.__init__).parameters
         if "mask_generator" in init_params:
+            if cfg.masking.strategy == "hpm":  # the library's generator, not a config's choice
+                raise ConfigError(
+                    'masking.strategy: "hpm" masks the patches a teacher predicts to be hard, which '
+                    f'only HPM has: set objective.name="hpm" (objective.base="{name}") instead; '
+                    f"strategies: {', '.join(CONFIG_STRATEGIES)}"
+                )
             ratio = kwargs.get("mask_ratio", init_params["mask_ratio"].default)
             if not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
                 raise ConfigError(f"objective.mask_ratio must be in [0, 1], got {ratio!r}")

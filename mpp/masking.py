@@ -419,6 +419,9 @@ MASK_GENERATORS: dict[str, type[MaskGenerator]] = {
     "units": UnitMask,
     "hpm": HardPatchMask,
 }
+# what a config's masking.strategy may name: "hpm" needs a teacher's scores every step, which
+# only the HPM objective gives (objective.name="hpm"; mpp.build refuses it at build)
+CONFIG_STRATEGIES = tuple(sorted(set(MASK_GENERATORS) - {"hpm"}))
 
 
 def build_mask_generator(

@@ -490,3 +490,26 @@ def test_picture_loads_weights(tmp_path):
             encoder.blocks[0].attn.qkv.weight, trained.encoder.blocks[0].attn.qkv.weight
         )
     assert not torch.equal(fresh.predictor.pred.weight, trained.predictor.pred.weight)
+
+
+@pytest.mark.parametrize("base", ["mae", "mpp"])
+def test_every_hpm_base_keeps_the_per_patch_contract(base):
+    """What HPM reads from its base is declared (mpp.objectives.base.PerPatchObjective): the
+    keys of forward_per_patch, their shapes, token_dim and predictor_tokens' width."""
+    from typing import get_type_hints
+
+    from mpp.objectives.base import PerPatch, PerPatchObjective
+    from mpp.objectives.hpm import HPM_BASES
+
+    assert issubclass(HPM_BASES[base], PerPatchObjective)
+    student = tiny_hpm(base).base
+    images = digits(4)
+    B, N = images.shape[0], student.mask_generator.num_patches
+    out = student.forward_per_patch(images)
+    assert set(get_type_hints(PerPatch)) <= set(out)
+    n = student.mask_generator.num_masked
+    assert out["loss"].shape == out["idx"].shape == (B, n) and out["mask"].shape == (B, N)
+    assert (
+        out["tokens"].shape[-1] == student.token_dim == student.predictor_tokens(images).shape[-1]
+    )
+    assert (out["mask"].gather(1, out["idx"])).all()  # the losses are the masked patches'

@@ -400,3 +400,18 @@ def test_float_ratios_meet_registry_defaults():
     for name in ("random", "block", "grid", "center", "hpm"):
         assert build_mask_generator(name, (14, 14), 0.75).num_masked == 147
     assert math.isclose(UnitMask((14, 14), 0.75, unit_size=7).num_masked / 196, 0.75)
+
+
+@pytest.mark.parametrize("objective", ["mae", "mpp"])
+def test_a_config_cannot_choose_hpms_own_mask(objective):
+    """masking.strategy="hpm" needs a teacher's scores at every step: a config asking for it
+    under MAE or MPP is refused at build, naming the key and what to set instead, not at the
+    first step."""
+    from mpp.build import build_objective
+    from mpp.config import ConfigError, load_config
+
+    cfg = load_config(f"{objective}_demo", ['masking.strategy="hpm"'])
+    with pytest.raises(
+        ConfigError, match=r'masking.strategy: "hpm" masks .* set objective.name="hpm"'
+    ):
+        build_objective(cfg)

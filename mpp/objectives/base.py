@@ -3,6 +3,8 @@ knows nothing objective-specific)."""
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from torch import Tensor, nn
 
 
@@ -47,3 +49,37 @@ class Objective(nn.Module):
 
     def load_rank_state(self, state: dict[str, Tensor]) -> None:
         """Restore what ``rank_state`` returned; called after the engine loaded the checkpoint."""
+
+
+class PerPatch(TypedDict):
+    """What ``forward_per_patch`` returns: the step up to per-patch losses (an objective may add
+    its own keys: MPP's ``correct`` and ``kind``)."""
+
+    loss: Tensor  # (B, n): the loss of each masked (MPP: corrupted) patch, not reduced
+    idx: Tensor  # (B, n): those patches' indices in the (B, N) grid
+    mask: Tensor  # (B, N) bool: the mask the step used
+    tokens: Tensor  # (B, 1 + N, token_dim): what HPM's loss predictor reads
+    pred: Tensor  # (B, n or N, out): the objective's predictions
+
+
+class PerPatchObjective(Objective):
+    """An objective with a per-patch loss, which HPM can wrap (``mpp.objectives.hpm``): MAE's
+    reconstruction MSE, MPP's cross-entropy. Its constructor takes ``mask_generator`` (HPM sets
+    the masks through it) and it holds:
+
+    - ``token_dim``: the width of ``tokens`` (MAE: the decoder's input; MPP: the encoder's);
+    - ``mask_generator``: the one it masks with, ``num_masked`` patches per image;
+    - ``predictor_tokens(images)``: ``tokens`` of the fully visible image (the teacher scores them);
+    - ``forward_per_patch(images, mask=None) -> PerPatch``: the step up to per-patch losses,
+      with ``mask`` (B, N) given by HPM or drawn by ``mask_generator`` when None.
+    """
+
+    token_dim: int
+
+    def predictor_tokens(self, images: Tensor) -> Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def forward_per_patch(
+        self, images: Tensor, mask: Tensor | None = None
+    ) -> PerPatch:  # pragma: no cover
+        raise NotImplementedError

@@ -21,13 +21,17 @@ from torch import Tensor, nn
 from mpp.masking import SCHEDULES, hard_patch_mask, hard_ratio_at
 from mpp.models.decoder import Decoder
 from mpp.models.vit import VisionTransformer
-from mpp.objectives.base import Objective
+from mpp.objectives.base import Objective, PerPatchObjective
 from mpp.objectives.mae import MaskedAutoencoder
 from mpp.objectives.mpp import MaskedPatchPrediction
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD, gather_tokens
 from mpp.parallel.ema import EMA, full_state
 
-HPM_BASES: dict[str, type[Objective]] = {"mae": MaskedAutoencoder, "mpp": MaskedPatchPrediction}
+# what HPM can wrap: objectives with a per-patch loss (mpp.objectives.base.PerPatchObjective)
+HPM_BASES: dict[str, type[PerPatchObjective]] = {
+    "mae": MaskedAutoencoder,
+    "mpp": MaskedPatchPrediction,
+}
 PRED_LOSSES = ("ranking", "mse")
 
 # ---- schedules ------------------------------------------------------------------------------
@@ -81,7 +85,9 @@ def rank_correlation(a: Tensor, b: Tensor) -> Tensor:
 # ---- the objective ------------------------------------------------------------------------------
 
 
-def build_base(base: str, encoder: VisionTransformer, shared: dict, base_kwargs: dict) -> Objective:
+def build_base(
+    base: str, encoder: VisionTransformer, shared: dict, base_kwargs: dict
+) -> PerPatchObjective:
     """The wrapped objective. HPM's ``shared`` arguments go to it where its constructor takes
     them (MAE's decoder size, MPP's mean/std); ``base_kwargs`` must all be its own."""
     if base not in HPM_BASES:

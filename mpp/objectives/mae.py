@@ -13,7 +13,7 @@ from torch import Tensor
 from mpp.masking import MaskGenerator, RandomMask, mask_indices
 from mpp.models.decoder import Decoder, DecoderEmbed
 from mpp.models.vit import VisionTransformer
-from mpp.objectives.base import Objective
+from mpp.objectives.base import PerPatch, PerPatchObjective
 from mpp.ops import gather_tokens, patchify
 
 
@@ -26,7 +26,7 @@ def normalize_patches(patches: Tensor, eps: float = 1e-6) -> Tensor:
     return (patches - mean) / (var + eps) ** 0.5
 
 
-class MaskedAutoencoder(Objective):
+class MaskedAutoencoder(PerPatchObjective):
     """``forward(images) -> (loss, metrics)`` on normalised images (B, C, H, W).
 
     Targets are computed on the normalised images the objective receives, as MAE does."""
@@ -111,7 +111,7 @@ class MaskedAutoencoder(Objective):
         """Decoder input of the fully visible image (B, 1 + N, Dd): what HPM's teacher scores."""
         return self.decoder_embed(self.forward_encoder(images, None))
 
-    def forward_per_patch(self, images: Tensor, mask: Tensor | None = None) -> dict[str, Tensor]:
+    def forward_per_patch(self, images: Tensor, mask: Tensor | None = None) -> PerPatch:
         """The whole step up to per-patch losses. Returns loss (B, N_mask) at the masked
         indices idx (B, N_mask), the mask (B, N), the decoder input tokens (B, 1 + N, Dd)
         and the pixel predictions pred (B, N, P*P*C)."""

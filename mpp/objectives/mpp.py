@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from mpp.masking import MaskGenerator, RandomMask, mask_indices
 from mpp.models.vit import VisionTransformer
-from mpp.objectives.base import Objective
+from mpp.objectives.base import PerPatch, PerPatchObjective
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD, gather_tokens, patchify, unnormalize
 
 MPP_TARGETS = ("mean_color", "downsampled", "pixel")
@@ -39,7 +39,12 @@ def mean_color_targets(raw: Tensor, patch_size: int, bits: int = 3, cells: int =
     return classes[..., 0] if cells == 1 else classes
 
 
-class MaskedPatchPrediction(Objective):
+class MPPPerPatch(PerPatch):
+    correct: Tensor  # (B, n): whether each prediction was right
+    kind: Tensor  # (B, N): what each patch became (mask token, random patch, kept)
+
+
+class MaskedPatchPrediction(PerPatchObjective):
     """``forward(images) -> (loss, metrics)`` on normalised images (B, 3, H, W)."""
 
     def __init__(
@@ -160,7 +165,7 @@ class MaskedPatchPrediction(Objective):
         """Encoder tokens (B, 1 + N, D) of the clean image: what HPM's teacher scores."""
         return self.encoder.forward_features(images)
 
-    def forward_per_patch(self, images: Tensor, mask: Tensor | None = None) -> dict[str, Tensor]:
+    def forward_per_patch(self, images: Tensor, mask: Tensor | None = None) -> MPPPerPatch:
         """The whole step up to per-patch losses; HPM ranks these. Returns the corrupted
         indices (B, n), their losses and accuracies (B, n), the kinds, the mask, the encoder
         tokens (B, 1 + N, D) and the head's outputs pred (B, n, out)."""
