@@ -1,21 +1,19 @@
 """Config -> modules: the encoder, the mask generator and the objective, in one place.
 
-The ``objective`` and ``masking`` sections are constructor arguments; the registries
-(``mpp.objectives.build_objective``, ``mpp.masking.build_mask_generator``) check them against
-the constructors' signatures, so an unknown key is named before any run starts.
+The ``objective`` section is typed (``mpp.objectives.configs``: pydantic names a bad key when
+the config loads) and builds its objective; ``masking`` holds the mask strategy's constructor
+arguments, checked against its signature (``mpp.masking.build_mask_generator``).
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
-from mpp.config import Config, ConfigError, ModelConfig
+from mpp.config import Config, ConfigError, HPMConfig, ModelConfig
 from mpp.hub.pretrained import init_objective, load_into, read_model_kwargs
-from mpp.masking import CONFIG_STRATEGIES, build_mask_generator
+from mpp.masking import CONFIG_STRATEGIES, MaskGenerator, build_mask_generator
 from mpp.models.vit import VisionTransformer, create_vit
-from mpp.objectives import OBJECTIVES, Objective
-from mpp.objectives import build_objective as build_objective_by_name
+from mpp.objectives import Objective
 from mpp.train.storage import CheckpointError
 
 
@@ -68,48 +66,18 @@ def adopt_stated_architecture(model: ModelConfig, weights: str) -> None:
 
 
 def build_objective(cfg: Config) -> Objective:
-    """The objective module the engine trains, from a validated config."""
+    """The objective module the trainer trains, from a validated config: its typed section's
+    ``build`` with the encoder, the mask generator (``masking``) and the data's pixel stats."""
     source = getattr(cfg, "_source", "<config>")
-    name, kwargs = cfg.objective.name, cfg.objective.kwargs()
-    if name not in OBJECTIVES:
-        raise ConfigError(
-            f"{source}: objective.name: unknown objective {name!r} (allowed: {sorted(OBJECTIVES)})"
-        )
-    cls = OBJECTIVES[name]
+    objective_cfg = cfg.objective
     encoder = build_encoder(cfg)
     try:
-        extra: dict[str, Any] = {}
-        init_params = inspect.signature(cls.__init__).parameters
-        if "mask_generator" in init_params:
-            if cfg.masking.strategy == "hpm":  # the library's generator, not a config's choice
-                raise ConfigError(
-                    'masking.strategy: "hpm" masks the patches a teacher predicts to be hard, which '
-                    f'only HPM has: set objective.name="hpm" (objective.base="{name}") instead; '
-                    f"strategies: {', '.join(CONFIG_STRATEGIES)}"
-                )
-            ratio = kwargs.get("mask_ratio", init_params["mask_ratio"].default)
-            if not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
-                raise ConfigError(f"objective.mask_ratio must be in [0, 1], got {ratio!r}")
-            try:
-                extra["mask_generator"] = build_mask_generator(
-                    cfg.masking.strategy, encoder.grid_size, ratio, **cfg.masking.kwargs()
-                )
-            except ValueError as e:
-                raise ConfigError(f"masking: {e}") from None
-        elif cfg.masking.strategy != "random" or cfg.masking.kwargs():
-            raise ConfigError(
-                f"masking.strategy: objective {name!r} chooses its own masks (its teacher); remove the masking section"
-            )
-        if "mean" in init_params:
-            extra.update(mean=cfg.data.mean, std=cfg.data.std)
-        if clash := sorted(set(kwargs) & set(extra)):
-            raise ConfigError(
-                f"objective.{clash[0]}: set by the builder (masking / data sections), not here"
-            )
-        objective = build_objective_by_name(name, encoder, **extra, **kwargs)
+        objective = objective_cfg.build(
+            encoder, mask_generator(cfg, encoder), (cfg.data.mean, cfg.data.std)
+        )
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError) as e:  # a combination only the constructor checks
         raise ConfigError(f"{source}: objective: {e}") from None
     if cfg.model.init:
         try:
@@ -120,6 +88,32 @@ def build_objective(cfg: Config) -> Objective:
         objective, cfg.model.grad_checkpointing
     )  # the decoders too (HPM's teacher runs no-grad)
     return objective
+
+
+def mask_generator(cfg: Config, encoder: VisionTransformer) -> MaskGenerator | None:
+    """``masking``'s generator at the objective's ratio; None for HPM, whose teacher masks."""
+    name = cfg.objective.name
+    if isinstance(cfg.objective, HPMConfig):
+        if cfg.masking.strategy != "random" or cfg.masking.kwargs():
+            raise ConfigError(
+                f"masking.strategy: objective {name!r} chooses its own masks (its teacher); remove the masking section"
+            )
+        return None
+    if cfg.masking.strategy == "hpm":  # the library's generator, not a config's choice
+        raise ConfigError(
+            'masking.strategy: "hpm" masks the patches a teacher predicts to be hard, which '
+            f'only HPM has: set objective.name="hpm" (objective.base="{name}") instead; '
+            f"strategies: {', '.join(CONFIG_STRATEGIES)}"
+        )
+    try:
+        return build_mask_generator(
+            cfg.masking.strategy,
+            encoder.grid_size,
+            cfg.objective.mask_ratio,
+            **cfg.masking.kwargs(),
+        )
+    except ValueError as e:
+        raise ConfigError(f"masking: {e}") from None
 
 
 def set_grad_checkpointing(module: Any, enable: bool) -> None:

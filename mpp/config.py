@@ -1,10 +1,10 @@
 """The run configuration: JSON in, validated into typed sections, ``--set`` overrides,
 resolved copy saved in the run directory. Every default lives here, nowhere else.
 
-Sections: model, objective, masking, data, optim, train, deepspeed. ``objective`` and
-``masking`` hold the constructor arguments of the chosen objective / mask strategy and are
-checked against those constructors' signatures (their defaults stay in one place: the
-constructor). ``deepspeed`` holds DeepSpeed's own keys, passed to ``deepspeed.initialize``;
+Sections: model, objective, masking, data, optim, train, deepspeed. ``objective`` is typed
+per objective (``mpp.objectives.configs``: MPP, MAE, HPM with its base, keyed on ``name``);
+``masking`` holds the chosen mask strategy's constructor arguments (checked against its
+signature in ``mpp.masking``). ``deepspeed`` holds DeepSpeed's own keys, passed to ``deepspeed.initialize``;
 the batch, precision and clipping keys are derived from ``train``/``optim`` (one source).
 """
 
@@ -15,8 +15,17 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from mpp.objectives.configs import OBJECTIVE_CONFIGS, HPMConfig, MPPConfig, ObjectiveConfig  # noqa: F401
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
 from mpp.parallel.ds_config import derive
 
@@ -73,16 +82,6 @@ class ModelConfig(_Section):
         return self.model_dump(
             exclude={"name", "init", "grad_checkpointing", "compile"}, exclude_none=True
         )
-
-
-class ObjectiveConfig(BaseModel):
-    """``name`` plus the objective's own constructor arguments (checked in mpp.build)."""
-
-    model_config = ConfigDict(extra="allow")
-    name: Literal["mpp", "mae", "hpm"] = "mpp"
-
-    def kwargs(self) -> dict[str, Any]:
-        return dict(self.model_extra or {})
 
 
 class MaskingConfig(BaseModel):
@@ -305,8 +304,14 @@ class RunConfig(_Section):
 class Config(RunConfig):
     """Pretraining: the objective and its masking."""
 
-    objective: ObjectiveConfig = ObjectiveConfig()
+    objective: ObjectiveConfig = MPPConfig()
     masking: MaskingConfig = MaskingConfig()
+
+    @field_validator("objective", mode="before")
+    @classmethod
+    def _mpp_unless_named(cls, raw: Any) -> Any:
+        """An objective section without ``name`` is MPP's (the default objective)."""
+        return {"name": "mpp", **raw} if isinstance(raw, dict) and "name" not in raw else raw
 
 
 class FinetuneSection(_Section):
@@ -421,10 +426,24 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 def _format_error(err: ValidationError, source: str) -> str:
     e = err.errors()[0]
-    loc = ".".join(str(x) for x in e["loc"] if not str(x).startswith("function-after"))
+    parts = [str(x) for x in e["loc"] if not str(x).startswith("function-after")]
+    # a typed union's tag (objective.mae.mask_ratio, objective.hpm.base.mpp.bits): not a key
+    parts = [
+        x
+        for i, x in enumerate(parts)
+        if not (i and parts[i - 1] in ("objective", "base") and x in OBJECTIVE_CONFIGS)
+    ]
+    loc = ".".join(parts)
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
         msg = "unknown key"
+    elif e["type"] == "union_tag_invalid":  # objective.name (or HPM's base.name) not a known one
+        tags = [t.strip() for t in e["ctx"]["expected_tags"].split(",")]
+        loc, msg = (
+            f"{loc}.name",
+            f"Input should be {', '.join(tags[:-1])} or {tags[-1]} (got {e['ctx']['tag']!r})",
+        )
+        return f"{source}: {loc}: {msg}"
     elif "input" in e and e["type"] not in ("missing", "value_error"):
         msg += f" (got {e['input']!r})"
     return f"{source}: {loc}: {msg}" if loc else f"{source}: {msg}"

@@ -18,7 +18,7 @@ from mpp.benchmarks.data import step_rates, workers_needed
 from mpp.benchmarks.flops import step_flops, transformer_flops
 from mpp.benchmarks.zero import model_state_mib
 from mpp.models import attention, create_vit
-from mpp.objectives import build_objective
+from mpp.objectives import create_objective
 
 MACHINE_KEYS = (
     "date_utc",
@@ -72,14 +72,14 @@ def _tiny(name: str) -> torch.nn.Module:
     if name == "plain":
         return create_vit("vit_tiny_patch4_16", num_classes=10, **vit)
     if name == "mpp":
-        return build_objective("mpp", create_vit("vit_tiny_patch4_16", **vit))
+        return create_objective("mpp", create_vit("vit_tiny_patch4_16", **vit))
     base = "mpp" if name == "hpm-mpp" else "mae"
     encoder = create_vit(
         "vit_tiny_patch4_16", pos_embed="sincos" if base == "mae" else "learned", **vit
     )
     if name == "mae":
-        return build_objective("mae", encoder, **small)
-    return build_objective("hpm", encoder, base=base, **small)
+        return create_objective("mae", encoder, **small)
+    return create_objective("hpm", encoder, base=base, **small)
 
 
 @pytest.mark.parametrize("name", ["plain", "mpp", "mae", "hpm", "hpm-mpp"])

@@ -220,7 +220,7 @@ def test_bf16_objectives_take_their_targets_from_the_exact_pixels(name):
     patch embedding, so MPP's colour classes and MAE's norm-pix targets equal fp32's bitwise."""
     import copy
 
-    from mpp.objectives import build_objective as build_by_name
+    from mpp.objectives import create_objective as build_by_name
     from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
     from mpp.train.trainer import to_device
 

@@ -12,7 +12,7 @@ from scipy.stats import spearmanr
 
 from mpp.masking import hard_patch_mask, hard_ratio_at, topk_mask
 from mpp.models.vit import create_vit
-from mpp.objectives import build_objective
+from mpp.objectives import create_objective
 from mpp.objectives.hpm import (
     HardPatchesMining,
     momentum_at,
@@ -407,8 +407,8 @@ def test_bad_arguments():
         (dict(base="mpp", norm_pix_loss=True), r"\['norm_pix_loss'\].*'mpp'"),
     ]:
         with pytest.raises(ValueError, match=match):
-            build_objective("hpm", enc, **SMALL, **kwargs)
-    hpm = build_objective("hpm", enc, base="mpp", mask_ratio=0.4, **SMALL)
+            create_objective("hpm", enc, **SMALL, **kwargs)
+    hpm = create_objective("hpm", enc, base="mpp", mask_ratio=0.4, **SMALL)
     assert hpm.num_masked == round(0.4 * 64) and hpm.no_weight_decay() >= {"base.mask_token"}
     with pytest.raises(ValueError, match="total_epochs"):
         hpm.set_progress(0, 0)

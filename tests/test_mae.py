@@ -8,7 +8,7 @@ import torch
 from mpp.masking import mask_indices
 from mpp.models.decoder import Decoder, DecoderEmbed
 from mpp.models.vit import create_vit
-from mpp.objectives import OBJECTIVES, build_objective
+from mpp.objectives import OBJECTIVES, create_objective
 from mpp.objectives.mae import MaskedAutoencoder, normalize_patches
 
 SMALL = dict(decoder_dim=32, decoder_depth=1, decoder_heads=4)
@@ -132,13 +132,13 @@ def test_mae_learns_and_gradients_reach_everything_trainable():
 def test_registry_and_bad_arguments():
     assert set(OBJECTIVES) == {"mpp", "mae", "hpm"}
     enc = create_vit("vit_tiny_patch4_32", depth=1)
-    assert isinstance(build_objective("mae", enc, **SMALL), MaskedAutoencoder)
+    assert isinstance(create_objective("mae", enc, **SMALL), MaskedAutoencoder)
     with pytest.raises(ValueError, match=r"'beit'.*\['hpm', 'mae', 'mpp'\]"):
-        build_objective("beit", enc)
+        create_objective("beit", enc)
     with pytest.raises(ValueError, match=r"\['decoder_width'\].*decoder_dim"):
-        build_objective("mae", enc, decoder_width=64)
+        create_objective("mae", enc, decoder_width=64)
     with pytest.raises(ValueError, match="mask_ratio.*1.5"):
-        build_objective("mae", enc, mask_ratio=1.5)
+        create_objective("mae", enc, mask_ratio=1.5)
     with pytest.raises(ValueError, match="decoder_dim 30"):
-        build_objective("mae", enc, decoder_dim=30, decoder_heads=3)
-    assert "decoder_embed.mask_token" in build_objective("mae", enc, **SMALL).no_weight_decay()
+        create_objective("mae", enc, decoder_dim=30, decoder_heads=3)
+    assert "decoder_embed.mask_token" in create_objective("mae", enc, **SMALL).no_weight_decay()

@@ -127,10 +127,13 @@ BAD = [
         {"data": {"train_shards": "/nonexistent/train-{000000..000003}.tar"}},
         "data.train_shards: 4 shard(s) not found",
     ),
-    ({"objective": {"mask_ratio": 1.5}}, "objective.mask_ratio must be in [0, 1], got 1.5"),
+    (
+        {"objective": {"mask_ratio": 1.5}},
+        "objective.mask_ratio: Input should be less than or equal to 1 (got 1.5)",
+    ),
     (
         {"objective": {"colour": "red"}},
-        "objective: unknown argument(s) ['colour'] for objective 'mpp'",
+        "objective.colour: unknown key",
     ),
     ({"model": {"img_size": 18}}, "not divisible by patch_size 4"),
     ({"masking": {"strategy": "spiral"}}, "masking: unknown masking strategy 'spiral'"),

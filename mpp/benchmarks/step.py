@@ -28,7 +28,7 @@ from mpp.benchmarks.common import (
 from mpp.benchmarks.flops import step_flops
 from mpp.masking import hard_patch_mask, mask_indices
 from mpp.models import create_vit
-from mpp.objectives import build_objective
+from mpp.objectives import create_objective
 from mpp.objectives.hpm import ranking_loss
 from mpp.train.optim import PAPER_OPTIMIZER, adam, param_groups
 
@@ -67,10 +67,10 @@ def build_contender(name: str, setting: dict, attn_backend: str = "auto") -> nn.
     if name == "plain":
         return create_vit(setting["model"], num_classes=NUM_CLASSES, **vit)
     if name == "mpp":
-        return build_objective("mpp", create_vit(setting["model"], **vit))
+        return create_objective("mpp", create_vit(setting["model"], **vit))
     # MAE/HPM use fixed sin-cos positions (MAE's recipe); the decoders share the backend
     encoder = create_vit(setting["model"], pos_embed="sincos", **vit)
-    return build_objective(name, encoder, attn_backend=attn_backend, **setting["decoder"])
+    return create_objective(name, encoder, attn_backend=attn_backend, **setting["decoder"])
 
 
 def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:

@@ -15,9 +15,10 @@ OBJECTIVES: dict[str, type[Objective]] = {
 }
 
 
-def build_objective(name: str, encoder: VisionTransformer, **kwargs) -> Objective:
-    """The objective registered as ``name`` around ``encoder``; unknown names or arguments
-    raise ValueError naming what is allowed."""
+def create_objective(name: str, encoder: VisionTransformer, **kwargs) -> Objective:
+    """The objective registered as ``name`` around ``encoder`` (timm's ``create_model`` for
+    objectives; a config builds through ``mpp.build.build_objective``); unknown names or
+    arguments raise ValueError naming what is allowed."""
     if name not in OBJECTIVES:
         raise ValueError(f"unknown objective {name!r}; allowed: {sorted(OBJECTIVES)}")
     cls = OBJECTIVES[name]
@@ -42,5 +43,5 @@ __all__ = [
     "MaskedAutoencoder",
     "MaskedPatchPrediction",
     "Objective",
-    "build_objective",
+    "create_objective",
 ]

@@ -1,0 +1,104 @@
+"""The typed objective section (mpp/objectives/configs.py): one model per objective keyed on
+``name``, defaults equal to the constructors', HPM's base nested (its flat form read too), errors
+naming the key and the file, and a saved config that loads back to the same objective."""
+
+import inspect
+import json
+
+import pytest
+from conftest import write_config
+
+from mpp.build import build_objective
+from mpp.config import ConfigError, load_config, save_config
+from mpp.objectives import OBJECTIVES
+from mpp.objectives.configs import OBJECTIVE_CONFIGS, HPMConfig, MAEBase, MAEConfig, MPPConfig
+from mpp.objectives.hpm import HPM_BASES
+
+
+@pytest.mark.parametrize("name", ["mpp", "mae", "hpm"])
+def test_each_sections_defaults_are_its_constructors(name):
+    """Two places hold the defaults (the typed section for configs, the constructor for the
+    library): they must not drift."""
+    params = inspect.signature(OBJECTIVES[name]).parameters
+    section = OBJECTIVE_CONFIGS[name]()
+    for key, value in section.kwargs().items():
+        if key == "base":
+            continue
+        default = (
+            params[key].default
+            if key in params
+            else inspect.signature(HPM_BASES["mae"]).parameters[key].default
+        )
+        assert value == default, (name, key)
+
+
+def test_hpm_flat_and_nested_forms_are_one_config():
+    flat = HPMConfig.model_validate(
+        {"name": "hpm", "base": "mpp", "mask_ratio": 0.4, "bits": 2, "hard_ratio": 0.3}
+    )
+    nested = HPMConfig.model_validate(
+        {"name": "hpm", "base": {"name": "mpp", "mask_ratio": 0.4, "bits": 2}, "hard_ratio": 0.3}
+    )
+    assert flat == nested and isinstance(flat.base, MPPConfig) and flat.base.bits == 2
+    assert flat.kwargs()["base"] == "mpp" and flat.kwargs()["mask_ratio"] == 0.4
+    assert isinstance(HPMConfig().base, MAEBase) and not isinstance(HPMConfig().base, MAEConfig)
+    # a key set on a saved (nested) config goes to the base too: --set objective.mask_ratio=0.6
+    again = HPMConfig.model_validate({**nested.model_dump(), "mask_ratio": 0.6})
+    assert again.base.mask_ratio == 0.6
+
+
+@pytest.mark.parametrize(
+    "objective,message",
+    [
+        ({"name": "mae", "decoder_width": 64}, "objective.decoder_width: unknown key"),
+        ({"name": "mae", "mask_ratio": 1.0}, "objective.mask_ratio: Input should be less than 1"),
+        (
+            {"name": "mpp", "target": "rgb"},
+            "objective.target: Input should be 'mean_color', 'downsampled' or 'pixel'",
+        ),
+        (
+            {"name": "hpm", "base": "simmim"},
+            "objective.base.name: Input should be 'mae' or 'mpp' (got 'simmim')",
+        ),
+        (
+            {"name": "hpm", "base": "mpp", "bits": 0},
+            "objective.base.bits: Input should be greater than or equal to 1",
+        ),
+        (
+            {"name": "hpm", "base": "mpp", "norm_pix_loss": True},
+            "objective.base.norm_pix_loss: unknown key",
+        ),
+        (
+            {"name": "hpm", "schedule": "linear"},
+            "objective.schedule: Input should be 'easy_to_hard'",
+        ),
+        ({"name": "beit"}, "objective.name: Input should be 'mpp', 'mae' or 'hpm' (got 'beit')"),
+    ],
+)
+def test_a_bad_objective_key_is_named_with_the_file(tmp_path, digits16, objective, message):
+    from conftest import tiny_config
+
+    path = write_config(tmp_path / "c.json", {**tiny_config(digits16), "objective": objective})
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value).startswith(f"{path}: {message}"), str(e.value)
+
+
+@pytest.mark.parametrize("name", ["mpp_demo", "mae_demo", "hpm_demo"])
+def test_a_saved_config_builds_the_same_objective(tmp_path, name):
+    """config.json of a run (HPM's base nested) loads back to the same section and objective."""
+    import torch
+
+    cfg = load_config(name)
+    save_config(cfg, tmp_path / "config.json")
+    again = load_config(tmp_path / "config.json")
+    assert again.objective == cfg.objective
+    if name == "hpm_demo":
+        assert (
+            json.loads((tmp_path / "config.json").read_text())["objective"]["base"]["name"] == "mae"
+        )
+    torch.manual_seed(0)
+    a = build_objective(cfg).state_dict()
+    torch.manual_seed(0)
+    b = build_objective(again).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
