@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpp.config import Config, ConfigError, HPMConfig, ModelConfig
+from mpp.config import Config, ConfigError, ModelConfig
 from mpp.hub.pretrained import init_objective, load_into, read_model_kwargs
 from mpp.masking import CONFIG_STRATEGIES, MaskGenerator, build_mask_generator
 from mpp.models.vit import VisionTransformer, create_vit
 from mpp.objectives import Objective
+from mpp.objectives.configs import HPMConfig
 from mpp.train.storage import CheckpointError
 
 

@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from mpp.objectives.configs import OBJECTIVE_CONFIGS, HPMConfig, MPPConfig, ObjectiveConfig  # noqa: F401
+from mpp.objectives.configs import OBJECTIVE_CONFIGS, MPPConfig, ObjectiveConfig
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
 from mpp.parallel.ds_config import derive
 

@@ -200,18 +200,17 @@ class EvaluateJob:
             else default_launcher_args()
         )
         try:
-            rows = ablation.evaluate(
-                self.spec, self.item, self.model_overrides, launcher_args, "[job]"
-            )
+            try:
+                rows = ablation.evaluate(
+                    self.spec, self.item, self.model_overrides, launcher_args, "[job]"
+                )
+            finally:  # submitit's handlers back before its requeue
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
         except AblationStopped:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
             if ablation._stop_signal[:1] == [usr_sig] and callable(requeue):
                 requeue(usr_sig, None)  # checkpoint() below, the requeue, and exit
             raise
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
         failed = [f"{r['eval']} (log: {r['path']})" for r in rows if r["status"] != "ok"]
         if failed:
             raise RuntimeError(f"{self.item.label}: failed: {', '.join(failed)}")
