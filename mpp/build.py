@@ -1,8 +1,8 @@
 """Config -> modules: the encoder, the mask generator and the objective, in one place.
 
 The ``objective`` section is typed (``mpp.objectives.configs``: pydantic names a bad key when
-the config loads) and builds its objective; ``masking`` holds the mask strategy's constructor
-arguments, checked against its signature (``mpp.masking.build_mask_generator``).
+the config loads) and builds its objective, and so is ``masking`` (``mpp.masking``), which
+builds the mask generator.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 from mpp.config import Config, ConfigError, ModelConfig
 from mpp.hub.pretrained import init_objective, load_into, read_model_kwargs
-from mpp.masking import CONFIG_STRATEGIES, MaskGenerator, build_mask_generator
+from mpp.masking import MaskGenerator
 from mpp.models.vit import VisionTransformer, create_vit
 from mpp.objectives import Objective
 from mpp.objectives.configs import HPMConfig
@@ -92,28 +92,13 @@ def build_objective(cfg: Config) -> Objective:
 
 
 def mask_generator(cfg: Config, encoder: VisionTransformer) -> MaskGenerator | None:
-    """``masking``'s generator at the objective's ratio; None for HPM, whose teacher masks."""
-    name = cfg.objective.name
+    """``masking``'s generator at the objective's ratio; None for HPM, whose teacher masks
+    (mpp.config refuses a masking section beside it)."""
     if isinstance(cfg.objective, HPMConfig):
-        if cfg.masking.strategy != "random" or cfg.masking.kwargs():
-            raise ConfigError(
-                f"masking.strategy: objective {name!r} chooses its own masks (its teacher); remove the masking section"
-            )
         return None
-    if cfg.masking.strategy == "hpm":  # the library's generator, not a config's choice
-        raise ConfigError(
-            'masking.strategy: "hpm" masks the patches a teacher predicts to be hard, which '
-            f'only HPM has: set objective.name="hpm" (objective.base="{name}") instead; '
-            f"strategies: {', '.join(CONFIG_STRATEGIES)}"
-        )
     try:
-        return build_mask_generator(
-            cfg.masking.strategy,
-            encoder.grid_size,
-            cfg.objective.mask_ratio,
-            **cfg.masking.kwargs(),
-        )
-    except ValueError as e:
+        return cfg.masking.build(encoder.grid_size, cfg.objective.mask_ratio)
+    except ValueError as e:  # what only the generator checks: grid's 0.75, units that divide
         raise ConfigError(f"masking: {e}") from None
 
 

@@ -3,8 +3,7 @@ resolved copy saved in the run directory. Every default lives here, nowhere else
 
 Sections: model, objective, masking, data, optim, train, deepspeed. ``objective`` is typed
 per objective (``mpp.objectives.configs``: MPP, MAE, HPM with its base, keyed on ``name``);
-``masking`` holds the chosen mask strategy's constructor arguments (checked against its
-signature in ``mpp.masking``). ``deepspeed`` holds DeepSpeed's own keys, passed to ``deepspeed.initialize``;
+``masking`` is typed per strategy (``mpp.masking.MaskingConfig``, keyed on ``strategy``). ``deepspeed`` holds DeepSpeed's own keys, passed to ``deepspeed.initialize``;
 the batch, precision and clipping keys are derived from ``train``/``optim`` (one source).
 """
 
@@ -25,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from mpp.masking import MASKING_CONFIGS, MaskingConfig, RandomMasking
 from mpp.objectives.configs import OBJECTIVE_CONFIGS, MPPConfig, ObjectiveConfig
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
 from mpp.parallel.ds_config import derive
@@ -82,16 +82,6 @@ class ModelConfig(_Section):
         return self.model_dump(
             exclude={"name", "init", "grad_checkpointing", "compile"}, exclude_none=True
         )
-
-
-class MaskingConfig(BaseModel):
-    """``strategy`` plus the mask generator's own parameters (checked in mpp.build)."""
-
-    model_config = ConfigDict(extra="allow")
-    strategy: str = "random"
-
-    def kwargs(self) -> dict[str, Any]:
-        return dict(self.model_extra or {})
 
 
 class DataConfig(_Section):
@@ -305,13 +295,35 @@ class Config(RunConfig):
     """Pretraining: the objective and its masking."""
 
     objective: ObjectiveConfig = MPPConfig()
-    masking: MaskingConfig = MaskingConfig()
+    masking: MaskingConfig = RandomMasking()
 
     @field_validator("objective", mode="before")
     @classmethod
     def _mpp_unless_named(cls, raw: Any) -> Any:
         """An objective section without ``name`` is MPP's (the default objective)."""
         return {"name": "mpp", **raw} if isinstance(raw, dict) and "name" not in raw else raw
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hpm_masks_itself(cls, raw: Any) -> Any:
+        """HPM's mask is its teacher's choice: neither a ``masking.strategy`` of its own nor
+        a masking section beside ``objective.name="hpm"``."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("masking"), dict):
+            return raw
+        objective = raw.get("objective") if isinstance(raw.get("objective"), dict) else {}
+        name = objective.get("name", "mpp")
+        if raw["masking"].get("strategy") == "hpm":
+            raise ValueError(
+                'masking.strategy: "hpm" masks the patches a teacher predicts to be hard, which '
+                f'only HPM has: set objective.name="hpm" (objective.base="{name}") instead; '
+                f"strategies: {', '.join(sorted(MASKING_CONFIGS))}"
+            )
+        if name == "hpm" and raw["masking"] not in ({}, {"strategy": "random"}):
+            raise ValueError(
+                'masking: objective.name="hpm" chooses its own masks (its teacher); '
+                "remove the masking section"
+            )
+        return raw
 
 
 class FinetuneSection(_Section):
@@ -427,20 +439,18 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 def _format_error(err: ValidationError, source: str) -> str:
     e = err.errors()[0]
     parts = [str(x) for x in e["loc"] if not str(x).startswith("function-after")]
-    # a typed union's tag (objective.mae.mask_ratio, objective.hpm.base.mpp.bits): not a key
-    parts = [
-        x
-        for i, x in enumerate(parts)
-        if not (i and parts[i - 1] in ("objective", "base") and x in OBJECTIVE_CONFIGS)
-    ]
+    # a typed union's tag (objective.mae.mask_ratio, objective.hpm.base.mpp.bits,
+    # masking.block.min_aspect): not a key
+    tags = {"objective": OBJECTIVE_CONFIGS, "base": OBJECTIVE_CONFIGS, "masking": MASKING_CONFIGS}
+    parts = [x for i, x in enumerate(parts) if not (i and x in tags.get(parts[i - 1], ()))]
     loc = ".".join(parts)
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
         msg = "unknown key"
-    elif e["type"] == "union_tag_invalid":  # objective.name (or HPM's base.name) not a known one
+    elif e["type"] == "union_tag_invalid":  # objective.name, base.name, masking.strategy
         tags = [t.strip() for t in e["ctx"]["expected_tags"].split(",")]
         loc, msg = (
-            f"{loc}.name",
+            f"{loc}.{e['ctx']['discriminator'].strip(chr(39))}",
             f"Input should be {', '.join(tags[:-1])} or {tags[-1]} (got {e['ctx']['tag']!r})",
         )
         return f"{source}: {loc}: {msg}"

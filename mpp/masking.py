@@ -6,20 +6,23 @@ into a dense (B, N_vis, D) without padding or host syncs.
 
 Strategies (DESIGN.md §4.5), by registry name: ``random`` (MAE), ``block`` (BEiT, made
 exact), ``grid`` (MAE's 2×2 grid), ``center`` (a central block), ``units`` (SimMIM's coarse
-mask units) and ``hpm`` (HPM's easy-to-hard mask from predicted losses, §4.4). Every one
+mask units); HPM's mask, chosen by its teacher, is HPM's own (mpp.objectives.hpm_mask). Every one
 draws its randomness from ``torch.rand(..., generator=generator)`` on the target device,
 so a seeded generator reproduces its masks. Bad settings raise ``ValueError`` at
 construction, before any run starts. ``python -m mpp.tools.masking_viz`` draws them.
+
+A config's ``masking`` section is typed here (``MaskingConfig``: one model per strategy keyed
+on ``strategy``, each with its generator's parameters), so a bad key is named when it loads.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from abc import ABC, abstractmethod
-from typing import NamedTuple
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 import torch
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from torch import Tensor
 
 from mpp.ops import to_2tuple
@@ -319,129 +322,88 @@ class UnitMask(MaskGenerator):
         return units.expand(-1, -1, uh, -1, uw).reshape(batch_size, self.num_patches)
 
 
-# ---- HPM's mask policy (DESIGN.md §4.4): the teacher's hardest patches, easy to hard ------
-
-SCHEDULES = ("easy_to_hard", "hard_only", "hard_to_easy", "random")
+# ---- the config's ``masking`` section, typed: one model per strategy keyed on ``strategy`` --
 
 
-def hard_ratio_at(
-    schedule: str, epoch: float, total_epochs: float, hard_ratio: float = 0.5
-) -> float:
-    """alpha, the share of the mask chosen as the hardest patches, at (integer part of) ``epoch``.
+class _Strategy(BaseModel):
+    """A strategy's own parameters (its constructor's, same defaults; tests/test_masking.py
+    holds them equal); the ratio comes from the objective and the grid from the encoder."""
 
-    easy_to_hard: alpha_T (e+1)/T (the paper); hard_to_easy: alpha_T (T-e)/T, its reverse;
-    hard_only: alpha_T always; random: 0 (plain MAE masking)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown HPM schedule {schedule!r}; allowed: {SCHEDULES}")
-    e, T = math.floor(epoch), float(total_epochs)
-    if schedule == "easy_to_hard":
-        return hard_ratio * min((e + 1) / T, 1.0)
-    if schedule == "hard_to_easy":
-        return hard_ratio * max((T - e) / T, 0.0)
-    return hard_ratio if schedule == "hard_only" else 0.0
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    generator: ClassVar[type[MaskGenerator]]
+
+    def build(self, grid_size: tuple[int, int], mask_ratio: float) -> MaskGenerator:
+        return self.generator(grid_size, mask_ratio, **self.model_dump(exclude={"strategy"}))
 
 
-def hard_patch_mask(
-    scores: Tensor, num_masked: int, k: int, generator: torch.Generator | None = None
-) -> tuple[Tensor, Tensor]:
-    """HPM's mask: the k highest-scoring patches always masked, ``num_masked - k`` more drawn
-    uniformly from the rest. scores (B, N) -> mask (B, N) bool with exactly ``num_masked``
-    True per row, and hard (B, N) bool, the top-k part of it. k = 0 is plain random masking.
-
-    Batched: hard patches get noise 2 (above any U[0, 1) draw), then the top ``num_masked``
-    of the noise are masked; the official code loops over samples on the CPU."""
-    B, N = scores.shape
-    if not 0 <= k <= num_masked <= N:
-        raise ValueError(
-            f"need 0 <= k <= num_masked <= N, got k={k}, num_masked={num_masked}, N={N}"
-        )
-    hard = topk_mask(scores, k)  # (B, N)
-    noise = torch.rand(B, N, device=scores.device, generator=generator).masked_fill_(hard, 2.0)
-    return topk_mask(noise, num_masked), hard
+class RandomMasking(_Strategy):
+    generator = RandomMask
+    strategy: Literal["random"] = "random"
 
 
-class HardPatchMask(MaskGenerator):
-    """HPM's easy-to-hard mask: the ``int(num_masked * hard_ratio)`` patches with the highest
-    predicted loss (``scores``, (B, N), e.g. from the teacher's loss predictor) are masked,
-    the rest of the budget at random (``hard_patch_mask``). ``hard_ratio``
-    0 is MAE's random mask; a schedule (α_e, §4.4) sets it per call or on the attribute."""
-
-    def __init__(
-        self, grid_size: tuple[int, int], mask_ratio: float, hard_ratio: float = 0.0
-    ) -> None:
-        super().__init__(grid_size, mask_ratio)
-        self.hard_ratio = self._check_hard_ratio(hard_ratio)
-
-    @staticmethod
-    def _check_hard_ratio(hard_ratio: float) -> float:
-        if not 0.0 <= hard_ratio <= 1.0:
-            raise ValueError(f"hpm masking: hard_ratio must be in [0, 1], got {hard_ratio}")
-        return hard_ratio
-
-    def num_hard(self, hard_ratio: float | None = None) -> int:
-        """k = int(n_mask * hard_ratio), as in HPM's code (floor)."""
-        ratio = self.hard_ratio if hard_ratio is None else self._check_hard_ratio(hard_ratio)
-        return int(self.num_masked * ratio)
-
-    def __call__(
-        self,
-        batch_size,
-        device="cpu",
-        generator=None,
-        *,
-        scores: Tensor | None = None,
-        hard_ratio: float | None = None,
-        num_hard: int | None = None,
-        return_hard: bool = False,
-    ):
-        k = self.num_hard(hard_ratio) if num_hard is None else num_hard
-        if scores is None:
-            if k > 0:
-                raise ValueError(
-                    f"hpm masking needs scores=(B, N) predicted losses to mask k={k} hard patches"
-                )
-            scores = torch.zeros(batch_size, self.num_patches, device=device)
-        if tuple(scores.shape) != (batch_size, self.num_patches):
-            raise ValueError(
-                f"hpm masking: scores must be ({batch_size}, {self.num_patches}), got {tuple(scores.shape)}"
-            )
-        mask, hard = hard_patch_mask(
-            scores.detach().float(), self.num_masked, k, generator=generator
-        )
-        return (mask, hard) if return_hard else mask
+class BlockMasking(_Strategy):
+    generator = BlockMask
+    strategy: Literal["block"] = "block"
+    min_num_patches: int = 16
+    max_num_patches: int | None = None
+    min_aspect: float = 0.3
+    max_aspect: float | None = None
+    max_tries: int = 10
 
 
-MASK_GENERATORS: dict[str, type[MaskGenerator]] = {
-    "random": RandomMask,
-    "block": BlockMask,
-    "grid": GridMask,
-    "center": CenterMask,
-    "units": UnitMask,
-    "hpm": HardPatchMask,
+class GridMasking(_Strategy):
+    generator = GridMask
+    strategy: Literal["grid"] = "grid"
+    offset: str = "fixed"  # GridMask.OFFSETS; checked (and named) by the constructor
+
+
+class CenterMasking(_Strategy):
+    generator = CenterMask
+    strategy: Literal["center"] = "center"
+    jitter: float = 0.0
+
+
+class UnitMasking(_Strategy):
+    generator = UnitMask
+    strategy: Literal["units"] = "units"
+    unit_size: int | tuple[int, int] = 2
+
+
+MASKING_CONFIGS: dict[str, type[_Strategy]] = {
+    c.model_fields["strategy"].default: c
+    for c in (RandomMasking, BlockMasking, GridMasking, CenterMasking, UnitMasking)
 }
-# what a config's masking.strategy may name: "hpm" needs a teacher's scores every step, which
-# only the HPM objective gives (objective.name="hpm"; mpp.build refuses it at build)
-CONFIG_STRATEGIES = tuple(sorted(set(MASK_GENERATORS) - {"hpm"}))
+MASK_GENERATORS: dict[str, type[MaskGenerator]] = {
+    name: c.generator for name, c in MASKING_CONFIGS.items()
+}
+
+
+def _random_by_default(raw: Any) -> Any:
+    """A section that names no strategy is random masking's (the default)."""
+    return {"strategy": "random", **raw} if isinstance(raw, dict) else raw
+
+
+MaskingConfig = Annotated[
+    RandomMasking | BlockMasking | GridMasking | CenterMasking | UnitMasking,
+    Field(discriminator="strategy"),
+    BeforeValidator(_random_by_default),
+]
 
 
 def build_mask_generator(
     strategy: str, grid_size: tuple[int, int], mask_ratio: float, **params
 ) -> MaskGenerator:
-    """Build a generator by name (``masking.strategy`` in the config); unknown names or
-    parameters, and settings the strategy cannot honour exactly, raise ``ValueError``."""
-    if strategy not in MASK_GENERATORS:
+    """Build a generator by name through its typed section (``MASKING_CONFIGS``); unknown
+    names or parameters, and settings the strategy cannot honour exactly, raise ``ValueError``."""
+    if strategy not in MASKING_CONFIGS:
         raise ValueError(
-            f"unknown masking strategy {strategy!r}; allowed: {sorted(MASK_GENERATORS)}"
+            f"unknown masking strategy {strategy!r}; allowed: {sorted(MASKING_CONFIGS)}"
         )
-    cls = MASK_GENERATORS[strategy]
-    allowed = [
-        p
-        for p in inspect.signature(cls.__init__).parameters
-        if p not in ("self", "grid_size", "mask_ratio")
-    ]
+    section = MASKING_CONFIGS[strategy]
+    allowed = [k for k in section.model_fields if k != "strategy"]
     unknown = sorted(set(params) - set(allowed))
     if unknown:
         raise ValueError(
             f"unknown parameter(s) {unknown} for masking strategy {strategy!r}; allowed: {allowed}"
         )
-    return cls(grid_size, mask_ratio, **params)
+    return section(**params).build(grid_size, mask_ratio)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from PIL import Image
 from scipy.stats import spearmanr
 
-from mpp.masking import hard_patch_mask, hard_ratio_at, topk_mask
+from mpp.masking import topk_mask
 from mpp.models.vit import create_vit
 from mpp.objectives import create_objective
 from mpp.objectives.hpm import (
@@ -20,6 +20,7 @@ from mpp.objectives.hpm import (
     ranking_loss,
     zscore_mse_loss,
 )
+from mpp.objectives.hpm_mask import hard_patch_mask, hard_ratio_at
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
 from mpp.train.panels import hpm_panels, hpm_picture, picture_size
 
@@ -40,7 +41,7 @@ def tiny_hpm(base: str = "mae", embed_dim: int = 64, **kwargs) -> HardPatchesMin
     encoder = create_vit(
         "vit_tiny_patch4_32", depth=2, embed_dim=embed_dim, num_heads=4, pos_embed="sincos"
     )
-    return HardPatchesMining(encoder, base=base, **{**SMALL, **kwargs})
+    return create_objective("hpm", encoder, base=base, **{**SMALL, **kwargs})
 
 
 def digits(n: int = 32) -> torch.Tensor:

@@ -90,8 +90,8 @@ LAYERS = {
     "mpp.parallel": set(),  # process group, launcher, ZeRO internals, EMA, the DeepSpeed config
     "mpp.models": {"mpp.ops"},
     "mpp.masking": {"mpp.ops"},
-    # the typed sections: the objectives' own (objectives.configs), the deepspeed section's defaults
-    "mpp.config": {"mpp.ops", "mpp.parallel.ds_config", "mpp.objectives.configs"},
+    # the typed sections: the objectives' and the masks' own, the deepspeed section's defaults
+    "mpp.config": {"mpp.ops", "mpp.parallel.ds_config", "mpp.objectives.configs", "mpp.masking"},
     "mpp.objectives": {
         "mpp.models",
         "mpp.masking",

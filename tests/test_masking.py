@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -9,18 +10,18 @@ import torch
 
 from mpp.masking import (
     MASK_GENERATORS,
+    MASKING_CONFIGS,
     BlockMask,
     CenterMask,
     GridMask,
-    HardPatchMask,
     RandomMask,
     UnitMask,
     build_mask_generator,
-    hard_patch_mask,
     mask_indices,
     num_masked,
     topk_mask,
 )
+from mpp.objectives.hpm_mask import HardPatchMask, hard_patch_mask
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -56,6 +57,8 @@ def ratio_for(strategy: str, grid: tuple[int, int]) -> float:
 
 def make(strategy: str, grid: tuple[int, int], ratio: float | None = None):
     name = "grid" if strategy == "grid_image" else strategy
+    if name == "hpm":  # HPM's own policy (mpp.objectives.hpm_mask), not a config's strategy
+        return HardPatchMask(grid, 0.75 if ratio is None else ratio, **STRATEGIES[strategy])
     return build_mask_generator(
         name, grid, ratio_for(strategy, grid) if ratio is None else ratio, **STRATEGIES[strategy]
     )
@@ -93,7 +96,7 @@ def distance_from_centre(mask: torch.Tensor, grid: tuple[int, int]) -> float:
 
 
 def test_registry_has_every_strategy():
-    assert set(MASK_GENERATORS) == {"random", "block", "grid", "center", "units", "hpm"}
+    assert set(MASK_GENERATORS) == {"random", "block", "grid", "center", "units"}
 
 
 @pytest.mark.parametrize("grid", GRIDS)
@@ -325,7 +328,7 @@ def test_hpm_bad_calls():
             "nope",
             0.75,
             {},
-            r"unknown masking strategy 'nope'; allowed: \['block', 'center', 'grid', 'hpm', 'random', 'units'\]",
+            r"unknown masking strategy 'nope'; allowed: \['block', 'center', 'grid', 'random', 'units'\]",
         ),
         ("grid", 0.6, {}, r"mask_ratio must be 0.75, got 0.6"),
         ("grid", 0.75, {"offset": "diagonal"}, r"unknown offset 'diagonal'"),
@@ -340,7 +343,6 @@ def test_hpm_bad_calls():
         ("block", 0.75, {"min_aspect": 0.0}, r"0 < min_aspect <= max_aspect"),
         ("block", 0.75, {"min_num_patches": 0}, r"min_num_patches must be >= 1, got 0"),
         ("center", 0.75, {"jitter": -1}, r"jitter must be >= 0"),
-        ("hpm", 0.75, {"hard_ratio": 2.0}, r"hard_ratio must be in \[0, 1\], got 2.0"),
         (
             "block",
             0.75,
@@ -397,21 +399,74 @@ def test_mask_picture(tmp_path):
 
 def test_float_ratios_meet_registry_defaults():
     # 0.75 of a 14x14 grid is 147 for every strategy that accepts it
-    for name in ("random", "block", "grid", "center", "hpm"):
+    for name in ("random", "block", "grid", "center"):
         assert build_mask_generator(name, (14, 14), 0.75).num_masked == 147
+    assert HardPatchMask((14, 14), 0.75).num_masked == 147
     assert math.isclose(UnitMask((14, 14), 0.75, unit_size=7).num_masked / 196, 0.75)
 
 
 @pytest.mark.parametrize("objective", ["mae", "mpp"])
 def test_a_config_cannot_choose_hpms_own_mask(objective):
     """masking.strategy="hpm" needs a teacher's scores at every step: a config asking for it
-    under MAE or MPP is refused at build, naming the key and what to set instead, not at the
-    first step."""
-    from mpp.build import build_objective
+    under MAE or MPP is refused when it loads, naming the key and what to set instead."""
     from mpp.config import ConfigError, load_config
 
-    cfg = load_config(f"{objective}_demo", ['masking.strategy="hpm"'])
     with pytest.raises(
         ConfigError, match=r'masking.strategy: "hpm" masks .* set objective.name="hpm"'
     ):
-        build_objective(cfg)
+        load_config(f"{objective}_demo", ['masking.strategy="hpm"'])
+
+
+# ---- the config's typed masking section -----------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", sorted(MASK_GENERATORS))
+def test_each_sections_defaults_are_its_generators(strategy):
+    """Two places hold the defaults (the typed section, the generator's constructor): they
+    must not drift."""
+    params = inspect.signature(MASK_GENERATORS[strategy]).parameters
+    section = MASKING_CONFIGS[strategy]()
+    for key, value in section.model_dump(exclude={"strategy"}).items():
+        assert value == params[key].default, (strategy, key)
+    assert set(section.model_dump()) - {"strategy"} == set(params) - {"grid_size", "mask_ratio"}
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (['masking.strategy="blocks"'], "masking.strategy: Input should be 'random', 'block', "),
+        (['masking.strategy="block"', "masking.aspect=2"], "masking.aspect: unknown key"),
+        (
+            ['masking.strategy="block"', 'masking.min_aspect="wide"'],
+            "masking.min_aspect: Input should be a valid number",
+        ),
+        (["masking.jitter=1"], "masking.jitter: unknown key"),  # random's: no parameters
+        (
+            ['objective.name="hpm"', 'masking.strategy="block"'],
+            'masking: objective.name="hpm" chooses its own masks',
+        ),
+    ],
+)
+def test_a_bad_masking_key_is_named_with_the_file(overrides, message):
+    from mpp.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config("mae_demo", overrides)
+    assert str(err.value).endswith("configs/mae_demo.json: " + message) or (
+        "configs/mae_demo.json: " + message in str(err.value)
+    ), str(err.value)
+
+
+def test_the_masking_section_builds_and_round_trips(tmp_path):
+    """A section without ``strategy`` is random masking; a chosen one builds its generator at
+    the objective's ratio, and a saved config.json loads back to the same section."""
+    from mpp.build import build_objective
+    from mpp.config import load_config, save_config
+
+    assert load_config("mae_demo").masking == MASKING_CONFIGS["random"]()
+    cfg = load_config("mae_demo", ['masking.strategy="block"', "masking.min_num_patches=4"])
+    gen = build_objective(cfg).mask_generator
+    assert isinstance(gen, BlockMask) and gen.min_num_patches == 4
+    assert gen.num_masked == round(cfg.objective.mask_ratio * gen.num_patches)
+    save_config(cfg, tmp_path / "config.json")
+    assert load_config(tmp_path / "config.json").masking == cfg.masking

@@ -136,7 +136,10 @@ BAD = [
         "objective.colour: unknown key",
     ),
     ({"model": {"img_size": 18}}, "not divisible by patch_size 4"),
-    ({"masking": {"strategy": "spiral"}}, "masking: unknown masking strategy 'spiral'"),
+    (
+        {"masking": {"strategy": "spiral"}},
+        "masking.strategy: Input should be 'random', 'block', 'grid', 'center' or 'units' (got 'spiral')",
+    ),
     (
         {"deepspeed": {"train_batch_size": 32}},
         "deepspeed.train_batch_size is derived from train.batch_size",

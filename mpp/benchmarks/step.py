@@ -26,10 +26,11 @@ from mpp.benchmarks.common import (
     num_threads,
 )
 from mpp.benchmarks.flops import step_flops
-from mpp.masking import hard_patch_mask, mask_indices
+from mpp.masking import mask_indices
 from mpp.models import create_vit
 from mpp.objectives import create_objective
 from mpp.objectives.hpm import ranking_loss
+from mpp.objectives.hpm_mask import hard_patch_mask
 from mpp.train.optim import PAPER_OPTIMIZER, adam, param_groups
 
 CONTENDERS = ("plain", "mpp", "mae", "hpm")

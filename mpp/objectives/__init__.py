@@ -1,12 +1,15 @@
 """Pretraining objectives: each an nn.Module with ``forward(images) -> (loss, metrics)``."""
 
-import inspect
+from typing import Any
 
+from mpp.masking import MaskGenerator
 from mpp.models.vit import VisionTransformer
 from mpp.objectives.base import Objective
+from mpp.objectives.configs import parse_objective
 from mpp.objectives.hpm import HPM_BASES, PRED_LOSSES, HardPatchesMining
 from mpp.objectives.mae import MaskedAutoencoder
 from mpp.objectives.mpp import MPP_TARGETS, MaskedPatchPrediction
+from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
 
 OBJECTIVES: dict[str, type[Objective]] = {
     "mpp": MaskedPatchPrediction,
@@ -15,23 +18,19 @@ OBJECTIVES: dict[str, type[Objective]] = {
 }
 
 
-def create_objective(name: str, encoder: VisionTransformer, **kwargs) -> Objective:
+def create_objective(
+    name: str,
+    encoder: VisionTransformer,
+    mask_generator: MaskGenerator | None = None,
+    mean: tuple[float, ...] = IMAGENET_MEAN,
+    std: tuple[float, ...] = IMAGENET_STD,
+    **kwargs: Any,
+) -> Objective:
     """The objective registered as ``name`` around ``encoder`` (timm's ``create_model`` for
-    objectives; a config builds through ``mpp.build.build_objective``); unknown names or
-    arguments raise ValueError naming what is allowed."""
-    if name not in OBJECTIVES:
-        raise ValueError(f"unknown objective {name!r}; allowed: {sorted(OBJECTIVES)}")
-    cls = OBJECTIVES[name]
-    params = inspect.signature(cls).parameters
-    # a class taking **kwargs (hpm: its base's arguments) checks them itself
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        allowed = set(params) - {"encoder"}
-        unknown = sorted(set(kwargs) - allowed)
-        if unknown:
-            raise ValueError(
-                f"unknown argument(s) {unknown} for objective {name!r}; allowed: {sorted(allowed)}"
-            )
-    return cls(encoder, **kwargs)
+    objectives), its arguments flat and checked by its typed section (``mpp.objectives.configs``,
+    the same as a config's ``objective``); ``mean``/``std`` are the data's. Unknown names or
+    arguments raise ValueError naming them. A config builds through ``mpp.build.build_objective``."""
+    return parse_objective(name, kwargs).build(encoder, mask_generator, (mean, std))
 
 
 __all__ = [

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from mpp.masking import SCHEDULES, MaskGenerator
+from mpp.masking import MaskGenerator
 from mpp.models.vit import VisionTransformer
-from mpp.objectives.base import Objective
 from mpp.objectives.hpm import PRED_LOSSES, HardPatchesMining
+from mpp.objectives.hpm_mask import SCHEDULES
 from mpp.objectives.mae import MaskedAutoencoder
 from mpp.objectives.mpp import MPP_TARGETS, MaskedPatchPrediction
 
@@ -54,8 +54,16 @@ class MPPConfig(_Section):
     bits: int = Field(3, ge=1)
     downsample_cells: int = Field(4, ge=1)
 
-    def build(self, encoder: VisionTransformer, mask: MaskGenerator, pixels: Pixels) -> Objective:
+    def build(
+        self, encoder: VisionTransformer, mask: MaskGenerator | None, pixels: Pixels
+    ) -> MaskedPatchPrediction:
         return MaskedPatchPrediction(encoder, mask, mean=pixels[0], std=pixels[1], **self.kwargs())
+
+    def build_base(
+        self, encoder: VisionTransformer, decoder: _Decoder, pixels: Pixels
+    ) -> MaskedPatchPrediction:
+        """HPM's base (its masks are HPM's): MPP's head is linear, so no decoder of its own."""
+        return self.build(encoder, None, pixels)
 
 
 class MAEBase(_Section):
@@ -65,12 +73,25 @@ class MAEBase(_Section):
     mask_ratio: float = Field(0.75, gt=0.0, lt=1.0)  # MAE needs visible and masked patches
     norm_pix_loss: bool = True
 
+    def build_base(
+        self, encoder: VisionTransformer, decoder: _Decoder, pixels: Pixels
+    ) -> MaskedAutoencoder:
+        """HPM's base (its masks are HPM's), its pixel decoder the size of HPM's ``decoder``."""
+        return MaskedAutoencoder(
+            encoder, None, **self.kwargs(), **decoder.model_dump(include=set(_Decoder.model_fields))
+        )
+
 
 class MAEConfig(MAEBase, _Decoder):
     """MAE (mpp.objectives.mae)."""
 
-    def build(self, encoder: VisionTransformer, mask: MaskGenerator, pixels: Pixels) -> Objective:
+    def build(
+        self, encoder: VisionTransformer, mask: MaskGenerator | None, pixels: Pixels
+    ) -> MaskedAutoencoder:
         return MaskedAutoencoder(encoder, mask, **self.kwargs())
+
+
+HPM_BASE_CONFIGS: dict[str, type[MAEBase | MPPConfig]] = {"mae": MAEBase, "mpp": MPPConfig}
 
 
 class HPMConfig(_Section, _Decoder):
@@ -99,19 +120,54 @@ class HPMConfig(_Section, _Decoder):
         return {**{k: v for k, v in raw.items() if k in own}, "base": base}
 
     def kwargs(self) -> dict[str, Any]:
-        """HPM's constructor takes its base's arguments flat, beside ``base``'s name."""
+        """The flat form: HPM's arguments and its base's, beside ``base``'s name (what
+        ``create_objective("hpm", ...)`` takes)."""
         own = self.model_dump(exclude={"name", "base"})
         return {**own, "base": self.base.name, **self.base.kwargs()}
 
     def build(
         self, encoder: VisionTransformer, mask: MaskGenerator | None, pixels: Pixels
-    ) -> Objective:
-        return HardPatchesMining(encoder, mean=pixels[0], std=pixels[1], **self.kwargs())
+    ) -> HardPatchesMining:
+        """HPM around its base built on ``encoder``; ``mask`` must be None (the teacher masks)."""
+        if mask is not None:
+            raise ValueError("hpm chooses its own masks (its teacher): pass no mask generator")
+        base = self.base.build_base(encoder, self, pixels)
+        own = self.model_dump(exclude={"name", "base"})
+        return HardPatchesMining(base, mean=pixels[0], std=pixels[1], **own)
 
 
 ObjectiveConfig = Annotated[MPPConfig | MAEConfig | HPMConfig, Field(discriminator="name")]
-OBJECTIVE_CONFIGS: dict[str, type[BaseModel]] = {
+OBJECTIVE_CONFIGS: dict[str, type[MPPConfig | MAEConfig | HPMConfig]] = {
     "mpp": MPPConfig,
     "mae": MAEConfig,
     "hpm": HPMConfig,
 }
+
+
+def parse_objective(name: str, kwargs: dict[str, Any]) -> MPPConfig | MAEConfig | HPMConfig:
+    """``name``'s typed section from a library call's flat arguments (``create_objective``);
+    a bad argument raises ValueError naming it, as a config's key is named."""
+    if name not in OBJECTIVE_CONFIGS:
+        raise ValueError(f"unknown objective {name!r}; allowed: {sorted(OBJECTIVE_CONFIGS)}")
+    section = OBJECTIVE_CONFIGS[name]
+    try:
+        return section.model_validate({**kwargs, "name": name})
+    except ValidationError as err:
+        e = err.errors()[0]
+        if e["type"] == "extra_forbidden":  # every unknown one, and what the section takes
+            unknown = [x["loc"][-1] for x in err.errors() if x["type"] == "extra_forbidden"]
+            if e["loc"][0] == "base":  # ("base", tag, key): the nested base's section
+                base = HPM_BASE_CONFIGS[e["loc"][1]]
+                where, allowed = f"hpm with base {e['loc'][1]!r}", set(base.model_fields)
+            else:
+                where, allowed = repr(name), set(section.model_fields) - {"base"}
+            msg = (
+                f"unknown argument(s) {unknown} for {where}; allowed: {sorted(allowed - {'name'})}"
+            )
+        elif e["type"] == "union_tag_invalid":  # HPM's base
+            tag, tags = e["ctx"]["tag"], sorted(HPM_BASE_CONFIGS)
+            msg = f"unknown base {tag!r}; allowed: {tags}"
+        else:
+            loc = ".".join(str(x) for x in e["loc"] if str(x) not in OBJECTIVE_CONFIGS)
+            msg = f"{loc}={e.get('input')!r}: {e['msg']}"
+        raise ValueError(f"objective {name!r}: {msg}") from None

@@ -11,17 +11,16 @@ predictor learns which patch is harder than which from the detached per-patch lo
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mpp.masking import SCHEDULES, hard_patch_mask, hard_ratio_at
 from mpp.models.decoder import Decoder
 from mpp.models.vit import VisionTransformer
 from mpp.objectives.base import Objective, PerPatchObjective
+from mpp.objectives.hpm_mask import SCHEDULES, hard_patch_mask, hard_ratio_at
 from mpp.objectives.mae import MaskedAutoencoder
 from mpp.objectives.mpp import MaskedPatchPrediction
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD, gather_tokens
@@ -85,33 +84,17 @@ def rank_correlation(a: Tensor, b: Tensor) -> Tensor:
 # ---- the objective ------------------------------------------------------------------------------
 
 
-def build_base(
-    base: str, encoder: VisionTransformer, shared: dict, base_kwargs: dict
-) -> PerPatchObjective:
-    """The wrapped objective. HPM's ``shared`` arguments go to it where its constructor takes
-    them (MAE's decoder size, MPP's mean/std); ``base_kwargs`` must all be its own."""
-    if base not in HPM_BASES:
-        raise ValueError(f"unknown HPM base {base!r}; allowed: {sorted(HPM_BASES)}")
-    base_cls = HPM_BASES[base]
-    # HPM sets the mask itself, so the base's own mask generator is not configurable here
-    allowed = set(inspect.signature(base_cls).parameters) - {"encoder", "mask_generator"}
-    unknown = sorted(set(base_kwargs) - allowed)
-    if unknown:
-        raise ValueError(
-            f"unknown argument(s) {unknown} for hpm with base {base!r}; allowed besides hpm's own: "
-            f"{sorted(allowed - set(shared))}"
-        )
-    return base_cls(encoder, **{k: v for k, v in shared.items() if k in allowed}, **base_kwargs)
-
-
 class HardPatchesMining(Objective):
-    """``forward(images) -> (loss, metrics)``; the engine must call ``set_progress`` before each
-    micro-step and ``after_optimizer_step`` after each optimiser step (the EMA teacher)."""
+    """HPM around ``base``, a built objective with a per-patch loss (its encoder is HPM's):
+    ``forward(images) -> (loss, metrics)``; the engine must call ``set_progress`` before each
+    micro-step and ``after_optimizer_step`` after each optimiser step (the EMA teacher). By
+    name and flat arguments: ``create_objective("hpm", encoder, base="mae", mask_ratio=0.75)``;
+    from a config: ``mpp.objectives.configs.HPMConfig``. The decoder's size is the loss
+    predictor's (and, built through those, an MAE base's pixel decoder's)."""
 
     def __init__(
         self,
-        encoder: VisionTransformer,
-        base: str = "mae",
+        base: PerPatchObjective,
         hard_ratio: float = 0.5,
         schedule: str = "easy_to_hard",
         pred_loss: str = "ranking",
@@ -126,9 +109,13 @@ class HardPatchesMining(Objective):
         attn_backend: str = "auto",
         mean: tuple[float, ...] = IMAGENET_MEAN,
         std: tuple[float, ...] = IMAGENET_STD,
-        **base_kwargs,
     ) -> None:
         super().__init__()
+        if not isinstance(base, PerPatchObjective):
+            raise ValueError(
+                "HPM wraps an objective with a per-patch loss (mpp.objectives.base."
+                f"PerPatchObjective: {sorted(HPM_BASES)}), got {type(base).__name__}"
+            )
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown HPM schedule {schedule!r}; allowed: {SCHEDULES}")
         if pred_loss not in PRED_LOSSES:
@@ -140,16 +127,7 @@ class HardPatchesMining(Objective):
         for key, m in {"momentum_start": momentum_start, "momentum_end": momentum_end}.items():
             if not 0.0 <= m <= 1.0:
                 raise ValueError(f"{key} must be in [0, 1], got {m}")
-        shared = dict(
-            decoder_dim=decoder_dim,
-            decoder_depth=decoder_depth,
-            decoder_heads=decoder_heads,
-            mlp_ratio=mlp_ratio,
-            attn_backend=attn_backend,
-            mean=mean,
-            std=std,
-        )
-        self.base = build_base(base, encoder, shared, base_kwargs)
+        self.base = base
         # the loss predictor is the size of the pixel decoder, fed what the base hands it
         self.predictor = Decoder(
             decoder_dim,

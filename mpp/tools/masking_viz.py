@@ -14,6 +14,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from mpp.masking import MASK_GENERATORS, build_mask_generator, num_masked
+from mpp.objectives.hpm_mask import HardPatchMask
 
 GREY = 128
 LABEL_WIDTH = 260
@@ -83,7 +84,10 @@ def render(
     for r, (label, strategy, params) in enumerate(rows):
         params = dict(params)
         row_ratio = params.pop("ratio", ratio)
-        gen = build_mask_generator(strategy, (grid, grid), row_ratio, **params)
+        if strategy == "hpm":  # HPM's own policy, fed the stand-in scores
+            gen = HardPatchMask((grid, grid), row_ratio, **params)
+        else:
+            gen = build_mask_generator(strategy, (grid, grid), row_ratio, **params)
         extra = {"scores": scores.expand(samples, -1)} if strategy == "hpm" else {}
         masks = gen(samples, "cpu", generator, **extra)
         y = r * (size + 4)
@@ -107,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     render(args.grid, args.ratio, args.samples, args.patch, args.seed).save(args.out)
-    print(f"wrote {args.out}: {sorted(MASK_GENERATORS)} on a {args.grid}x{args.grid} grid")
+    names = [*sorted(MASK_GENERATORS), "hpm"]
+    print(f"wrote {args.out}: {names} on a {args.grid}x{args.grid} grid")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from PIL import Image
 from torch import Tensor
 
 from mpp.config import Config, load_config, resolve_config_path
+from mpp.objectives import create_objective
 from mpp.objectives.base import Objective
 from mpp.objectives.hpm import HardPatchesMining
 from mpp.train.checkpoint import (
@@ -141,7 +142,8 @@ def build_for(args: argparse.Namespace) -> tuple[Objective, tuple[float, ...], t
         return build_objective(cfg), cfg.data.mean, cfg.data.std
     from mpp.models.vit import create_vit
 
-    objective = HardPatchesMining(
+    objective = create_objective(
+        "hpm",
         create_vit(args.model, pos_embed="sincos"),
         base=args.base,
         decoder_dim=args.decoder_dim,

@@ -19,9 +19,9 @@ from einops import rearrange, repeat
 from PIL import Image
 from torch import Tensor
 
-from mpp.masking import hard_patch_mask
 from mpp.objectives.base import Objective
 from mpp.objectives.hpm import HardPatchesMining
+from mpp.objectives.hpm_mask import hard_patch_mask
 from mpp.objectives.mae import MaskedAutoencoder
 from mpp.ops import gather_tokens, patchify, unnormalize, unpatchify
 
