@@ -16,7 +16,13 @@ import pytest
 import torch
 from PIL import Image
 
-from mpp.data import count_samples, make_eval_loader, make_train_loader, write_shards
+from mpp.data import (
+    WriterOptions,
+    count_samples,
+    make_eval_loader,
+    make_train_loader,
+    write_shards,
+)
 
 
 def encode(seed: int, fmt: str = "JPEG", h: int = 24, w: int = 32) -> bytes:
@@ -41,7 +47,9 @@ def make_shards(folder, counts: list[int], prefix: str = "s") -> tuple[list[str]
     for i, count in enumerate(counts):
         sub = folder / f"{prefix}{i}"
         samples = [(encode(n + j), (n + j) % 5) for j in range(count)]
-        path = write_shards(samples, sub, prefix, seed=None, progress=False)[0]
+        path = write_shards(samples, sub, prefix, options=WriterOptions(seed=None, progress=False))[
+            0
+        ]
         labels.update({f"{path}#{j:09d}": (n + j) % 5 for j in range(count)})
         paths.append(path)
         n += count
@@ -375,7 +383,12 @@ def closed_port() -> int:
 
 
 def test_http_shards_and_unreachable_url(tmp_path, data_http_server, caplog):
-    write_shards([(encode(i), i) for i in range(6)], tmp_path, "web", max_count=3, progress=False)
+    write_shards(
+        [(encode(i), i) for i in range(6)],
+        tmp_path,
+        "web",
+        options=WriterOptions(max_count=3, progress=False),
+    )
     spec = f"{data_http_server}/web-{{000000..000001}}.tar"
     assert count_samples(spec) == 6  # sizes.json fetched over HTTP
     dead = f"http://127.0.0.1:{closed_port()}/web-000000.tar"

@@ -10,6 +10,8 @@ import pytest
 from PIL import Image
 
 from mpp.data import (
+    ImageEncoding,
+    WriterOptions,
     count_samples,
     expand_shards,
     from_arrays,
@@ -20,6 +22,8 @@ from mpp.data import (
 )
 from mpp.data.shards import main as shards_main
 from mpp.data.tario import read_tar
+
+QUIET = WriterOptions(progress=False)
 
 
 def encode(array: np.ndarray, fmt: str = "JPEG") -> bytes:
@@ -44,10 +48,8 @@ def test_round_trip_keeps_bytes_and_labels(tmp_path):
         zip(images, labels, strict=True),
         tmp_path,
         "train",
-        max_count=3,
-        seed=1,
+        options=WriterOptions(max_count=3, seed=1, progress=False),
         class_names=["a", "b", "c"],
-        progress=False,
     )
     assert [os.path.basename(p) for p in paths] == [f"train-{i:06d}.tar" for i in range(4)]
     seen = {}
@@ -78,7 +80,9 @@ def test_seed_shuffles_reproducibly(tmp_path):
     samples = [(encode(random_image(i)), i) for i in range(12)]
 
     def order(seed, sub):
-        path = write_shards(samples, tmp_path / sub, "x", seed=seed, progress=False)[0]
+        path = write_shards(
+            samples, tmp_path / sub, "x", options=WriterOptions(seed=seed, progress=False)
+        )[0]
         members = tar_members(path)
         return [int(members[n]) for n in sorted(members) if n.endswith(".cls")]
 
@@ -90,23 +94,28 @@ def test_max_size_bounds_every_shard(tmp_path):
     samples = [(encode(random_image(i, 32, 32), "PNG"), None) for i in range(12)]
     one = len(samples[0][0])
     max_size = 10240 + 3 * (one + 1024)
-    paths = write_shards(samples, tmp_path, "s", max_size=max_size, progress=False)
+    paths = write_shards(
+        samples, tmp_path, "s", options=WriterOptions(max_size=max_size, progress=False)
+    )
     assert len(paths) >= 4
     assert all(os.path.getsize(p) <= max_size for p in paths)
     assert sum(read_sizes(paths)["shards"].values()) == 12
 
 
 def test_train_and_val_share_a_folder_and_refuse_silent_overwrite(tmp_path):
-    write_shards([(encode(random_image(0)), 0)], tmp_path, "train", progress=False)
-    write_shards([(encode(random_image(1)), 1)] * 2, tmp_path, "val", progress=False)
+    write_shards([(encode(random_image(0)), 0)], tmp_path, "train", options=QUIET)
+    write_shards([(encode(random_image(1)), 1)] * 2, tmp_path, "val", options=QUIET)
     assert read_sizes(str(tmp_path / "train-000000.tar"))["shards"] == {
         "train-000000.tar": 1,
         "val-000000.tar": 2,
     }
     with pytest.raises(FileExistsError, match="overwrite"):
-        write_shards([(encode(random_image(0)), 0)], tmp_path, "train", progress=False)
+        write_shards([(encode(random_image(0)), 0)], tmp_path, "train", options=QUIET)
     write_shards(
-        [(encode(random_image(0)), 0)] * 3, tmp_path, "train", overwrite=True, progress=False
+        [(encode(random_image(0)), 0)] * 3,
+        tmp_path,
+        "train",
+        options=WriterOptions(overwrite=True, progress=False),
     )
     assert count_samples(str(tmp_path / "train-000000.tar")) == 3
 
@@ -149,7 +158,10 @@ def test_image_folder_cli_and_flat_folder(tmp_path, capsys):
 def test_arrays_resize_and_reencode(tmp_path):
     arrays = np.stack([random_image(i, 8, 8) for i in range(4)])
     path = write_shards(
-        from_arrays(arrays, [0, 1, 2, 3]), tmp_path / "a", "a", seed=None, progress=False
+        from_arrays(arrays, [0, 1, 2, 3]),
+        tmp_path / "a",
+        "a",
+        options=WriterOptions(seed=None, progress=False),
     )[0]
     pngs = [v for n, v in sorted(tar_members(path).items()) if n.endswith(".png")]
     assert all(
@@ -159,7 +171,11 @@ def test_arrays_resize_and_reencode(tmp_path):
 
     jpg = encode(random_image(0, 60, 90))
     path = write_shards(
-        [(jpg, None)], tmp_path / "b", "b", resize=30, reencode="webp", progress=False
+        [(jpg, None)],
+        tmp_path / "b",
+        "b",
+        options=QUIET,
+        encoding=ImageEncoding(resize=30, reencode="webp"),
     )[0]
     ((name, data),) = tar_members(path).items()
     assert name.endswith(".webp") and Image.open(io.BytesIO(data)).size == (45, 30)  # short side 30

@@ -179,7 +179,7 @@ def test_heads_trained_in_one_pass_end_as_each_would_alone():
     g = torch.Generator().manual_seed(1)
     y = torch.randint(0, 3, (200,), generator=g)
     x = torch.randn(200, 3, 4, generator=g)
-    kw = dict(epochs=3, batch_size=32, warmup_epochs=1, seed=0)
+    kw = dict(settings=ProbeSection(epochs=3, batch_size=32, warmup_epochs=1), seed=0)
     together = linear_probes(x[:150], y[:150], x[150:], y[150:], 3, **kw)
     for s in range(3):
         alone = linear_probe(x[:150, s], y[:150], x[150:, s], y[150:], 3, **kw)

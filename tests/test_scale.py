@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import free_port, read_metrics, run_cli, tiny_config, write_config, zero
 
-from mpp.data import write_shards
+from mpp.data import WriterOptions, write_shards
 
 
 def shards(out, sizes, prefix, label_of=lambda i: i % 10) -> list[str]:
@@ -24,9 +24,7 @@ def shards(out, sizes, prefix, label_of=lambda i: i % 10) -> list[str]:
             samples,
             out,
             f"{prefix}{k}",
-            max_count=n,
-            seed=None,
-            progress=False,
+            options=WriterOptions(max_count=n, seed=None, progress=False),
             class_names=[str(c) for c in range(10)],
         )
         start += n

@@ -8,13 +8,23 @@ from .digits import digits_shards
 from .errors import DataError, SkipCounter
 from .loader import Loader, StreamConfig, make_eval_loader, make_train_loader
 from .sources import count_samples, expand_shards, read_sizes, shard_sizes
-from .writer import from_arrays, from_flat_folder, from_image_folder, shard_spec, write_shards
+from .writer import (
+    ImageEncoding,
+    WriterOptions,
+    from_arrays,
+    from_flat_folder,
+    from_image_folder,
+    shard_spec,
+    write_shards,
+)
 
 __all__ = [
     "DataError",
+    "ImageEncoding",
     "Loader",
     "SkipCounter",
     "StreamConfig",
+    "WriterOptions",
     "count_samples",
     "shard_sizes",
     "digits_shards",

@@ -16,7 +16,7 @@ import numpy as np
 from PIL import Image
 
 from .loader import make_train_loader
-from .writer import write_shards
+from .writer import WriterOptions, write_shards
 
 
 def synthetic_jpegs(
@@ -79,8 +79,7 @@ def bench_pipeline(
             [(d, None) for d in images],
             tmp,
             "bench",
-            max_count=max(1, num_images // 4),
-            progress=False,
+            options=WriterOptions(max_count=max(1, num_images // 4), progress=False),
         )
 
         def pipeline(**crop):
@@ -145,9 +144,9 @@ def bench_bad_data(
     ]
     num_batches = int(num_images * (1 - bad_frac)) // batch_size
     with tempfile.TemporaryDirectory() as tmp:
-        kw = dict(max_count=max(1, num_images // 4), progress=False)
-        clean = write_shards([(d, None) for d in images], tmp, "clean", **kw)
-        dirty = write_shards(corrupted, tmp, "dirty", **kw)
+        options = WriterOptions(max_count=max(1, num_images // 4), progress=False)
+        clean = write_shards([(d, None) for d in images], tmp, "clean", options=options)
+        dirty = write_shards(corrupted, tmp, "dirty", options=options)
         skipped = {}
 
         def run(shards, name):
@@ -195,7 +194,10 @@ def bench_epoch_start(
     num_batches = num_images // batch_size
     with tempfile.TemporaryDirectory() as tmp:
         shards = write_shards(
-            [(d, None) for d in images], tmp, "e", max_count=max(1, num_images // 8), progress=False
+            [(d, None) for d in images],
+            tmp,
+            "e",
+            options=WriterOptions(max_count=max(1, num_images // 8), progress=False),
         )
         kw = dict(
             batch_size=batch_size,

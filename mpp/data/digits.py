@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image
 
 from .sources import SIZES_FILE
-from .writer import from_arrays, shard_spec, write_shards
+from .writer import WriterOptions, from_arrays, shard_spec, write_shards
 
 NUM_VAL, TRAIN_SHARDS, VAL_SHARDS, SPLIT_SEED = 300, 8, 4, 0
 CLASS_NAMES = [str(d) for d in range(10)]
@@ -66,10 +66,10 @@ def _build(folder: Path, img_size: int, resample: str) -> None:
             from_arrays(images[idx], labels[idx]),
             folder,
             prefix,
-            max_count=math.ceil(len(idx) / num_shards),
-            seed=SPLIT_SEED,
+            options=WriterOptions(
+                max_count=math.ceil(len(idx) / num_shards), seed=SPLIT_SEED, progress=False
+            ),
             class_names=CLASS_NAMES,
-            progress=False,
         )
 
 

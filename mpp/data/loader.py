@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from .census import census
 from .errors import SkipCounter
-from .order import done_before, epoch_order, schedule, split, stream_samples
+from .order import EpochShards, done_before, epoch_order, schedule, split, stream_samples
 from .sources import check_shards, expand_shards
 from .tario import shard_samples
 from .transforms import IMAGE_KEYS, collate, eval_transform, train_transform
@@ -161,8 +161,12 @@ class _TrainStream(_Stream):
         worker, num_workers = _worker_info()
         errors = SkipCounter(c.max_consecutive_errors)
         accum, steps = _accumulation(c), c.num_batches // _accumulation(c)
-        sizes = list(c.shard_sizes)
-        order = epoch_order(len(self.shards), c.seed, c.epoch)
+        epoch_shards = EpochShards(
+            self.shards,
+            list(c.shard_sizes),
+            epoch_order(len(self.shards), c.seed, c.epoch),
+            c.allow_pipe,
+        )
         select = partial(
             select_image, errors=errors, with_labels=c.with_labels, num_classes=c.num_classes
         )
@@ -181,16 +185,13 @@ class _TrainStream(_Stream):
                 s = first + group * c.batch_size + i
                 key = f"{c.seed}/{c.epoch}/{s}"
                 samples = stream_samples(
-                    self.shards,
-                    sizes,
-                    order,
+                    epoch_shards,
                     s,
                     steps,
                     c.shuffle_buffer,
                     random.Random(f"samples/{key}"),
                     select,
                     errors,
-                    c.allow_pipe,
                 )
                 numbered = number(samples, skip=done_before(group, c.start_batch, accum))
                 streams[s] = decode(numbered, transform=augment, rng_key=key, errors=errors)

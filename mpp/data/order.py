@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import webdataset as wds
 
@@ -33,48 +34,51 @@ def epoch_order(num_shards: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
-def read_from(
-    shards: list[str],
-    sizes: list[int],
-    order: list[int],
-    start: int,
-    errors: SkipCounter,
-    allow_pipe: bool,
-) -> Iterator[dict]:
-    """Raw tar samples from position ``start`` of the epoch's concatenation, wrapping around forever."""
-    offset = start % max(1, sum(sizes))
-    first = 0
-    while offset and offset >= sizes[order[first]]:
-        offset -= sizes[order[first]]
-        first += 1
-    for n in itertools.count():
-        url = shards[order[(first + n) % len(order)]]
-        yield from shard_samples(
-            [{"url": url, "skip": offset if n == 0 else 0}], errors, allow_pipe, images_only=True
-        )
+@dataclass(frozen=True)
+class EpochShards:
+    """One epoch's concatenation: ``shards`` (``sizes`` samples each, counted before training)
+    read end to end in the epoch's ``order``; ``allow_pipe`` lets ``pipe:`` URLs run."""
+
+    shards: list[str]
+    sizes: list[int]
+    order: list[int]
+    allow_pipe: bool
+
+    def read_from(self, start: int, errors: SkipCounter) -> Iterator[dict]:
+        """Raw tar samples from position ``start`` of the concatenation, wrapping around forever."""
+        sizes, order = self.sizes, self.order
+        offset = start % max(1, sum(sizes))
+        first = 0
+        while offset and offset >= sizes[order[first]]:
+            offset -= sizes[order[first]]
+            first += 1
+        for n in itertools.count():
+            url = self.shards[order[(first + n) % len(order)]]
+            yield from shard_samples(
+                [{"url": url, "skip": offset if n == 0 else 0}],
+                errors,
+                self.allow_pipe,
+                images_only=True,
+            )
 
 
 def stream_samples(
-    shards: list[str],
-    sizes: list[int],
-    order: list[int],
+    epoch: EpochShards,
     stream: int,
     steps: int,
     window: int,
     rng: random.Random,
     select,
     errors: SkipCounter,
-    allow_pipe: bool,
 ) -> Iterator:
-    """Stream ``stream``'s samples: its ``steps`` positions through a shuffle window, then (only
-    when bad data left it short) the samples after its range. ``select``: raw sample -> (bytes, label, key)."""
-    mine = itertools.islice(
-        read_from(shards, sizes, order, stream * steps, errors, allow_pipe), steps
-    )
+    """Stream ``stream``'s samples: its ``steps`` positions of ``epoch`` through a shuffle window,
+    then (only when bad data left it short) the samples after its range. ``select``: raw sample
+    -> (bytes, label, key)."""
+    mine = itertools.islice(epoch.read_from(stream * steps, errors), steps)
     shuffled = (
         wds.shuffle(window, initial=window, rng=rng)(select(mine)) if window > 1 else select(mine)
     )
-    after = select(read_from(shards, sizes, order, (stream + 1) * steps, errors, allow_pipe))
+    after = select(epoch.read_from((stream + 1) * steps, errors))
     return itertools.chain(shuffled, after)
 
 

@@ -9,7 +9,14 @@ import argparse
 import logging
 from pathlib import Path
 
-from .writer import from_flat_folder, from_image_folder, shard_spec, write_shards
+from .writer import (
+    ImageEncoding,
+    WriterOptions,
+    from_flat_folder,
+    from_image_folder,
+    shard_spec,
+    write_shards,
+)
 
 
 def main(argv: list[str] | None = None) -> list[str]:
@@ -21,17 +28,32 @@ def main(argv: list[str] | None = None) -> list[str]:
     )
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--prefix", default="data", help="shards are named PREFIX-000000.tar ...")
-    parser.add_argument("--max-count", type=int, default=10_000, help="samples per shard, at most")
+    # the defaults are the library's (WriterOptions, ImageEncoding)
     parser.add_argument(
-        "--max-size-mb", type=float, default=1024, help="bytes per shard, at most (MiB)"
+        "--max-count",
+        type=int,
+        default=WriterOptions.max_count,
+        help="samples per shard, at most",
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="shuffle seed; -1 keeps the folder order"
+        "--max-size-mb",
+        type=float,
+        default=WriterOptions.max_size >> 20,
+        help="bytes per shard, at most (MiB)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=WriterOptions.seed,
+        help="shuffle seed; -1 keeps the folder order",
     )
     parser.add_argument("--resize", type=int, default=None, help="re-encode with this short side")
     parser.add_argument("--reencode", choices=["jpeg", "png", "webp"], default=None)
     parser.add_argument(
-        "--quality", type=int, default=95, help="JPEG/WebP quality when re-encoding"
+        "--quality",
+        type=int,
+        default=ImageEncoding.quality,
+        help="JPEG/WebP quality when re-encoding",
     )
     parser.add_argument(
         "--flat", action="store_true", help="unlabelled: every image under SRC, no .cls"
@@ -53,15 +75,15 @@ def main(argv: list[str] | None = None) -> list[str]:
         samples,
         args.out_dir,
         args.prefix,
-        max_count=args.max_count,
-        max_size=int(args.max_size_mb * 2**20),
-        seed=None if args.seed < 0 else args.seed,
+        options=WriterOptions(
+            max_count=args.max_count,
+            max_size=int(args.max_size_mb * 2**20),
+            seed=None if args.seed < 0 else args.seed,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+        ),
+        encoding=ImageEncoding(resize=args.resize, reencode=args.reencode, quality=args.quality),
         class_names=class_names,
-        resize=args.resize,
-        reencode=args.reencode,
-        quality=args.quality,
-        overwrite=args.overwrite,
-        progress=not args.no_progress,
     )
     labels = f", {len(class_names)} classes" if class_names else ", unlabelled"
     print(

@@ -9,6 +9,7 @@ import random
 import re
 import tarfile
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -72,10 +73,36 @@ def sniff_format(data: bytes) -> str | None:
     return None
 
 
-def encode_image(
-    image: ImageLike, resize: int | None = None, reencode: str | None = None, quality: int = 95
-) -> tuple[bytes, str]:
-    """-> (bytes, extension). Encoded input is kept byte-for-byte unless asked to resize/re-encode."""
+@dataclass(frozen=True)
+class ImageEncoding:
+    """What each image is stored as. Encoded input is kept byte-for-byte unless ``resize`` (the
+    short side, re-encoding in the same format) or ``reencode`` ('jpeg' | 'png' | 'webp') asks;
+    ``quality`` is JPEG's and WebP's when re-encoding. Arrays are PNG-encoded (lossless)."""
+
+    resize: int | None = None
+    reencode: str | None = None
+    quality: int = 95
+
+
+@dataclass(frozen=True)
+class WriterOptions:
+    """How ``write_shards`` deals the samples into shards: a shard closes at ``max_count``
+    samples or before passing ``max_size`` bytes; ``seed`` shuffles the order first (None keeps
+    it). ``overwrite`` replaces a prefix's existing shards (else they are an error); ``progress``
+    shows a bar."""
+
+    max_count: int = 10_000
+    max_size: int = 1 << 30
+    seed: int | None = 0
+    overwrite: bool = False
+    progress: bool = True
+
+
+def encode_image(image: ImageLike, encoding: ImageEncoding | None = None) -> tuple[bytes, str]:
+    """-> (bytes, extension). Encoded input is kept byte-for-byte unless ``encoding`` asks to
+    resize/re-encode."""
+    e = encoding or ImageEncoding()
+    resize, reencode, quality = e.resize, e.reencode, e.quality
     if isinstance(image, (str, os.PathLike)):
         image = Path(image).read_bytes()
     if isinstance(image, bytes):
@@ -140,7 +167,8 @@ def _clear_old_shards(out_dir: Path, prefix: str, overwrite: bool) -> None:
     old = sorted(out_dir.glob(f"{prefix}-[0-9][0-9][0-9][0-9][0-9][0-9].tar"))
     if old and not overwrite:
         raise FileExistsError(
-            f"{out_dir} already holds {prefix}-*.tar shards; pass overwrite=True to replace them"
+            f"{out_dir} already holds {prefix}-*.tar shards; pass WriterOptions(overwrite=True) "
+            "(--overwrite on the command line) to replace them"
         )
     for path in old:
         path.unlink()
@@ -151,26 +179,22 @@ def write_shards(
     out_dir: str | os.PathLike,
     prefix: str = "data",
     *,
-    max_count: int = 10_000,
-    max_size: int = 1 << 30,
-    seed: int | None = 0,
+    options: WriterOptions | None = None,
+    encoding: ImageEncoding | None = None,
     class_names: list[str] | None = None,
-    resize: int | None = None,
-    reencode: str | None = None,
-    quality: int = 95,
-    overwrite: bool = False,
-    progress: bool = True,
 ) -> list[str]:
     """Write `samples` [(image, label or None)] to `out_dir/prefix-000000.tar ...`; returns the shard paths.
 
-    A shard closes at `max_count` samples or before passing `max_size` bytes. `seed` shuffles the
-    order (None keeps it). `resize` sets the short side and re-encodes (format kept unless `reencode`).
+    ``options`` (``WriterOptions``): when a shard closes, the shuffle seed, overwrite, progress.
+    ``encoding`` (``ImageEncoding``): the bytes each image is stored as. ``class_names`` go to
+    sizes.json.
     """
+    o = options or WriterOptions()
     out_dir = Path(out_dir)
-    _clear_old_shards(out_dir, prefix, overwrite)
+    _clear_old_shards(out_dir, prefix, o.overwrite)
     samples = list(samples)
-    if seed is not None:
-        random.Random(seed).shuffle(samples)  # cheap: paths and arrays move, bytes are read later
+    if o.seed is not None:
+        random.Random(o.seed).shuffle(samples)  # cheap: paths and arrays move, bytes are read later
     paths: list[str] = []
     counts: dict[str, int] = {}
     tar, count, size = None, 0, 0
@@ -183,16 +207,16 @@ def write_shards(
         counts[final.name] = count
 
     for index, (image, label) in enumerate(
-        tqdm(samples, desc=f"{prefix} shards", unit="img", disable=not progress)
+        tqdm(samples, desc=f"{prefix} shards", unit="img", disable=not o.progress)
     ):
-        data, ext = encode_image(image, resize, reencode, quality)
+        data, ext = encode_image(image, encoding)
         members = [
             (f"{index:09d}.{ext}", data)
         ]  # the image first: a cut inside it loses one sample only
         if label is not None:
             members.append((f"{index:09d}.cls", str(int(label)).encode()))
         needed = sum(_member_bytes(d) for _, d in members)
-        if tar is not None and (count >= max_count or size + needed > max_size):
+        if tar is not None and (count >= o.max_count or size + needed > o.max_size):
             close()
             tar = None
         if tar is None:

@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from mpp.config import apply_overrides, resolve_config_path, validate
-from mpp.data.writer import from_arrays, shard_spec, write_shards
+from mpp.data.writer import ImageEncoding, WriterOptions, from_arrays, shard_spec, write_shards
 from mpp.doctor import FAIL, PASS, WARN, Row, needs_gpu
 from mpp.parallel.launch import REPO, deepspeed_cmd, job_env
 
@@ -88,10 +88,8 @@ def write_synthetic_shards(out_dir: Path, img_size: int, count: int) -> str:
     paths = write_shards(
         from_arrays(images),
         out_dir,
-        max_count=max(1, count // 4),
-        reencode="jpeg",
-        overwrite=True,
-        progress=False,
+        options=WriterOptions(max_count=max(1, count // 4), overwrite=True, progress=False),
+        encoding=ImageEncoding(reencode="jpeg"),
     )
     return shard_spec(out_dir, "data", len(paths))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,9 @@ from torch import Tensor, nn
 from mpp.downstream.lars import LARS
 from mpp.models.vit import VisionTransformer
 from mpp.train.optim import lr_at
+
+if TYPE_CHECKING:
+    from mpp.config import ProbeSection
 
 Slot = tuple[int, str]  # (block index, "token" | "avg")
 # images per encoder forward: MAE's per-GPU probe batch; a 16384-image step in one forward
@@ -65,47 +69,44 @@ def pooled_features(encoder: VisionTransformer, images: Tensor, slots: Sequence[
     return torch.cat(chunks)
 
 
+@dataclass(frozen=True)
+class FeatureSpec:
+    """What a feature of an image is: the uint8 image normalised by ``mean``/``std``, then one
+    pooled feature per slot (``pooled_features``). The fast, k-NN and DINOv2 protocols take it
+    from cached center crops (``extract_features``), MAE's from augmented ones (``mae_probe``)."""
+
+    slots: Sequence[Slot]
+    mean: Sequence[float]
+    std: Sequence[float]
+
+    def pool(self, encoder: VisionTransformer, images: Tensor) -> Tensor:
+        """uint8 images (B, C, H, W), moved to the encoder's device -> features (B, S, D)."""
+        from mpp.ops import normalize
+
+        device = next(encoder.parameters()).device
+        normalized = normalize(images.to(device, non_blocking=True), self.mean, self.std)
+        return pooled_features(encoder, normalized, self.slots)
+
+
 @torch.no_grad()
 def extract_features(
-    encoder: VisionTransformer,
-    shards,
-    *,
-    slots: Sequence[Slot],
-    img_size: int,
-    batch_size: int,
-    mean,
-    std,
-    num_workers: int = 1,
-    allow_pipe: bool = False,
-    rank: int = 0,
-    world_size: int = 1,
+    encoder: VisionTransformer, loader, features: FeatureSpec, *, world_size: int = 1
 ) -> tuple[Tensor, Tensor]:
-    """(features (N, S, D), labels (N,)) over one exact pass of ``shards`` (eval transform), on the
-    encoder's device when they fit (``place``). Each rank reads its share of the shards; the shares
-    are gathered on every rank and put in sample-key order, so any number of ranks gives the same
-    features in the same order (1.28M ImageNet images are hours on one GPU, days on a CPU)."""
-    from mpp.data import make_eval_loader
-    from mpp.ops import normalize
-
+    """(features (N, S, D), labels (N,)) over one exact pass of ``loader`` (this rank's share of
+    the shards under the eval transform, with keys: ``make_eval_loader(shards, rank=...,
+    world_size=..., with_keys=True)``), on the encoder's device when they fit (``place``). The
+    ``world_size`` ranks' shares are gathered on every rank and put in sample-key order, so any
+    number of ranks gives the same features in the same order (1.28M ImageNet images are hours
+    on one GPU, days on a CPU)."""
     encoder.eval()
     device = next(encoder.parameters()).device
     feats, labels, keys = [], [], []
-    loader = make_eval_loader(
-        shards,
-        batch_size=batch_size,
-        img_size=img_size,
-        num_workers=num_workers,
-        allow_pipe=allow_pipe,
-        rank=rank,
-        world_size=world_size,
-        with_keys=True,
-    )
     for batch in loader:
-        images = normalize(batch["image"].to(device, non_blocking=True), mean, std)
-        feats.append(pooled_features(encoder, images, slots).cpu())
+        feats.append(features.pool(encoder, batch["image"]).cpu())
         labels.append(batch["label"])
         keys += batch["key"]
-    feats_cpu = torch.cat(feats) if feats else torch.empty(0, len(slots), encoder.embed_dim)
+    num_slots = len(features.slots)
+    feats_cpu = torch.cat(feats) if feats else torch.empty(0, num_slots, encoder.embed_dim)
     labels_cpu = torch.cat(labels) if labels else torch.empty(0, dtype=torch.int64)
     if world_size > 1:
         import torch.distributed as dist
@@ -289,19 +290,16 @@ def linear_probes(
     val_y: Tensor,
     num_classes: int,
     *,
-    epochs: int = 90,
-    batch_size: int = 256,
-    blr: float = 0.1,
-    momentum: float = 0.9,
-    weight_decay: float = 0.0,
-    warmup_epochs: int = 10,
-    seed: int = 0,
+    settings: ProbeSection,
+    seed: int,
 ) -> list[dict[str, float]]:
     """A BatchNorm + Linear head per slot of the cached features (N, S, D), all trained in one
     pass with SGD (lr = blr x batch / 256, warm-up + cosine); top-1/top-5 of the last epoch on
-    ``val`` per slot. Each head starts from the same seed, as it would alone."""
+    ``val`` per slot. Each head starts from ``seed``, as it would alone. ``settings``: the probe
+    section's epochs, batch_size, blr, momentum, weight_decay and warmup_epochs."""
+    epochs, batch_size = settings.epochs, settings.batch_size
     device = train_y.device
-    peak = scaled_lr(blr, batch_size)
+    peak = scaled_lr(settings.blr, batch_size)
     dim, slots = train_x.shape[2], range(train_x.shape[1])
     probes = [
         Probe(
@@ -315,9 +313,9 @@ def linear_probes(
     trainer = HeadTrainer(
         probes,
         total_steps=epochs * steps_per_epoch,
-        warmup_steps=warmup_epochs * steps_per_epoch,
-        momentum=momentum,
-        weight_decay=weight_decay,
+        warmup_steps=settings.warmup_epochs * steps_per_epoch,
+        momentum=settings.momentum,
+        weight_decay=settings.weight_decay,
     )
     train_on_features(trainer, train_x, train_y, epochs=epochs, batch_size=batch_size, seed=seed)
     losses = trainer.last_losses.tolist()
@@ -328,7 +326,22 @@ def linear_probes(
 
 
 def linear_probe(
-    train_x: Tensor, train_y: Tensor, val_x: Tensor, val_y: Tensor, num_classes: int, **kw
+    train_x: Tensor,
+    train_y: Tensor,
+    val_x: Tensor,
+    val_y: Tensor,
+    num_classes: int,
+    *,
+    settings: ProbeSection,
+    seed: int,
 ) -> dict[str, float]:
     """``linear_probes`` on one feature per sample (N, D)."""
-    return linear_probes(train_x[:, None], train_y, val_x[:, None], val_y, num_classes, **kw)[0]
+    return linear_probes(
+        train_x[:, None],
+        train_y,
+        val_x[:, None],
+        val_y,
+        num_classes,
+        settings=settings,
+        seed=seed,
+    )[0]

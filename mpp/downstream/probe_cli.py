@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
 from mpp.config import ConfigError, ProbeConfig
-from mpp.data import make_train_loader
+from mpp.data import make_eval_loader, make_train_loader
 from mpp.downstream.probe import (
+    FeatureSpec,
     HeadTrainer,
     extract_features,
     feature_slots,
@@ -29,6 +32,16 @@ from mpp.downstream.probe_protocols import (
     micro_batches,
 )
 from mpp.models.vit import VisionTransformer
+
+
+@dataclass(frozen=True)
+class ProbeSetup:
+    """What a probe evaluates (``_probe_setup``): the encoder from ``init``, the train/val shard
+    specs ({"train": spec, "val": spec}) and the class count."""
+
+    encoder: VisionTransformer
+    shards: dict[str, object]
+    num_classes: int
 
 
 def probe_parser(kind: str):
@@ -71,7 +84,7 @@ def run_probe(kind: str, argv: list[str] | None = None, script: str | None = Non
     rank, world = world_from_env()
     try:
         cfg = config_from_args(args, ProbeConfig)
-        encoder, spec, num_classes = _probe_setup(cfg, kind)
+        setup = _probe_setup(cfg, kind)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -86,7 +99,8 @@ def run_probe(kind: str, argv: list[str] | None = None, script: str | None = Non
     )
     try:
         run_dir = open_run_dir(cfg, rank)  # held by this job: a second one on it stops here
-        results = _evaluate(kind, cfg, encoder.to(device), spec, num_classes, rank, world)
+        on_device = replace(setup, encoder=setup.encoder.to(device))
+        results = _evaluate(kind, cfg, on_device, rank, world)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -105,34 +119,39 @@ def run_probe(kind: str, argv: list[str] | None = None, script: str | None = Non
     return 0
 
 
-def _evaluate(
-    kind: str, cfg, encoder: VisionTransformer, spec: dict, num_classes: int, rank: int, world: int
-) -> dict:
+def _evaluate(kind: str, cfg, setup: ProbeSetup, rank: int, world: int) -> dict:
     """The results of this kind and protocol (every rank takes part; only rank 0's count)."""
     d, pr = cfg.data, cfg.probe
+    encoder, num_classes = setup.encoder, setup.num_classes
     depth = len(encoder.blocks)
     protocol = pr.protocol if kind == "linear" else "knn"
     if protocol == "dinov2":
         slots = dinov2_slots(depth)
     else:
         slots = feature_slots(depth, pr.pool, pr.layers)
-    extract = dict(
-        slots=slots,
-        img_size=encoder.patch_embed.img_size[0],
+    features = FeatureSpec(slots, d.mean, d.std)
+    eval_loader = partial(  # this rank's share of a split, keyed: extract_features orders by key
+        make_eval_loader,
         batch_size=min(pr.batch_size, 1024),  # a loader batch, not the probe's step (mae: 16384)
-        mean=d.mean,
-        std=d.std,
+        img_size=encoder.patch_embed.img_size[0],
         num_workers=d.num_workers,
         allow_pipe=d.allow_pipe,
         rank=rank,
         world_size=world,
+        with_keys=True,
     )
-    val = extract_features(encoder, spec["val"], **extract)
+
+    def extract(split: str) -> tuple:
+        return extract_features(
+            encoder, eval_loader(setup.shards[split]), features, world_size=world
+        )
+
+    val = extract("val")
     facts = {"protocol": protocol} if kind == "linear" else {}
     facts |= {"layers": pr.layers, "num_val": len(val[1])}
     if protocol == "mae":
-        return facts | _mae(cfg, encoder, spec, val, num_classes, slots, rank, world)
-    train = extract_features(encoder, spec["train"], **extract)
+        return facts | _mae(cfg, setup, val, features, rank, world)
+    train = extract("train")
     facts["num_train"] = len(train[1])
     if rank != 0:
         return facts
@@ -149,18 +168,7 @@ def _evaluate(
             for s in range(len(slots))
         ]
     else:
-        per_slot = linear_probes(
-            *train,
-            *val,
-            num_classes,
-            epochs=pr.epochs,
-            batch_size=pr.batch_size,
-            blr=pr.blr,
-            momentum=pr.momentum,
-            weight_decay=pr.weight_decay,
-            warmup_epochs=pr.warmup_epochs,
-            seed=cfg.seed,
-        )
+        per_slot = linear_probes(*train, *val, num_classes, settings=pr, seed=cfg.seed)
     return facts | _headline(per_slot, slots)
 
 
@@ -172,23 +180,15 @@ def _headline(per_slot: list[dict], slots: list) -> dict:
     return out
 
 
-def _mae(
-    cfg,
-    encoder: VisionTransformer,
-    spec: dict,
-    val: tuple,
-    num_classes: int,
-    slots: list,
-    rank: int,
-    world: int,
-) -> dict:
+def _mae(cfg, setup: ProbeSetup, val: tuple, features: FeatureSpec, rank: int, world: int) -> dict:
     """MAE's protocol: the training stream augmented on the fly (mpp.data's RandomResizedCrop +
     flip at MAE_CROP_SCALE), a step of probe.batch_size images across the ranks, LARS."""
     from mpp.data import expand_shards
     from mpp.data.census import census
 
     d, pr = cfg.data, cfg.probe
-    shards = expand_shards(spec["train"])
+    encoder, num_classes, slots = setup.encoder, setup.num_classes, features.slots
+    shards = expand_shards(setup.shards["train"])
     counted = census(shards, d.allow_pipe)
     steps = counted.total // pr.batch_size  # MAE's loader drops the last partial batch
     if steps < 1 or pr.batch_size % world:
@@ -234,9 +234,7 @@ def _mae(
             val,
             epochs=pr.epochs,
             accum=accum,
-            slots=slots,
-            mean=d.mean,
-            std=d.std,
+            features=features,
         )
     finally:
         loader.close()
@@ -249,8 +247,8 @@ def _mae(
     )
 
 
-def _probe_setup(cfg, kind: str) -> tuple[VisionTransformer, dict[str, object], int]:
-    """(the encoder from ``init``, the train/val shard specs, the class count); ConfigError names the key."""
+def _probe_setup(cfg, kind: str) -> ProbeSetup:
+    """The encoder from ``init``, the train/val shard specs, the class count; ConfigError names the key."""
     from mpp.build import build_encoder
     from mpp.data import digits_shards, expand_shards, read_sizes
 
@@ -273,4 +271,4 @@ def _probe_setup(cfg, kind: str) -> tuple[VisionTransformer, dict[str, object], 
         raise ConfigError(
             f"{cfg._source}: data.num_classes: not set and the shards carry no class list"
         )
-    return encoder, spec, num_classes
+    return ProbeSetup(encoder, spec, num_classes)

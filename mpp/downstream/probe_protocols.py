@@ -20,11 +20,11 @@ import torch
 from torch import Tensor, nn
 
 from mpp.downstream.probe import (
+    FeatureSpec,
     HeadTrainer,
     LinearHead,
     Probe,
     Slot,
-    pooled_features,
     scaled_lr,
     train_on_features,
 )
@@ -93,15 +93,12 @@ def mae_probe(
     *,
     epochs: int,
     accum: int,
-    slots: list[Slot],
-    mean,
-    std,
+    features: FeatureSpec,
 ) -> dict:
     """Train ``trainer``'s heads for ``epochs`` passes of the augmented training stream (each
-    step the features of ``accum`` loader batches on every rank, gathered: every rank takes the
-    same step), evaluating on the cached ``val`` features after each epoch (MAE reports the max)."""
-    from mpp.ops import normalize
-
+    step the ``features`` of ``accum`` loader batches on every rank, gathered: every rank takes
+    the same step), evaluating on the cached ``val`` features after each epoch (MAE reports the
+    max)."""
     encoder.eval()
     device = next(encoder.parameters()).device
     history = []
@@ -109,8 +106,7 @@ def mae_probe(
         loader.set_epoch(epoch)
         feats, labels = [], []
         for batch in loader:
-            images = normalize(batch["image"].to(device, non_blocking=True), mean, std)
-            feats.append(pooled_features(encoder, images, slots))
+            feats.append(features.pool(encoder, batch["image"]))
             labels.append(batch["label"].to(device))
             if len(feats) == accum:
                 trainer.step(_gather_rows(torch.cat(feats)), _gather_rows(torch.cat(labels)))
