@@ -246,7 +246,8 @@ def test_a_failed_cell_is_reported_and_the_others_go_on(tmp_path, digits16):
             ["masking.strategy=random,spiral"],
             "masking.strategy=spiral",
             "masking.strategy=random",
-            "masking: unknown masking strategy 'spiral'",
+            "masking.strategy: Input should be 'random', 'block', 'grid', 'center' or 'units' "
+            "(got 'spiral')",
         ),
         (
             ["masking.strategy=random,grid", "objective.mask_ratio=0.6"],
