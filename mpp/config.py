@@ -44,6 +44,12 @@ DERIVED_DS_KEYS = {
 }
 
 
+# DINO's weighted k-NN (k = 20, temperature 0.07): the k-NN probe's and the monitor's defaults
+KNN_K, KNN_TEMPERATURE = 20, 0.07
+# the data keys that ask for a labelled subset (few labels): one at most
+LABEL_SUBSET_KEYS = ("labels_per_class", "label_fraction", "label_keys")
+
+
 class ConfigError(ValueError):
     """A bad configuration: one line naming the key and the file."""
 
@@ -100,6 +106,13 @@ class DataConfig(_Section):
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
     allow_pipe: bool = False  # `pipe:` URLs run shell commands: only when asked for
+    # few labels (fine-tuning, the linear probe and k-NN; mpp.data.labels): K labelled samples
+    # per class, a fraction p of them (K = round(p N / C) per class) or a file of keys, chosen
+    # from the training shards with label_seed; the validation shards always stay whole
+    labels_per_class: int | None = Field(None, gt=0)
+    label_fraction: float | None = Field(None, gt=0.0, le=1.0)
+    label_keys: str | None = None
+    label_seed: int = 0
     log_keys: bool = (
         False  # RUN/keys/rankN.jsonl: every trained sample's key, by (epoch, micro-batch)
     )
@@ -113,7 +126,15 @@ class DataConfig(_Section):
             raise ValueError(f"crop_ratio must satisfy 0 < min <= max, got {self.crop_ratio}")
         if any(s <= 0 for s in self.std):
             raise ValueError(f"std must be positive, got {self.std}")
+        chosen = [k for k in LABEL_SUBSET_KEYS if getattr(self, k) is not None]
+        if len(chosen) > 1:
+            raise ValueError(f"set one of {', '.join(chosen)}, not several")
         return self
+
+    @property
+    def label_subset_key(self) -> str | None:
+        """The key that asks for a labelled subset (``data.labels_per_class``, ...), if any."""
+        return next((k for k in LABEL_SUBSET_KEYS if getattr(self, k) is not None), None)
 
 
 class OptimConfig(_Section):
@@ -181,6 +202,9 @@ class TrainConfig(_Section):
     preview_every: int = Field(
         1000, ge=0
     )  # pictures of the objective on fixed val images (mpp.train.preview); 0: none
+    # the monitor (mpp.train.monitor, the monitor section): every this many optimiser steps and
+    # after the last, a k-NN top-1 of the encoder and the objective's held-out signal; 0: never
+    monitor_every: int = Field(200, ge=0)
     report_to: list[Literal["tensorboard", "wandb"]] = [
         "tensorboard"
     ]  # besides metrics.jsonl; wandb is optional
@@ -291,11 +315,37 @@ class RunConfig(_Section):
         )
 
 
+class MonitorSection(_Section):
+    """What pretraining measures every ``train.monitor_every`` steps (``mpp.train.monitor``): the
+    weighted k-NN of ``downstream/knn.py`` (``pool``, ``k``, ``temperature``) with a bank of
+    ``bank_per_class`` labelled training samples per class (chosen with ``seed``) scored on the
+    whole of ``val_shards``, and the objective's own signal on those held-out images."""
+
+    bank_per_class: int = Field(20, gt=0)
+    # None: data.val_shards, else the built-in dataset's validation split
+    val_shards: str | list[str] | None = None
+    seed: int = 0
+    pool: Literal["token", "avg"] = "token"
+    k: int = Field(KNN_K, gt=0)
+    temperature: float = Field(KNN_TEMPERATURE, gt=0.0)
+
+
 class Config(RunConfig):
     """Pretraining: the objective and its masking."""
 
     objective: ObjectiveConfig = MPPConfig()
     masking: MaskingConfig = RandomMasking()
+    monitor: MonitorSection = MonitorSection()
+
+    @model_validator(mode="after")
+    def _every_image(self) -> Config:
+        """Pretraining trains on every image: a labelled subset is the evaluations'."""
+        if (key := self.data.label_subset_key) is not None:
+            raise ValueError(
+                f"data.{key}: a labelled subset is for fine-tuning and the probes; pretraining "
+                "trains on every image (the monitor's labelled bank is monitor.bank_per_class)"
+            )
+        return self
 
     @field_validator("objective", mode="before")
     @classmethod
@@ -342,6 +392,9 @@ class FinetuneSection(_Section):
     randaug_m: int = Field(9, ge=0, le=30)
     reprob: float = Field(0.25, ge=0.0, le=1.0)  # random erasing
     eval_batch_size: int | None = Field(None, gt=0)
+    # evaluate every this many optimiser steps (and at the end); None: every epoch. With few
+    # labels an epoch is a few steps: evaluate on a schedule of steps instead
+    eval_every: int | None = Field(None, gt=0)
     # the fresh head's init: MAE's fine-tuning (2e-5, so the first steps do not push large random
     # gradients into pretrained blocks); timm's supervised recipe from scratch uses 0.02
     head_init_std: float = Field(2e-5, gt=0.0)
@@ -373,8 +426,8 @@ class ProbeSection(_Section):
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
     warmup_epochs: int = Field(10, ge=0)
-    k: int = Field(20, gt=0)
-    temperature: float = Field(0.07, gt=0.0)
+    k: int = Field(KNN_K, gt=0)
+    temperature: float = Field(KNN_TEMPERATURE, gt=0.0)
     # the linear probe's recipe (README "Probe protocols"): cached features + SGD, MAE's
     # (BatchNorm + LARS, augmented images through the frozen encoder), DINOv2's (a grid in one pass)
     protocol: Literal["fast", "mae", "dinov2"] = "fast"

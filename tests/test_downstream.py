@@ -13,7 +13,7 @@ from test_vit import timm_vit_keys
 
 from mpp.config import ConfigError, FinetuneConfig, validate
 from mpp.data.augment import mixup_cutmix, random_erasing, soft_targets
-from mpp.downstream.probe import knn_classify
+from mpp.features import knn_classify
 from mpp.hub.export import export
 from mpp.hub.pretrained import load_into, load_pretrained
 from mpp.models import create_vit, resample_abs_pos_embed

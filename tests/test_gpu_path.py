@@ -258,7 +258,7 @@ def test_fine_tune_evaluation_reads_with_the_configured_workers(
     raw.pop("objective"), raw.pop("masking")
     cfg = FinetuneConfig.model_validate(raw)
     plan = SimpleNamespace(img_size=16, micro_batch=8, steps_per_epoch=1)
-    ev = evaluate.EpochEvaluator(cfg, plan, tmp_path, torch.device("cpu"), {})
+    ev = evaluate.Evaluator(cfg, plan, tmp_path, torch.device("cpu"), {})
     with pytest.raises(Enough):
         ev(SimpleNamespace(module=SimpleNamespace(num_classes=10)), SimpleNamespace(step=1))
     assert seen["num_workers"] == 6

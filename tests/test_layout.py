@@ -91,6 +91,8 @@ LAYERS = {
     "mpp.parallel": set(),  # process group, launcher, ZeRO internals, EMA, the DeepSpeed config
     "mpp.models": {"mpp.ops"},
     "mpp.masking": {"mpp.ops"},
+    # frozen-encoder features and the k-NN vote: the probes' and the training monitor's
+    "mpp.features": {"mpp.models", "mpp.ops"},
     # the typed sections: the objectives' and the masks' own, the deepspeed section's defaults
     "mpp.config": {"mpp.ops", "mpp.parallel.ds_config", "mpp.objectives.configs", "mpp.masking"},
     "mpp.objectives": {
@@ -104,6 +106,7 @@ LAYERS = {
     "mpp.train": {
         "mpp.config",
         "mpp.data",
+        "mpp.features",
         "mpp.parallel",
         "mpp.objectives",
         "mpp.masking",
@@ -126,6 +129,7 @@ LAYERS = {
         "mpp.cli",
         "mpp.config",
         "mpp.data",
+        "mpp.features",
         "mpp.models",
         "mpp.objectives",
         "mpp.ops",
@@ -193,7 +197,7 @@ def test_the_layering_rule_catches_an_import_going_up():
         "mpp.data.loader imports mpp.objectives.mae (mpp.data may import nothing of ours)",
         "mpp.models.vit imports mpp.train.engine (mpp.models may import ['mpp.ops'])",
         "mpp.train.engine imports mpp.tools.ablation (mpp.train may import ['mpp.config', 'mpp.data', "
-        "'mpp.masking', 'mpp.objectives', 'mpp.ops', 'mpp.parallel'])",
+        "'mpp.features', 'mpp.masking', 'mpp.objectives', 'mpp.ops', 'mpp.parallel'])",
     ]
 
 

@@ -15,11 +15,8 @@ from mpp.downstream.probe import (
     HeadTrainer,
     LinearHead,
     Probe,
-    feature_slots,
-    knn_scores,
     linear_probe,
     linear_probes,
-    pooled_features,
     scaled_lr,
 )
 from mpp.downstream.probe_protocols import (
@@ -31,6 +28,7 @@ from mpp.downstream.probe_protocols import (
     mae_heads,
     micro_batches,
 )
+from mpp.features import feature_slots, knn_scores, pooled_features
 from mpp.models import create_vit
 
 

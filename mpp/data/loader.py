@@ -135,6 +135,8 @@ class StreamConfig:
     shard_sizes: tuple[int, ...] | None = (
         None  # samples per shard (mpp.data.census); None: counted by the loader
     )
+    # per shard, the only sample keys read (a labelled subset, mpp.data.labels); None: all of them
+    shard_keys: tuple[frozenset[str], ...] | None = None
 
 
 class _Stream(IterableDataset):
@@ -166,6 +168,7 @@ class _TrainStream(_Stream):
             list(c.shard_sizes),
             epoch_order(len(self.shards), c.seed, c.epoch),
             c.allow_pipe,
+            c.shard_keys,
         )
         select = partial(
             select_image, errors=errors, with_labels=c.with_labels, num_classes=c.num_classes
@@ -223,11 +226,14 @@ class _EvalStream(_Stream):
         worker, num_workers = _worker_info()
         errors = SkipCounter(c.max_consecutive_errors)
         # split by node, then by worker: every shard read exactly once
-        mine = self.shards[c.rank :: c.world_size][worker::num_workers]
+        mine = list(range(len(self.shards)))[c.rank :: c.world_size][worker::num_workers]
+        items = [{"url": self.shards[i]} for i in mine]
+        if c.shard_keys is not None:  # a labelled subset: only its samples are read
+            items = [{**item, "keys": c.shard_keys[i]} for item, i in zip(items, mine, strict=True)]
         resize_crop = partial(eval_transform, img_size=c.img_size)
         to_batch = partial(collate, with_keys=c.with_keys)
         pipeline = wds.DataPipeline(
-            partial(iter, [{"url": url} for url in mine]),
+            partial(iter, items),
             partial(shard_samples, errors=errors, allow_pipe=c.allow_pipe),
             partial(
                 select_image, errors=errors, with_labels=c.with_labels, num_classes=c.num_classes
@@ -424,6 +430,8 @@ def make_train_loader(
     """
     cfg = replace(stream, **settings) if stream is not None else StreamConfig(**settings)
     shards = _validate(shards, cfg.allow_pipe, cfg.rank, cfg.world_size)
+    if cfg.shard_sizes is None and cfg.shard_keys is not None:  # a labelled subset's own counts
+        cfg = replace(cfg, shard_sizes=tuple(len(keys) for keys in cfg.shard_keys))
     if cfg.shard_sizes is None:
         cfg = replace(cfg, shard_sizes=tuple(census(shards, cfg.allow_pipe).sizes))
     if len(cfg.shard_sizes) != len(shards):

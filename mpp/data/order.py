@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import webdataset as wds
@@ -37,12 +37,14 @@ def epoch_order(num_shards: int, seed: int, epoch: int) -> list[int]:
 @dataclass(frozen=True)
 class EpochShards:
     """One epoch's concatenation: ``shards`` (``sizes`` samples each, counted before training)
-    read end to end in the epoch's ``order``; ``allow_pipe`` lets ``pipe:`` URLs run."""
+    read end to end in the epoch's ``order``; ``allow_pipe`` lets ``pipe:`` URLs run. ``keys``:
+    per shard, the only samples read (a labelled subset, ``mpp.data.labels``; ``sizes`` count them)."""
 
     shards: list[str]
     sizes: list[int]
     order: list[int]
     allow_pipe: bool
+    keys: Sequence[frozenset[str]] | None = None
 
     def read_from(self, start: int, errors: SkipCounter) -> Iterator[dict]:
         """Raw tar samples from position ``start`` of the concatenation, wrapping around forever."""
@@ -53,9 +55,12 @@ class EpochShards:
             offset -= sizes[order[first]]
             first += 1
         for n in itertools.count():
-            url = self.shards[order[(first + n) % len(order)]]
+            index = order[(first + n) % len(order)]
+            item = {"url": self.shards[index], "skip": offset if n == 0 else 0}
+            if self.keys is not None:
+                item["keys"] = self.keys[index]
             yield from shard_samples(
-                [{"url": url, "skip": offset if n == 0 else 0}],
+                [item],
                 errors,
                 self.allow_pipe,
                 images_only=True,

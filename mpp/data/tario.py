@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gzip
 import io
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 from .errors import SkipCounter
 from .sources import open_shard
@@ -62,12 +62,16 @@ def _skip(stream, n: int) -> bool:
     return len(_read_exact(stream, n)) == n
 
 
-def read_tar(
-    stream, skip: Callable[[str], bool] | None = None
-) -> Iterator[tuple[str, bytes | None]]:
+# what ``read_tar`` does with a member, as a rule (``Rule``) decides from its name
+READ, MARK, DROP = "read", "mark", "drop"  # its bytes; (name, None); nothing at all
+Rule = Callable[[str], str]
+
+
+def read_tar(stream, rule: Rule | None = None) -> Iterator[tuple[str, bytes | None]]:
     """(name, bytes) of each regular file in an uncompressed tar stream (ustar, GNU, pax names).
-    ``skip(name)`` true: the member's data is passed over (a seek when the stream can) and
-    (name, None) yielded: resuming inside a shard reads only its headers up to there."""
+    ``rule(name)``: READ (the default), MARK (the data passed over, a seek when the stream can,
+    and (name, None) yielded) or DROP (passed over, nothing yielded): resuming inside a shard or
+    reading a subset of its samples reads only the headers of the rest."""
     pax: dict[str, str] = {}
     long_name = None
     while True:
@@ -88,19 +92,19 @@ def read_tar(
             prefix = header[345:500].rstrip(b"\0").decode("utf-8", "replace")
             name = f"{prefix}/{name}" if prefix else name
         name = pax.get("path") or long_name or name
-        regular = kind in (b"0", b"\0", b"7") and not name.endswith(
-            "/"
-        )  # old tars mark directories by the slash
+        # old tars mark directories by the slash
+        regular = kind in (b"0", b"\0", b"7") and not name.endswith("/")
         padding = -size % BLOCK
-        if regular and skip is not None and skip(name):
+        action = rule(name) if regular and rule is not None else READ
+        if action != READ:
             if not _skip(stream, size + padding):
                 raise TarError(f"truncated inside {name}", name)
             pax, long_name = {}, None
-            yield name, None
+            if action == MARK:
+                yield name, None
             continue
-        data = _read_exact(
-            stream, size
-        )  # exactly the member: slicing off the padding would copy it
+        # exactly the member: slicing off the padding would copy it
+        data = _read_exact(stream, size)
         if len(data) < size or len(_read_exact(stream, padding)) < padding:
             raise TarError(f"truncated inside {name} ({len(data)} of {size} bytes)", name)
         if kind == b"x":
@@ -127,43 +131,54 @@ def _is_meta(key: str | None) -> bool:
     return key is None or key.rsplit("/", 1)[-1].startswith("__")  # no extension, or e.g. __index__
 
 
-def _first_samples(n: int) -> Callable[[str], bool]:
-    """A ``read_tar`` skip rule: true for the members of the shard's first ``n`` samples that have
-    an image (the training order counts only those: ``tar_samples(images_only=True)``)."""
-    seen = {
-        "key": None,
-        "with_image": False,
-        "done": 0,
-    }  # done: image samples finished before this one
+def member_rule(
+    skip: int = 0,
+    keys: Collection[str] | None = None,
+    members: Collection[str] | None = None,
+    headers_only: bool = False,
+) -> Rule:
+    """The ``read_tar`` rule of ``tar_samples``: DROP the members of samples whose key is not in
+    ``keys`` (a subset of the shard), then of the first ``skip`` of the remaining samples that
+    have an image (the training order counts only those); of the rest, READ the ``members``
+    extensions (all when None) and MARK the others (every one with ``headers_only``)."""
+    seen = {"key": None, "with_image": False, "done": 0}  # done: image samples before this one
 
-    def skip(name: str) -> bool:
+    def rule(name: str) -> str:
         key, ext = split_name(name)
-        if _is_meta(key):
-            return seen["done"] + seen["with_image"] <= n  # read only once past the skipped ones
-        if key != seen["key"]:
-            seen["done"] += seen["with_image"]
-            seen["key"], seen["with_image"] = key, False
-        seen["with_image"] |= ext in IMAGE_KEYS
-        return seen["done"] < n
+        if _is_meta(key) or (keys is not None and key not in keys):
+            return DROP
+        if skip:
+            if key != seen["key"]:
+                seen["done"] += seen["with_image"]
+                seen["key"], seen["with_image"] = key, False
+            seen["with_image"] |= ext in IMAGE_KEYS
+            if seen["done"] < skip:
+                return DROP
+        if headers_only or (members is not None and ext not in members):
+            return MARK
+        return READ
 
-    return skip
-
-
-def _always(name: str) -> bool:
-    return True
+    return rule
 
 
 def tar_samples(
-    stream, skip: int = 0, headers_only: bool = False, images_only: bool = False
+    stream,
+    skip: int = 0,
+    headers_only: bool = False,
+    images_only: bool = False,
+    keys: Collection[str] | None = None,
+    members: Collection[str] | None = None,
 ) -> Iterator[tuple[str, dict[str, bytes | None]]]:
     """(key, {ext: bytes}) for each sample of a tar stream, grouped as webdataset groups them:
-    consecutive members with the same key. The one grouping rule of the reader and the census
-    (``mpp.data.census``), so a shard's counted samples are exactly the ones read.
-    ``skip``: the first ``skip`` samples passed over unread; ``headers_only``: nothing read but
-    headers (values None); ``images_only``: samples without an image member left out.
+    consecutive members with the same key. The one grouping rule of the reader, the census
+    (``mpp.data.census``) and the label index (``mpp.data.labels``), so a shard's counted
+    samples are exactly the ones read. ``keys``: only the samples with these keys (a labelled
+    subset); ``skip``: the first ``skip`` samples (of those) passed over unread; ``members``:
+    only these extensions' bytes read, the others' values None; ``headers_only``: nothing read
+    but headers (values None); ``images_only``: samples without an image member left out.
     A cut (``TarError``) ends it after the whole samples before it: the sample being read is
     kept only when the cut is known to be in a later sample's member."""
-    rule = _always if headers_only else _first_samples(skip) if skip else None
+    rule = member_rule(skip, keys, members, headers_only)
     key, sample = None, None
 
     def whole(key: str, sample: dict) -> bool:
@@ -172,8 +187,6 @@ def tar_samples(
     try:
         for name, data in read_tar(stream, rule):
             k, ext = split_name(name)
-            if _is_meta(k) or (data is None and not headers_only):
-                continue  # metadata, or one of the skipped samples
             if sample is not None and k != key:
                 if whole(key, sample):
                     yield key, sample
@@ -193,8 +206,9 @@ def tar_samples(
 def shard_samples(
     src: Iterator[dict], errors: SkipCounter, allow_pipe: bool = False, images_only: bool = False
 ) -> Iterator[dict]:
-    """Pipeline stage: {url[, skip]} -> samples {"__key__", "__url__", ext: bytes}, grouped by key
-    within a shard (``tar_samples``); ``skip``: the shard's first samples are passed over unread."""
+    """Pipeline stage: {url[, skip][, keys]} -> samples {"__key__", "__url__", ext: bytes},
+    grouped by key within a shard (``tar_samples``); ``keys``: only these samples (a labelled
+    subset); ``skip``: the shard's first samples (of those) are passed over unread."""
     for item in src:
         url = item["url"]
         errors.shard_opened(url)
@@ -206,7 +220,10 @@ def shard_samples(
         if url.endswith((".tar.gz", ".tgz")):
             stream = gzip.GzipFile(fileobj=stream)
         try:
-            for key, sample in tar_samples(stream, item.get("skip", 0), images_only=images_only):
+            samples = tar_samples(
+                stream, item.get("skip", 0), images_only=images_only, keys=item.get("keys")
+            )
+            for key, sample in samples:
                 yield {"__key__": key, "__url__": url, **sample}
         except Exception as exn:  # truncation, corrupt headers, network errors
             errors.skip(f"skipping the rest of shard {url}: {exn!r}", url=url)

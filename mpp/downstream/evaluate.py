@@ -72,10 +72,15 @@ def in_step(loader, device: torch.device) -> Iterator[dict | None]:
         yield batch
 
 
-class EpochEvaluator:
-    """``on_epoch_end`` for the engine: evaluate, write ``model_last`` / ``model_best``
-    (.safetensors, fp32, with the architecture) and ``results.json`` (best and last), print a line.
-    Every rank calls it (the evaluation and the ZeRO-3 gather are collectives)."""
+class Evaluator:
+    """The trainer's ``evaluate`` hook: evaluate, write ``model_last`` / ``model_best``
+    (.safetensors, fp32, with the architecture) and ``results.json``, print a line. Every rank
+    calls it (the evaluation and the ZeRO-3 gather are collectives).
+
+    ``results.json``'s ``top1`` / ``top5`` / ``epoch`` are the last evaluation's: the best epoch
+    picked on the validation set overstates what a recipe reaches (more with few labels, where
+    epochs are noisy), so it is only an extra, ``max_top1`` (MAE's "max accuracy"), with its
+    weights in ``model_best``."""
 
     def __init__(
         self,
@@ -133,10 +138,12 @@ class EpochEvaluator:
             ckpt.save_weights(enc, self.run_dir / "model_best.safetensors", meta)
         best = self.best
         out = {
-            "top1": best["top1"],
-            "top5": best["top5"],
-            "epoch": best["epoch"],
+            "top1": res["top1"],
+            "top5": res["top5"],
+            "epoch": res["epoch"],
             "init": self.cfg.init,
+            "max_top1": best["top1"],
+            "num_train": self.plan.samples_per_epoch,
             "last": res,
             "best": best,
         }

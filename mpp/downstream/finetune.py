@@ -15,7 +15,8 @@ import torch.distributed as dist
 from mpp.build import build_encoder
 from mpp.config import ConfigError, FinetuneConfig
 from mpp.data import digits_shards, expand_shards, read_sizes
-from mpp.downstream.evaluate import EpochEvaluator
+from mpp.data.labels import KEY_FILE
+from mpp.downstream.evaluate import Evaluator
 from mpp.models.vit import vit_config
 from mpp.objectives.classifier import Classifier
 from mpp.train.checkpointer import encoder_kwargs
@@ -66,9 +67,22 @@ def run_finetune(
     device: torch.device,
     resume: str | None = None,
 ) -> dict:
-    """Fine-tune under DeepSpeed, evaluate every epoch, keep the best and last weights,
-    write results.json (top1, top5, epoch, init). Returns the results on rank 0."""
+    """Fine-tune under DeepSpeed, evaluate every epoch (or ``finetune.eval_every`` steps), keep
+    the last and the best weights, write results.json (top1, top5, epoch and init of the last
+    evaluation; ``max_top1`` the best on the validation set, an extra) and, with few labels,
+    ``label_keys.txt``. Returns the results on rank 0."""
     model_kwargs = {**vit_config(cfg.model.name), **encoder_kwargs(cfg, model.encoder)}
-    evaluator = EpochEvaluator(cfg, plan, run_dir, device, model_kwargs, resume)
-    Trainer(cfg, model, plan, run_dir, device, resume=resume, on_epoch_end=evaluator).train()
+    if plan.subset is not None and dist.get_rank() == 0:  # few labels: which ones, for reuse
+        plan.subset.write(run_dir / KEY_FILE)
+    evaluator = Evaluator(cfg, plan, run_dir, device, model_kwargs, resume)
+    Trainer(
+        cfg,
+        model,
+        plan,
+        run_dir,
+        device,
+        resume=resume,
+        evaluate=evaluator,
+        evaluate_every=cfg.finetune.eval_every,
+    ).train()
     return json.loads(evaluator.results_path.read_text()) if dist.get_rank() == 0 else {}

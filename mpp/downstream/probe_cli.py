@@ -14,15 +14,8 @@ import torch
 
 from mpp.config import ConfigError, ProbeConfig
 from mpp.data import make_eval_loader, make_train_loader
-from mpp.downstream.probe import (
-    FeatureSpec,
-    HeadTrainer,
-    extract_features,
-    feature_slots,
-    knn_classify,
-    linear_probes,
-    scaled_lr,
-)
+from mpp.data.labels import KEY_FILE, LabelledSubset
+from mpp.downstream.probe import HeadTrainer, linear_probes, scaled_lr
 from mpp.downstream.probe_protocols import (
     MAE_CROP_SCALE,
     dinov2_probe,
@@ -31,17 +24,26 @@ from mpp.downstream.probe_protocols import (
     mae_probe,
     micro_batches,
 )
+from mpp.features import FeatureSpec, extract_features, feature_slots, knn_classify
 from mpp.models.vit import VisionTransformer
 
 
 @dataclass(frozen=True)
 class ProbeSetup:
     """What a probe evaluates (``_probe_setup``): the encoder from ``init``, the train/val shard
-    specs ({"train": spec, "val": spec}) and the class count."""
+    specs ({"train": spec, "val": spec}), the class count and, with few labels, the training
+    subset (``mpp.data.labels``; the validation shards stay whole)."""
 
     encoder: VisionTransformer
     shards: dict[str, object]
     num_classes: int
+    subset: LabelledSubset | None = None
+
+    def loader_args(self, split: str) -> dict:
+        """``make_eval_loader``'s shards (and subset keys) for ``split``."""
+        if split == "train" and self.subset is not None:
+            return {"shards": self.subset.shards, "shard_keys": self.subset.keys}
+        return {"shards": self.shards[split]}
 
 
 def probe_parser(kind: str):
@@ -98,7 +100,11 @@ def run_probe(kind: str, argv: list[str] | None = None, script: str | None = Non
         else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     )
     try:
+        # few labels: chosen by the ranks together (the label index is a collective)
+        setup = replace(setup, subset=_labelled_subset(cfg, setup, world))
         run_dir = open_run_dir(cfg, rank)  # held by this job: a second one on it stops here
+        if setup.subset is not None and rank == 0:
+            setup.subset.write(run_dir / KEY_FILE)
         on_device = replace(setup, encoder=setup.encoder.to(device))
         results = _evaluate(kind, cfg, on_device, rank, world)
     except ConfigError as e:
@@ -143,7 +149,7 @@ def _evaluate(kind: str, cfg, setup: ProbeSetup, rank: int, world: int) -> dict:
 
     def extract(split: str) -> tuple:
         return extract_features(
-            encoder, eval_loader(setup.shards[split]), features, world_size=world
+            encoder, eval_loader(**setup.loader_args(split)), features, world_size=world
         )
 
     val = extract("val")
@@ -188,12 +194,16 @@ def _mae(cfg, setup: ProbeSetup, val: tuple, features: FeatureSpec, rank: int, w
 
     d, pr = cfg.data, cfg.probe
     encoder, num_classes, slots = setup.encoder, setup.num_classes, features.slots
-    shards = expand_shards(setup.shards["train"])
-    counted = census(shards, d.allow_pipe)
-    steps = counted.total // pr.batch_size  # MAE's loader drops the last partial batch
+    if setup.subset is not None:  # few labels: the stream reads the subset's samples only
+        shards, sizes, keys = setup.subset.shards, setup.subset.sizes, setup.subset.keys
+    else:
+        shards = expand_shards(setup.shards["train"])
+        sizes, keys = census(shards, d.allow_pipe).sizes, None
+    total = sum(sizes)
+    steps = total // pr.batch_size  # MAE's loader drops the last partial batch
     if steps < 1 or pr.batch_size % world:
         raise ConfigError(
-            f"{cfg._source}: probe.batch_size: {pr.batch_size} must be at most the {counted.total} "
+            f"{cfg._source}: probe.batch_size: {pr.batch_size} must be at most the {total} "
             f"training samples and a multiple of the {world} ranks (the mae protocol's step)"
         )
     lr = scaled_lr(pr.blr, pr.batch_size)
@@ -221,7 +231,8 @@ def _mae(cfg, setup: ProbeSetup, val: tuple, features: FeatureSpec, rank: int, w
         num_classes=num_classes,
         seed=cfg.seed,
         crop_scale=MAE_CROP_SCALE,
-        shard_sizes=tuple(counted.sizes),
+        shard_sizes=tuple(sizes),
+        shard_keys=keys,
         num_workers=d.num_workers,
         persistent=True,
         allow_pipe=d.allow_pipe,
@@ -242,9 +253,22 @@ def _mae(cfg, setup: ProbeSetup, val: tuple, features: FeatureSpec, rank: int, w
         {**r, "max_top1": m, "train_loss": loss}
         for r, m, loss in zip(res["last"], res["max_top1"], res["train_loss"], strict=True)
     ]
-    return {"num_train": counted.total, "lr": lr, "steps_per_epoch": steps} | _headline(
-        per_slot, slots
-    )
+    return {"num_train": total, "lr": lr, "steps_per_epoch": steps} | _headline(per_slot, slots)
+
+
+def _labelled_subset(cfg, setup: ProbeSetup, world: int) -> LabelledSubset | None:
+    """``data.labels_per_class`` / ``label_fraction`` / ``label_keys``: the training subset, chosen
+    by every rank together (``mpp.train.plan.labelled_subset``); ConfigError names the key."""
+    from mpp.data import expand_shards
+    from mpp.train.plan import labelled_subset
+
+    if cfg.data.label_subset_key is None:
+        return None
+    try:
+        shards = expand_shards(setup.shards["train"])
+    except ValueError as e:
+        raise ConfigError(f"{cfg._source}: data.train_shards: {e}") from None
+    return labelled_subset(cfg, shards, setup.num_classes)
 
 
 def _probe_setup(cfg, kind: str) -> ProbeSetup:

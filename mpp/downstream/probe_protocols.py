@@ -20,14 +20,13 @@ import torch
 from torch import Tensor, nn
 
 from mpp.downstream.probe import (
-    FeatureSpec,
     HeadTrainer,
     LinearHead,
     Probe,
-    Slot,
     scaled_lr,
     train_on_features,
 )
+from mpp.features import FeatureSpec, Slot
 from mpp.models.vit import VisionTransformer
 
 if TYPE_CHECKING:

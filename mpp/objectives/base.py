@@ -24,6 +24,13 @@ class Objective(nn.Module):
         ``label`` (B,) where the stream has labels). Self-supervised objectives: the images."""
         return (batch["image"],)
 
+    def held_out_metrics(self, images: Tensor) -> dict[str, Tensor]:
+        """The objective's own signal on held-out images (the training monitor,
+        ``mpp.train.monitor``): name -> one value per image (B,), so the monitor can average
+        them exactly over chunks and ranks. Called under ``no_grad``, in eval mode, with the RNG
+        forked and seeded (the same masks at every monitor). Default: none."""
+        return {}
+
     def set_progress(self, epoch: float, total_epochs: float) -> None:
         """Called by the engine before every micro-step: ``epoch`` counts completed epochs
         fractionally (step / steps_per_epoch). Schedules (HPM's easy-to-hard alpha, the
@@ -83,3 +90,10 @@ class PerPatchObjective(Objective):
         self, images: Tensor, mask: Tensor | None = None
     ) -> PerPatch:  # pragma: no cover
         raise NotImplementedError
+
+    def per_image_metrics(self, out: PerPatch) -> dict[str, Tensor]:
+        """What ``forward_per_patch`` says of each image (B,): its masked patches' mean loss."""
+        return {"loss": out["loss"].mean(1)}
+
+    def held_out_metrics(self, images: Tensor) -> dict[str, Tensor]:
+        return self.per_image_metrics(self.forward_per_patch(images))

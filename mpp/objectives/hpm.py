@@ -237,6 +237,17 @@ class HardPatchesMining(Objective):
             return ranking_loss(pred, target.detach())
         return zscore_mse_loss(pred, target.detach())
 
+    def held_out_metrics(self, images: Tensor) -> dict[str, Tensor]:
+        """Whether the loss predictor learns: Spearman's rank correlation between the student's
+        predicted and the true per-patch loss over each image's masked patches (random masks, so
+        it does not depend on the teacher), and the base's own signal under those masks."""
+        out = self.base.forward_per_patch(images)
+        pred = gather_tokens(self.predict_loss(out["tokens"], self.predictor), out["idx"])
+        return {
+            "rank_corr": rank_correlation(pred, out["loss"]),
+            **self.base.per_image_metrics(out),
+        }
+
     def forward(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         mask, _ = self.hard_patch_masking(images)
         out = self.base.forward_per_patch(images, mask)  # loss (B, N_mask) at idx (B, N_mask)

@@ -124,6 +124,10 @@ class MaskedAutoencoder(PerPatchObjective):
         loss = self.forward_loss(images, pred, masked_idx)
         return {"loss": loss, "idx": masked_idx, "mask": mask, "tokens": tokens, "pred": pred}
 
+    def per_image_metrics(self, out: PerPatch) -> dict[str, Tensor]:
+        """The reconstruction loss of the masked patches, per image."""
+        return {"rec_loss": out["loss"].mean(1)}
+
     def forward(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         loss = self.forward_per_patch(images)["loss"].mean()
         return loss, {"loss": loss.detach()}

@@ -190,6 +190,13 @@ class MaskedPatchPrediction(PerPatchObjective):
             "pred": pred,
         }
 
+    def per_image_metrics(self, out: MPPPerPatch) -> dict[str, Tensor]:
+        """Masked-patch accuracy (the ViT paper's pretraining metric) and cross-entropy per image."""
+        metrics = {"masked_loss": out["loss"].mean(1)}
+        if self.target != "pixel":
+            metrics["masked_acc"] = out["correct"].mean(1)
+        return metrics
+
     def forward(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         out = self.forward_per_patch(images)
         loss = out["loss"].mean()

@@ -185,18 +185,20 @@ class MetricLog:
         return record
 
     def _emit(self, record: dict, section: str) -> None:
+        """One metrics.jsonl line; each number to the reporters as ``section/key`` (a key that
+        names its section already, ``monitor/knn_top1``, as it is)."""
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         values = {
-            f"{section}/{k}": v
+            k if "/" in k else f"{section}/{k}": v
             for k, v in record.items()
             if k != "step" and isinstance(v, (int, float))
         }
         for reporter in self.reporters:
             reporter.log(values, record["step"])
 
-    def write(self, state: RunState, plan: Plan, values: dict | None) -> None:
-        """An extra record (e.g. validation results) at this step, rank 0 only."""
+    def write(self, state: RunState, plan: Plan, values: dict | None, section: str = "val") -> None:
+        """An extra record (validation results; the monitor's) at this step, rank 0 only."""
         if self.rank != 0 or not values:
             return
         record = {
@@ -204,7 +206,7 @@ class MetricLog:
             "epoch": round(state.step / plan.steps_per_epoch, 4),
             **values,
         }
-        self._emit(record, "val")
+        self._emit(record, section)
 
     def close(self) -> None:
         if self.file:

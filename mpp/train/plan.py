@@ -12,6 +12,7 @@ from pathlib import Path
 from mpp.config import Config, ConfigError, RunConfig
 from mpp.data import StreamConfig, digits_shards, expand_shards
 from mpp.data.census import Census, census
+from mpp.data.labels import LabelledSubset, choose, from_key_file, label_index
 
 log = logging.getLogger("mpp.plan")
 
@@ -31,6 +32,7 @@ class Plan:
     stream: StreamConfig  # the training stream's settings; the engine adds rank, epoch and position
     missing_shards: int = 0
     census: Census | None = None  # every shard's sample count and where it came from
+    subset: LabelledSubset | None = None  # few labels: the samples trained on (data.labels_*)
 
     @property
     def micro_per_epoch(self) -> int:  # micro-batches per rank per epoch
@@ -56,8 +58,13 @@ def plan_run(
     except ValueError as e:
         raise fail("train.precision", str(e)) from None
     shards, missing = train_shards(cfg, img_size)
-    counted = count_data(cfg, shards)
-    samples, sizes = counted.total, counted.sizes
+    subset = labelled_subset(cfg, shards, num_classes) if num_classes is not None else None
+    if subset is not None:  # few labels: the epoch is the subset, read from the shards holding it
+        counted, shards, sizes = None, subset.shards, subset.sizes
+        samples = subset.total
+    else:
+        counted = count_data(cfg, shards)
+        samples, sizes = counted.total, counted.sizes
     steps_per_epoch = samples // cfg.train.batch_size
     if steps_per_epoch < 1:
         raise fail(
@@ -86,6 +93,7 @@ def plan_run(
         seed=t.seed,
         global_batch=t.batch_size,
         shard_sizes=tuple(sizes),
+        shard_keys=subset.keys if subset is not None else None,
         **cfg.stream_settings(),
     )
     return Plan(
@@ -102,7 +110,45 @@ def plan_run(
         stream,
         len(missing),
         counted,
+        subset,
     )
+
+
+def labelled_subset(
+    cfg: RunConfig, shards: list[str], num_classes: int | None = None
+) -> LabelledSubset | None:
+    """``data.labels_per_class`` / ``label_fraction`` / ``label_keys``: the labelled subset of
+    ``shards`` (``mpp.data.labels``; a collective under a process group), logged once with a
+    warning for each class short of K; None when none is asked for. Labels outside
+    ``[0, num_classes)`` are left out (the stream would skip them). ConfigError names the key."""
+    import torch.distributed as dist
+
+    d, fail = cfg.data, _failer(cfg)
+    key = d.label_subset_key
+    if key is None:
+        return None
+    index = label_index(shards, d.allow_pipe)
+    if num_classes is not None:
+        index = type(index)(
+            index.shards, [[(k, c) for k, c in s if 0 <= c < num_classes] for s in index.samples]
+        )
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    try:
+        if key == "label_keys":
+            subset = from_key_file(index, d.label_keys)
+        else:
+            subset, short = choose(index, d.labels_per_class, d.label_fraction, d.label_seed)
+            for line in short if rank0 else []:
+                log.warning("data.%s: %s", key, line)
+    except OSError as e:
+        raise fail(f"data.{key}", f"cannot read {d.label_keys}: {e.strerror or e}") from None
+    except KeyError as e:
+        raise fail(f"data.{key}", e.args[0]) from None
+    except ValueError as e:
+        raise fail(f"data.{key}", str(e)) from None
+    if rank0:
+        log.info("data: %s", subset.summary())
+    return subset
 
 
 def count_data(cfg: RunConfig, shards: list[str]) -> Census:

@@ -26,6 +26,7 @@ from mpp.ops import normalize
 from mpp.parallel import zero
 from mpp.train.checkpointer import Checkpointer
 from mpp.train.metrics import MetricLog
+from mpp.train.monitor import build_monitor
 from mpp.train.nonfinite import NonFiniteLossError, all_finite, skip_bad_step
 from mpp.train.optim import Schedule, build_optimizer
 from mpp.train.plan import Plan, RunState
@@ -35,13 +36,14 @@ from mpp.train.rng import seed_everything
 
 log = logging.getLogger("mpp.engine")
 
-EpochHook = Callable[[Any, RunState], "dict | None"]  # (DeepSpeed engine, state) -> values to log
+EvalHook = Callable[[Any, RunState], "dict | None"]  # (DeepSpeed engine, state) -> values to log
 
 
 class Trainer:
     """Train ``objective`` under DeepSpeed for ``plan.total_steps`` optimiser steps, resuming from
-    ``resume`` (None, "auto" or a checkpoint path). ``on_epoch_end(engine, state)`` runs on every
-    rank after each epoch and at the end (fine-tuning's evaluation)."""
+    ``resume`` (None, "auto" or a checkpoint path). ``evaluate(engine, state)`` (fine-tuning's
+    evaluation) runs on every rank after each epoch, or every ``evaluate_every`` optimiser steps
+    when given (few labels: an epoch of a small subset is a few steps), and at the end."""
 
     def __init__(
         self,
@@ -51,17 +53,13 @@ class Trainer:
         run_dir: Path,
         device: torch.device,
         resume: str | None = None,
-        on_epoch_end: EpochHook | None = None,
+        evaluate: EvalHook | None = None,
+        evaluate_every: int | None = None,
     ) -> None:
         from tqdm import tqdm
 
-        self.cfg, self.plan, self.run_dir, self.device, self.on_epoch_end = (
-            cfg,
-            plan,
-            run_dir,
-            device,
-            on_epoch_end,
-        )
+        self.cfg, self.plan, self.run_dir, self.device = cfg, plan, run_dir, device
+        self.evaluate, self.evaluate_every = evaluate, evaluate_every
         self.rank = dist.get_rank()
         seed_everything(
             cfg.train.seed + self.rank
@@ -77,6 +75,8 @@ class Trainer:
             run_dir, self.rank, self.state, cfg.train.report_to, cfg.model_dump(mode="json")
         )
         self.preview = build_preview(cfg, plan.img_size, self.objective, device, self.rank)
+        # the k-NN and the objective's held-out signal every train.monitor_every steps
+        self.monitor = build_monitor(cfg, plan, self.objective, device, run_dir)
         self.bar = tqdm(
             total=plan.total_steps,
             initial=self.state.step,
@@ -145,7 +145,7 @@ class Trainer:
 
     def on_step_end(self, stepped: bool, epoch_done: bool) -> None:
         """After an optimiser step: HPM's teacher, the next lr, the bar, a metrics record at log
-        steps, a preview; the epoch hook; a checkpoint when due (or ``Preempted``)."""
+        steps, a preview; the evaluation when due; a checkpoint when due (or ``Preempted``)."""
         t = self.cfg.train
         if stepped:
             after_optimizer_step(self.engine)
@@ -158,15 +158,23 @@ class Trainer:
                 self.bar.set_postfix(
                     loss=f"{record['loss']:.4f}", ips=f"{record['imgs_per_sec']:.1f}"
                 )
-            self.preview(
-                self.objective, self.state.step, self.metrics.reporters
-            )  # every train.preview_every steps
-        if self.on_epoch_end is not None and (
-            epoch_done or (stepped and self.state.step == self.stop)
-        ):
-            self.metrics.write(self.state, self.plan, self.on_epoch_end(self.engine, self.state))
+            # every train.preview_every steps
+            self.preview(self.objective, self.state.step, self.metrics.reporters)
+            last = self.state.step == self.stop
+            values = self.monitor(self.objective, self.state.step, last)
+            self.metrics.write(self.state, self.plan, values, section="monitor")
+        if self.evaluate is not None and self.evaluation_due(stepped, epoch_done):
+            self.metrics.write(self.state, self.plan, self.evaluate(self.engine, self.state))
         if stepped:
             self.checkpointer.maybe_save(self.state, self.stop, self.stop_request)
+
+    def evaluation_due(self, stepped: bool, epoch_done: bool) -> bool:
+        """Every epoch (or ``evaluate_every`` optimiser steps), and after the last step."""
+        if stepped and self.state.step == self.stop:
+            return True
+        if self.evaluate_every is None:
+            return epoch_done
+        return stepped and self.state.step % self.evaluate_every == 0
 
     def recover(self, error: NonFiniteLossError) -> None:
         """``train.on_nonfinite=rollback``: back to the last complete checkpoint with the data past
