@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from mpp.cli import add_submit_arguments
@@ -94,6 +95,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fine-tuning from scratch on its own recipe; default finetune_scratch_demo",
     )
     p.add_argument(
+        "--few-labels",
+        type=int,
+        metavar="K",
+        help="also run every evaluation with K labelled images per class (knn@K, ...)",
+    )
+    p.add_argument(
         "--status",
         metavar="DIR",
         help="show each cell's state in an ablation's output folder and "
@@ -122,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_spec(args.spec, cli_values(args))
         if args.submit:
             return submit(spec, args)
+        started = time.perf_counter()
         rows, failed = run_ablation(spec)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -129,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     except AblationStopped as e:
         print(f"stopped: {e}; the same command continues the ablation", file=sys.stderr)
         return PREEMPTED_EXIT
-    for path in write_report(spec, rows):
+    for path in write_report(spec, rows, time.perf_counter() - started):
         print(f"wrote {path}")
     if failed:
         print(
@@ -170,6 +178,7 @@ def cli_values(args: argparse.Namespace) -> dict:
         "probe_config": args.probe_config,
         "baselines": baselines,
         "scratch_config": args.scratch_config,
+        "few_labels": args.few_labels,
     }
 
 

@@ -1,5 +1,6 @@
-"""The demo's table compares fairly (issue 23 §4): scratch fine-tuned with a schedule of its own,
-and the same short schedule as the pretrained model, both labelled."""
+"""The demo compares in the regime pretraining is for (issue 30 §2): few labels per class, each
+fine-tuning on a schedule counted in steps, scratch on a schedule of its own; the every-label
+rows kept, labelled; the probes read the same few labels."""
 
 import json
 from pathlib import Path
@@ -7,41 +8,54 @@ from pathlib import Path
 import torch
 
 from mpp.config import FinetuneConfig, load_config
-from mpp.tools.demo import ROWS, render, stages, summary
+from mpp.tools.demo import FEW_CONFIG, FINETUNES, labels_per_class, render, stages, summary
 
 
-def test_scratch_gets_its_own_schedule_and_the_equal_schedule_row_stays(tmp_path):
+def test_few_labels_first_and_scratch_on_its_own_schedule_every_time(tmp_path):
     todo = {name: cmd for name, cmd, _ in stages(tmp_path, ["--num_gpus", "2"])}
-    own = todo["finetune scratch_own"]
-    assert own[own.index("--config") + 1] == "finetune_scratch_demo" and "init=scratch" in own
-    same = todo["finetune scratch"]
-    assert same[same.index("--config") + 1] == "finetune_demo" and "init=scratch" in same
-    short = load_config("finetune_demo", cls=FinetuneConfig)
-    fair = load_config("finetune_scratch_demo", cls=FinetuneConfig)
-    assert fair.train.epochs == 3 * short.train.epochs  # its own schedule, not the pretrained one's
+    config = lambda cmd: cmd[cmd.index("--config") + 1]  # noqa: E731
+    assert [k for k, *_ in FINETUNES] == ["few_pretrained", "few_scratch", "pretrained", "scratch"]
+    few, few_scratch = (
+        load_config(config(todo[f"finetune {k}"]), cls=FinetuneConfig)
+        for k in ("few_pretrained", "few_scratch")
+    )
+    k = labels_per_class()
+    assert few.data.labels_per_class == few_scratch.data.labels_per_class == k
+    # schedules in steps: an epoch of 10 K images is a step or two
+    assert few.train.max_steps and few.train.epochs is None and few.finetune.eval_every
+    assert few_scratch.train.max_steps == 2 * few.train.max_steps
+    assert few_scratch.optim.layer_decay == 1.0 and few_scratch.finetune.head_init_std == 0.02
+    assert few.model == few_scratch.model
+    full, scratch = (
+        load_config(config(todo[f"finetune {k}"]), cls=FinetuneConfig)
+        for k in ("pretrained", "scratch")
+    )
+    assert scratch.train.epochs == 3 * full.train.epochs and full.data.labels_per_class is None
     assert (
-        fair.optim.layer_decay == 1.0 and fair.finetune.head_init_std == 0.02
-    )  # timm's supervised recipe
-    assert fair.model == short.model and fair.data == short.data  # the same model on the same data
-    assert "probe scratch_own" not in " ".join(todo)  # a probe has no schedule to be fair about
+        "init=scratch" in todo["finetune scratch"]
+        and "init=scratch" in todo["finetune few_scratch"]
+    )
+    for tool in ("linear_probe", "knn"):
+        for init in ("pretrained", "scratch"):
+            assert f"data.labels_per_class={k}" in todo[f"{tool} {init}"]
+    assert config(todo["finetune few_pretrained"]) == FEW_CONFIG
 
 
-def test_the_table_labels_both_comparisons(tmp_path):
-    for key, ft in (("pretrained", 90.0), ("scratch", 70.0), ("scratch_own", 82.5)):
+def test_the_table_puts_few_labels_first_and_says_the_fair_gains(tmp_path):
+    values = {"few_pretrained": 89.0, "few_scratch": 81.5, "pretrained": 98.0, "scratch": 97.5}
+    for key, ft in values.items():
         (tmp_path / f"finetune_{key}").mkdir()
         (tmp_path / f"finetune_{key}" / "results.json").write_text(json.dumps({"top1": ft}))
+    (tmp_path / "knn_pretrained").mkdir()
+    (tmp_path / "knn_pretrained" / "results.json").write_text(json.dumps({"top1": 60.0}))
     table = summary(Path(tmp_path))
-    assert table["scratch_own"] == {"fine-tune": 82.5, "linear": None, "k-NN": None}
-    text = render(table, tmp_path)
-    assert (
-        "+7.5 against scratch on its own schedule (the fair comparison), +20.0 on the same short one"
-        in text
-    )
-    assert [label for _, label, *_ in ROWS] == [
-        "pretrained (mpp), 10 ep",
-        "scratch, same 10 ep",
-        "scratch, own 30 ep",
-    ]
+    assert table["few_pretrained"] == {"fine-tune": 89.0, "linear": None, "k-NN": 60.0}
+    assert table["scratch"] == {"fine-tune": 97.5}
+    text = render(table, tmp_path, k=3)
+    lines = text.splitlines()
+    assert lines.index("3 labels per class (30 images)") < lines.index("every label (1,497 images)")
+    assert "with 3 labels per class +7.5, with every label +0.5" in text
+    assert "against scratch on its own schedule" in text
 
 
 def test_head_init_std_is_the_recipes():

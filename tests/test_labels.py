@@ -73,7 +73,9 @@ def test_the_key_file_round_trips_and_an_unknown_key_is_named_with_the_file(tmp_
 def test_the_streams_read_exactly_the_subset(tmp_path):
     paths = shards(tmp_path)
     subset, _ = choose(label_index(paths), per_class=4, seed=0)  # 20 samples
-    wanted = {f"{url}#{key}" for url, keys in zip(subset.shards, subset.keys) for key in keys}
+    wanted = {
+        f"{url}#{key}" for url, keys in zip(subset.shards, subset.keys, strict=True) for key in keys
+    }
     evals = make_eval_loader(
         subset.shards,
         shard_keys=subset.keys,

@@ -76,14 +76,17 @@ class PerPatchObjective(Objective):
 
     - ``token_dim``: the width of ``tokens`` (MAE: the decoder's input; MPP: the encoder's);
     - ``mask_generator``: the one it masks with, ``num_masked`` patches per image;
-    - ``predictor_tokens(images)``: ``tokens`` of the fully visible image (the teacher scores them);
+    - ``predictor_tokens(images, mask=None)``: ``tokens`` of the fully visible image, or of the
+      image under ``mask`` (B, N) as ``forward_per_patch`` builds them (what HPM's teacher scores);
     - ``forward_per_patch(images, mask=None) -> PerPatch``: the step up to per-patch losses,
       with ``mask`` (B, N) given by HPM or drawn by ``mask_generator`` when None.
     """
 
     token_dim: int
 
-    def predictor_tokens(self, images: Tensor) -> Tensor:  # pragma: no cover
+    def predictor_tokens(
+        self, images: Tensor, mask: Tensor | None = None
+    ) -> Tensor:  # pragma: no cover
         raise NotImplementedError
 
     def forward_per_patch(

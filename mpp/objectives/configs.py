@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from mpp.masking import MaskGenerator
 from mpp.models.vit import VisionTransformer
-from mpp.objectives.hpm import PRED_LOSSES, HardPatchesMining
+from mpp.objectives.hpm import PRED_LOSSES, TEACHER_VIEWS, HardPatchesMining
 from mpp.objectives.hpm_mask import SCHEDULES
 from mpp.objectives.mae import MaskedAutoencoder
 from mpp.objectives.mpp import MPP_TARGETS, MaskedPatchPrediction
@@ -106,6 +106,7 @@ class HPMConfig(_Section, _Decoder):
     momentum_start: float = Field(0.999, ge=0.0, le=1.0)
     momentum_end: float = Field(0.9999, ge=0.0, le=1.0)
     momentum_epochs: float = 100.0
+    teacher_view: Literal[TEACHER_VIEWS] = "visible"
 
     @model_validator(mode="before")
     @classmethod

@@ -32,6 +32,10 @@ HPM_BASES: dict[str, type[PerPatchObjective]] = {
     "mpp": MaskedPatchPrediction,
 }
 PRED_LOSSES = ("ranking", "mse")
+# what the teacher scores to choose the hard patches: the fully visible image (the paper and its
+# code), or views that mask each patch as training does (the predictor is only ever trained on
+# masked patches; on the built-in data it ranks visible ones inversely, docs/ARCHITECTURE.md)
+TEACHER_VIEWS = ("visible", "masked")
 
 # ---- schedules ------------------------------------------------------------------------------
 
@@ -43,6 +47,21 @@ def momentum_at(
     if ramp_epochs <= 0:
         return end
     return start + (end - start) * min(max(epoch, 0.0) / ramp_epochs, 1.0)
+
+
+def masked_views(batch: int, num_patches: int, num_masked: int, device) -> Tensor:
+    """Masks (V, B, N), each with exactly ``num_masked`` True, whose visible sets run along a
+    random permutation of the patches, wrapping around: V = N / N_vis views when N_vis divides N
+    (each patch masked in V - 1 of them; MAE's 75 %: 4 views, which together cost the encoder
+    one fully visible image), one more otherwise, so that every patch is masked in one at least."""
+    n_vis = num_patches - num_masked
+    views = -(-num_patches // n_vis) + (num_patches % n_vis > 0)
+    order = torch.rand(batch, num_patches, device=device).argsort(dim=1)  # (B, N)
+    order = torch.cat([order, order], dim=1)  # the last view wraps around
+    masks = torch.ones(views, batch, num_patches, dtype=torch.bool, device=device)
+    for v in range(views):
+        masks[v].scatter_(1, order[:, v * n_vis : (v + 1) * n_vis], False)
+    return masks
 
 
 # ---- the loss predictor's objective -----------------------------------------------------------
@@ -102,6 +121,7 @@ class HardPatchesMining(Objective):
         momentum_start: float = 0.999,
         momentum_end: float = 0.9999,
         momentum_epochs: float = 100.0,
+        teacher_view: str = "visible",
         decoder_dim: int = 512,
         decoder_depth: int = 8,
         decoder_heads: int = 16,
@@ -120,6 +140,8 @@ class HardPatchesMining(Objective):
             raise ValueError(f"unknown HPM schedule {schedule!r}; allowed: {SCHEDULES}")
         if pred_loss not in PRED_LOSSES:
             raise ValueError(f"unknown HPM pred_loss {pred_loss!r}; allowed: {PRED_LOSSES}")
+        if teacher_view not in TEACHER_VIEWS:
+            raise ValueError(f"unknown HPM teacher_view {teacher_view!r}; allowed: {TEACHER_VIEWS}")
         if not 0.0 <= hard_ratio <= 1.0:
             raise ValueError(f"hard_ratio must be in [0, 1], got {hard_ratio}")
         if pred_weight < 0:
@@ -144,6 +166,7 @@ class HardPatchesMining(Objective):
         self.pred_loss, self.pred_weight = pred_loss, pred_weight
         self.momentum_start, self.momentum_end = momentum_start, momentum_end
         self.momentum_epochs = momentum_epochs
+        self.teacher_view = teacher_view
 
         self.teacher = self.make_teacher()
         self.set_progress(0.0, 1.0)  # the engine overrides this before the first step
@@ -219,10 +242,18 @@ class HardPatchesMining(Objective):
 
     @torch.no_grad()
     def teacher_scores(self, images: Tensor) -> Tensor:
-        """The teacher's predicted loss of every patch of the fully visible image (B, N)."""
-        return self.predict_loss(
-            self.teacher["base"].predictor_tokens(images), self.teacher["predictor"]
+        """The teacher's predicted loss of every patch (B, N): of the fully visible image
+        (``teacher_view="visible"``), or averaged over ``masked_views`` (``"masked"``)."""
+        base, predictor = self.teacher["base"], self.teacher["predictor"]
+        if self.teacher_view == "visible":
+            return self.predict_loss(base.predictor_tokens(images), predictor)
+        masks = masked_views(
+            images.shape[0], self.encoder.num_patches, self.num_masked, images.device
         )
+        V = masks.shape[0]
+        tokens = base.predictor_tokens(images.repeat(V, 1, 1, 1), masks.flatten(0, 1))
+        scores = self.predict_loss(tokens, predictor).view(masks.shape)  # (V, B, N)
+        return (scores * masks).sum(0) / masks.sum(0)
 
     def hard_patch_masking(self, images: Tensor) -> tuple[Tensor, Tensor]:
         """mask (B, N) with the teacher's k = int(alpha n_mask) hardest patches; hard (B, N) marks them."""
@@ -240,11 +271,15 @@ class HardPatchesMining(Objective):
     def held_out_metrics(self, images: Tensor) -> dict[str, Tensor]:
         """Whether the loss predictor learns: Spearman's rank correlation between the student's
         predicted and the true per-patch loss over each image's masked patches (random masks, so
-        it does not depend on the teacher), and the base's own signal under those masks."""
+        it does not depend on the teacher); the same for the teacher's scores of the fully
+        visible image, the ones that choose the hard patches (``teacher_rank_corr``); and the
+        base's own signal under those masks."""
         out = self.base.forward_per_patch(images)
         pred = gather_tokens(self.predict_loss(out["tokens"], self.predictor), out["idx"])
+        teacher = gather_tokens(self.teacher_scores(images), out["idx"])
         return {
             "rank_corr": rank_correlation(pred, out["loss"]),
+            "teacher_rank_corr": rank_correlation(teacher, out["loss"]),
             **self.base.per_image_metrics(out),
         }
 

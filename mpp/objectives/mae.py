@@ -107,9 +107,13 @@ class MaskedAutoencoder(PerPatchObjective):
         target = gather_tokens(self.targets(images), masked_idx)
         return (gather_tokens(pred, masked_idx).float() - target).pow(2).mean(dim=-1)
 
-    def predictor_tokens(self, images: Tensor) -> Tensor:
-        """Decoder input of the fully visible image (B, 1 + N, Dd): what HPM's teacher scores."""
-        return self.decoder_embed(self.forward_encoder(images, None))
+    def predictor_tokens(self, images: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Decoder input (B, 1 + N, Dd) of the fully visible image, or under ``mask`` (the
+        visible tokens and the mask token): what HPM's teacher scores."""
+        if mask is None:
+            return self.decoder_embed(self.forward_encoder(images, None))
+        visible_idx, _ = mask_indices(mask, self.num_masked)
+        return self.decoder_embed(self.forward_encoder(images, visible_idx), visible_idx)
 
     def forward_per_patch(self, images: Tensor, mask: Tensor | None = None) -> PerPatch:
         """The whole step up to per-patch losses. Returns loss (B, N_mask) at the masked

@@ -161,9 +161,12 @@ class MaskedPatchPrediction(PerPatchObjective):
         correct = (logits.argmax(-1) == target).float()
         return ce.mean(-1), correct.mean(-1)
 
-    def predictor_tokens(self, images: Tensor) -> Tensor:
-        """Encoder tokens (B, 1 + N, D) of the clean image: what HPM's teacher scores."""
-        return self.encoder.forward_features(images)
+    def predictor_tokens(self, images: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Encoder tokens (B, 1 + N, D) of the clean image, or with ``mask``'s patches corrupted
+        (80/10/10, as in training): what HPM's teacher scores."""
+        if mask is None:
+            return self.encoder.forward_features(images)
+        return self.encoder.encode(self.corrupt(self.encoder.patch_embed(images), mask)[0])
 
     def forward_per_patch(self, images: Tensor, mask: Tensor | None = None) -> MPPPerPatch:
         """The whole step up to per-patch losses; HPM ranks these. Returns the corrupted

@@ -73,6 +73,8 @@ class AblationSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     base: str  # the pretraining config: a path or a name in configs/
     grid: dict[str, list[Any]] = Field(default_factory=dict)  # dotted key -> values (JSON)
+    # key -> a name per value, for the folders and tables (a whole section's default: its name)
+    grid_names: dict[str, list[str]] = Field(default_factory=dict)
     # "KEY=VALUE" for every cell's pretraining, as the training CLIs' --set; the grid wins
     set: list[str] = Field(default_factory=list)
     seeds: int | list[int] = 1  # n: seeds 0..n-1
@@ -83,16 +85,33 @@ class AblationSpec(BaseModel):
     # fine-tuning from scratch, run when "finetune" is in eval (see BASELINES)
     baselines: list[Literal["scratch_own", "scratch_same"]] = ["scratch_own", "scratch_same"]
     scratch_config: str = "finetune_scratch_demo"  # scratch's own recipe (its epochs, head init)
+    # few labels: every evaluation (and baseline) also runs with K labelled images per class
+    # (data.labels_per_class=K, a subset per seed: data.label_seed=the seed), named "knn@K";
+    # fine-tuning then on the few-label recipes (a schedule counted in steps)
+    few_labels: int | None = Field(None, gt=0)
+    few_finetune_config: str = "finetune_few_demo"
+    few_scratch_config: str = "finetune_scratch_few_demo"
+    # the report's title, and where to copy results.md and results.png (e.g. RESULTS.md)
+    title: str | None = None
+    publish_markdown: str | None = None
+    publish_plot: str | None = None
     # default runs/ablation-<base name>; "out" is the older name of the key
     output_dir: str | None = Field(default=None, validation_alias=AliasChoices("output_dir", "out"))
 
     @model_validator(mode="after")
     def _check(self) -> AblationSpec:
         for key, values in self.grid.items():
-            if "." not in key or "=" in key:
-                raise ValueError(f"grid key {key!r}: expected section.key, e.g. masking.strategy")
             if not values:
                 raise ValueError(f"grid.{key}: no values")
+            whole = "." not in key and all(isinstance(v, dict) for v in values)
+            if "=" in key or ("." not in key and not whole):
+                raise ValueError(
+                    f"grid key {key!r}: expected section.key (masking.strategy), or a section "
+                    "whose values are whole sections (objective: [{...}, {...}])"
+                )
+        for key, names in self.grid_names.items():
+            if len(names) != len(self.grid.get(key, [])) or len(set(names)) != len(names):
+                raise ValueError(f"grid_names.{key}: one distinct name per value of grid.{key}")
         for item in self.set:
             if "=" not in item or not item.split("=", 1)[0].strip():
                 raise ValueError(f"set: expected KEY=VALUE, got {item!r}")
@@ -116,6 +135,17 @@ class AblationSpec(BaseModel):
         return list(self.baselines) if "finetune" in self.eval else []
 
     @property
+    def evaluations(self) -> list[str]:
+        """Every pretrained cell's evaluations: ``eval``, then each at few labels (``knn@10``)."""
+        few = [f"{kind}@{self.few_labels}" for kind in self.eval] if self.few_labels else []
+        return [*self.eval, *few]
+
+    @property
+    def baseline_evaluations(self) -> list[str]:
+        """A baseline's: fine-tuning, and at few labels."""
+        return ["finetune", *([f"finetune@{self.few_labels}"] if self.few_labels else [])]
+
+    @property
     def seed_list(self) -> list[int]:
         return list(range(self.seeds)) if isinstance(self.seeds, int) else list(self.seeds)
 
@@ -131,8 +161,8 @@ def load_spec(path: str | None, cli: dict[str, Any]) -> AblationSpec:
     if path:
         source = path
         try:
-            raw = json.loads(Path(path).read_text())
-        except FileNotFoundError:
+            raw = json.loads(resolve_config_path(path).read_text())
+        except ConfigError:
             raise ConfigError(f"{path}: spec file not found") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON: {e}") from None
@@ -161,20 +191,42 @@ def load_spec(path: str | None, cli: dict[str, Any]) -> AblationSpec:
 
 @dataclass(frozen=True)
 class Cell:
-    """One point of the grid: ((key, value as written after ``--set key=``), ...)."""
+    """One point of the grid: ((key, value as written after ``--set key=``), ...), and the
+    names the tables give the values (the spec's ``grid_names``; else the value itself)."""
 
     values: tuple[tuple[str, str], ...]
+    names: tuple[str | None, ...] = ()
 
     @property
     def overrides(self) -> list[str]:
         return [f"{k}={v}" for k, v in self.values]
 
     @property
+    def display(self) -> dict[str, str]:
+        """Each grid value as the tables show it: its name, a whole section by its ``name``."""
+        names = self.names or (None,) * len(self.values)
+        return {k: n or _short(v) for (k, v), n in zip(self.values, names, strict=True)}
+
+    @property
     def name(self) -> str:
-        """The folder name: the overrides joined by commas; a hash is added where characters had to go."""
-        name = ",".join(self.overrides) or "base"
+        """The folder name: the values joined by commas (a section by its name); a hash of the
+        overrides is added where characters had to go or a section was shortened."""
+        name = ",".join(f"{k}={v}" for k, v in self.display.items()) or "base"
+        full = ",".join(self.overrides) or "base"
         safe = re.sub(r"[^\w.=,+-]", "_", name)[:100]
-        return safe if safe == name else f"{safe}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+        if safe == full:
+            return safe
+        return f"{safe}-{hashlib.sha1(full.encode()).hexdigest()[:8]}"
+
+
+def _short(value: str) -> str:
+    """A grid value as written after ``--set key=``; a whole section (JSON) by its name."""
+    if value.startswith("{"):
+        try:
+            return str(json.loads(value).get("name", value))
+        except (ValueError, AttributeError):
+            return value
+    return value
 
 
 @dataclass(frozen=True)
@@ -219,31 +271,52 @@ def plan_baselines(spec: AblationSpec) -> list[Baseline]:
 def plan_cells(spec: AblationSpec) -> list[Cell]:
     """The grid's cells, first key varying slowest."""
     as_set = lambda v: v if isinstance(v, str) else json.dumps(v)  # noqa: E731  (what --set would read)
-    axes = [[(key, as_set(v)) for v in values] for key, values in spec.grid.items()]
-    return [Cell(tuple(combo)) for combo in itertools.product(*axes)]
+    axes = [
+        [
+            (key, as_set(v), (spec.grid_names.get(key) or [None] * len(values))[i])
+            for i, v in enumerate(values)
+        ]
+        for key, values in spec.grid.items()
+    ]
+    return [
+        Cell(tuple((k, v) for k, v, _ in combo), tuple(n for *_, n in combo))
+        for combo in itertools.product(*axes)
+    ]
 
 
 def plan_jobs(spec: AblationSpec, cells: list[Cell]) -> list[Job]:
     return [Job(c, s, spec.out_dir / c.name / f"seed{s}") for c in cells for s in spec.seed_list]
 
 
-def eval_config(spec: AblationSpec, kind: str) -> tuple[str, type[BaseModel]]:
-    """An evaluation's (or a baseline's: its name) config and its type."""
-    if kind in BASELINES:
-        return getattr(spec, BASELINES[kind][1]), FinetuneConfig
-    return (
-        (spec.finetune_config, FinetuneConfig)
-        if kind == "finetune"
-        else (spec.probe_config, ProbeConfig)
-    )
+def split_evaluation(name: str) -> tuple[str, int | None]:
+    """``"knn@10"`` -> ("knn", 10); ``"knn"`` -> ("knn", None)."""
+    kind, _, k = name.partition("@")
+    return kind, int(k) if k else None
 
 
-def eval_overrides(kind: str, model_sets: list[str], init: str | Path, seed: int) -> list[str]:
-    """The pretrained weights, the pretraining's architecture and the seed, for one evaluation."""
-    seed_key = (
-        "train.seed" if kind == "finetune" else "seed"
-    )  # the probes' config has no train section
-    return [f"init={json.dumps(str(init))}", *model_sets, f"{seed_key}={seed}"]
+def eval_config(
+    spec: AblationSpec, name: str, baseline: str | None = None
+) -> tuple[str, type[BaseModel]]:
+    """An evaluation's config and its type; a baseline's (``baseline``: its name) fine-tuning."""
+    kind, few = split_evaluation(name)
+    if baseline is not None:
+        own = baseline == "scratch_own"
+        if few:
+            return (spec.few_scratch_config if own else spec.few_finetune_config), FinetuneConfig
+        return getattr(spec, BASELINES[baseline][1]), FinetuneConfig
+    if kind == "finetune":
+        return (spec.few_finetune_config if few else spec.finetune_config), FinetuneConfig
+    return spec.probe_config, ProbeConfig
+
+
+def eval_overrides(name: str, model_sets: list[str], init: str | Path, seed: int) -> list[str]:
+    """The pretrained weights, the pretraining's architecture and the seed, for one evaluation;
+    at few labels the labelled subset too (one per seed: ``data.label_seed``)."""
+    kind, few = split_evaluation(name)
+    # the probes' config has no train section
+    seed_key = "train.seed" if kind == "finetune" else "seed"
+    labels = [f"data.labels_per_class={few}", f"data.label_seed={seed}"] if few else []
+    return [f"init={json.dumps(str(init))}", *model_sets, f"{seed_key}={seed}", *labels]
 
 
 def pretrain_overrides(spec: AblationSpec, cell: Cell, seed: int) -> list[str]:
@@ -291,14 +364,13 @@ def check_cells(spec: AblationSpec, cells: list[Cell]) -> dict[Cell | None, list
                 for k, v in model.items()
                 if k not in EVAL_OWN_MODEL_KEYS
             ]
-            kinds = spec.eval if cell is not None else spec.baseline_names
-            for kind in kinds:
-                path, cls = eval_config(spec, kind)
-                load_config(
-                    path,
-                    eval_overrides("finetune" if cell is None else kind, sets, "scratch", seed),
-                    cls=cls,
-                )
+            if cell is not None:
+                todo = [(name, None) for name in spec.evaluations]
+            else:
+                todo = [(n, b) for b in spec.baseline_names for n in spec.baseline_evaluations]
+            for name, baseline in todo:
+                path, cls = eval_config(spec, name, baseline)
+                load_config(path, eval_overrides(name, sets, "scratch", seed), cls=cls)
             model_sets[cell] = sets
         except ConfigError as e:
             bad.append(f"  {cell.name if cell is not None else 'the baselines'}: {e}")
@@ -319,6 +391,7 @@ def is_done(kind: str, run_dir: Path) -> bool:
     """Pretraining and fine-tuning export encoder.safetensors at the very end (fine-tuning
     rewrites results.json every epoch, so that alone would not do); a probe writes
     results.json last."""
+    kind = split_evaluation(kind)[0]
     final = "encoder.safetensors" if kind in ("pretrain", "finetune") else "results.json"
     return (run_dir / final).is_file() and (
         kind == "pretrain" or (run_dir / "results.json").is_file()
@@ -346,9 +419,12 @@ def run_job(
     spec: AblationSpec, job: Job, model_overrides: list[str], launcher_args: list[str], tag: str
 ) -> list[dict]:
     """Pretrain (or resume), then each evaluation not yet done; one row per evaluation."""
-    if all(is_done(kind, job.dir / kind) for kind in spec.eval):
+    if all(is_done(kind, job.dir / kind) for kind in spec.evaluations):
         print(f"{tag} {job.label}: skip (complete)", flush=True)
-        return [result_row(job, kind, "ok", job.dir / kind / "results.json") for kind in spec.eval]
+        return [
+            result_row(job, kind, "ok", job.dir / kind / "results.json")
+            for kind in spec.evaluations
+        ]
     pre = job.dir / "pretrain"
     if not is_done("pretrain", pre):
         resume_from = latest_complete(pre / "checkpoints")
@@ -363,7 +439,10 @@ def run_job(
                 f"{tag} {job.label}: pretrain FAILED (exit {code}), log: {job.dir / 'pretrain.log'}",
                 flush=True,
             )
-            return [result_row(job, kind, "failed", job.dir / "pretrain.log") for kind in spec.eval]
+            return [
+                result_row(job, kind, "failed", job.dir / "pretrain.log")
+                for kind in spec.evaluations
+            ]
     return evaluate(spec, job, model_overrides, launcher_args, tag)
 
 
@@ -377,10 +456,10 @@ def evaluate(
     """Each evaluation of a pretrained job (or a baseline's fine-tuning) not yet done; a row each."""
     rows = []
     init = job.dir / "pretrain" if isinstance(job, Job) else "scratch"
-    for kind in spec.eval if isinstance(job, Job) else ["finetune"]:
+    for kind in evaluations(spec, job):
         out, log = job.dir / kind, job.dir / f"{kind}.log"
         if not is_done(kind, out):
-            path, _ = eval_config(spec, kind if isinstance(job, Job) else job.name)
+            path, _ = eval_config(spec, kind, None if isinstance(job, Job) else job.name)
             args = [
                 "--config",
                 str(path),
@@ -392,15 +471,16 @@ def evaluate(
                 "--output-dir",
                 str(out),
             ]
-            if kind == "finetune":
+            script = SCRIPTS[split_evaluation(kind)[0]]
+            if script == SCRIPTS["finetune"]:
                 code = _run(
-                    deepspeed_cmd(launcher_args, SCRIPTS[kind], [*args, "--resume", "auto"]),
+                    deepspeed_cmd(launcher_args, script, [*args, "--resume", "auto"]),
                     log,
                     f"{job.label}: {kind}",
                 )
             else:  # the probes run in one process on cached features
                 code = _run(
-                    [sys.executable, str(REPO / SCRIPTS[kind]), *args], log, f"{job.label}: {kind}"
+                    [sys.executable, str(REPO / script), *args], log, f"{job.label}: {kind}"
                 )
             if code:
                 print(f"{tag} {job.label}: {kind} FAILED (exit {code}), log: {log}", flush=True)
@@ -415,16 +495,22 @@ def evaluate(
 def result_row(job: Job | Baseline, kind: str, status: str, path: Path) -> dict:
     """One row of results.csv: the cell's grid values (a baseline's: its name), seed, eval, top-1/5."""
     res = json.loads(path.read_text()) if status == "ok" else {}
-    where = dict(job.cell.values) if isinstance(job, Job) else {"baseline": job.name}
+    where = job.cell.display if isinstance(job, Job) else {"baseline": job.name}
     return {
         **where,
         "seed": job.seed,
         "eval": kind,
         "top1": res.get("top1"),
         "top5": res.get("top5"),
+        "max_top1": res.get("max_top1"),
         "status": status,
         "path": str(path),
     }
+
+
+def evaluations(spec: AblationSpec, item: Job | Baseline) -> list[str]:
+    """What a pretrained cell (every evaluation) or a baseline (its fine-tuning) runs."""
+    return spec.evaluations if isinstance(item, Job) else spec.baseline_evaluations
 
 
 def resolved(spec: AblationSpec) -> AblationSpec:
@@ -434,6 +520,9 @@ def resolved(spec: AblationSpec) -> AblationSpec:
         *{"finetune_config" if kind == "finetune" else "probe_config" for kind in spec.eval},
     ]
     needed += [BASELINES[name][1] for name in spec.baseline_names]
+    if spec.few_labels:
+        needed += ["few_finetune_config"] * ("finetune" in spec.eval)
+        needed += ["few_scratch_config"] * ("scratch_own" in spec.baseline_names)
     return spec.model_copy(
         update={k: str(resolve_config_path(getattr(spec, k)).resolve()) for k in needed}
     )

@@ -121,8 +121,7 @@ def work_items(spec: AblationSpec) -> list[Job | Baseline]:
 
 
 def is_complete(spec: AblationSpec, item: Job | Baseline) -> bool:
-    kinds = spec.eval if isinstance(item, Job) else ["finetune"]
-    return all(is_done(kind, item.dir / kind) for kind in kinds)
+    return all(is_done(kind, item.dir / kind) for kind in ablation.evaluations(spec, item))
 
 
 def item_state(spec: AblationSpec, item: Job | Baseline, record: dict[str, Any]) -> tuple[str, str]:
@@ -157,7 +156,7 @@ def status_rows(spec: AblationSpec) -> tuple[list[dict], list[tuple[str, str, st
     for item in work_items(spec):
         state, detail = item_state(spec, item, record)
         lines.append((item.label, state, detail))
-        for kind in spec.eval if isinstance(item, Job) else ["finetune"]:
+        for kind in ablation.evaluations(spec, item):
             out = item.dir / kind
             done = is_done(kind, out)
             rows.append(

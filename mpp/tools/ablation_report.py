@@ -16,9 +16,8 @@ if TYPE_CHECKING:
 def write_csv(rows: list[dict], keys: list[str], path: Path) -> None:
     """A row per cell, seed and evaluation; a baseline's row has its name under ``baseline``."""
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(
-            f, [*keys, "baseline", "seed", "eval", "top1", "top5", "status", "path"], restval=""
-        )
+        fields = [*keys, "baseline", "seed", "eval", "top1", "top5", "max_top1", "status", "path"]
+        w = csv.DictWriter(f, fields, restval="")
         w.writeheader()
         w.writerows(rows)
 
@@ -30,6 +29,7 @@ def baseline_lines(rows: list[dict], title: str) -> list[str]:
     if not rows:
         return []
     stats = summarize(rows, ["baseline"], "top1")
+    evals = list(dict.fromkeys(r["eval"] for r in rows))
     lines = [
         "",
         f"## {title}: fine-tuning from scratch (top-1 %)",
@@ -38,14 +38,20 @@ def baseline_lines(rows: list[dict], title: str) -> list[str]:
         "uses the pretrained cells' fine-tuning recipe, which under-trains scratch and overstates "
         "pretraining's gain.",
         "",
-        "| baseline | finetune |",
-        "|---|---|",
+        "| baseline | " + " | ".join(evals) + " |",
+        "|---|" + "---|" * len(evals),
     ]
-    for (name, _), (mean, std, n) in stats.items():
+    for name in dict.fromkeys(r["baseline"] for r in rows):
         lines.append(
-            f"| {BASELINES[name][0]} | {f'{mean:.2f} ± {std:.2f} ({n})' if n else 'failed (0)'} |"
+            f"| {BASELINES[name][0]} | "
+            + " | ".join(entry(*stats.get((name, e), (0.0, 0.0, 0))) for e in evals)
+            + " |"
         )
     return lines
+
+
+def entry(mean: float, std: float, n: int) -> str:
+    return f"{mean:.2f} ± {std:.2f} ({n})" if n else "failed (0)"
 
 
 def summarize(
@@ -55,7 +61,7 @@ def summarize(
     groups: dict[tuple, list[float]] = {}
     for r in rows:
         values = groups.setdefault((*[r[k] for k in keys], r["eval"]), [])
-        if r["status"] == "ok":
+        if r["status"] == "ok" and r.get(metric) not in (None, ""):
             values.append(float(r[metric]))
     return {
         g: (
@@ -85,20 +91,30 @@ def write_markdown(
     lines += [
         "mean ± std (n) over seeds; std is the sample standard deviation, n the seeds that finished."
     ]
-    for metric in ("top1", "top5"):
+    fine_tunes = [e for e in evals if e.split("@")[0] == "finetune"]
+    tables = [
+        ("top1", evals, "## top1 (%)"),
+        ("top5", evals, "## top5 (%)"),
+        (
+            "max_top1",
+            fine_tunes,
+            "## fine-tuning's best epoch on the validation set (MAE's \"max\"; an extra column, "
+            "not the result: the tables above report the last evaluation)",
+        ),
+    ]
+    for metric, columns, heading in tables:
+        if not columns:
+            continue
         stats = summarize(rows, keys, metric)
         lines += [
             "",
-            f"## {metric} (%)",
+            heading,
             "",
-            "| " + " | ".join([*keys, *evals]) + " |",
-            "|" + "---|" * (len(keys) + len(evals)),
+            "| " + " | ".join([*keys, *columns]) + " |",
+            "|" + "---|" * (len(keys) + len(columns)),
         ]
         for cell in cells:
-            entries = []
-            for kind in evals:
-                mean, std, n = stats[(*cell, kind)]
-                entries.append(f"{mean:.2f} ± {std:.2f} ({n})" if n else "failed (0)")
+            entries = [entry(*stats[(*cell, kind)]) for kind in columns]
             lines.append("| " + " | ".join([*cell, *entries]) + " |")
         if metric == "top1":
             lines += baseline_lines(baselines, "Baselines")
@@ -247,11 +263,74 @@ def dashed_line(d, x0: float, x1: float, y: float, label: str, font, below: bool
     )
 
 
-def write_report(spec: AblationSpec, rows: list[dict]) -> list[Path]:
+def provenance(elapsed_s: float | None = None) -> list[str]:
+    """What made the numbers: the command, the commit, the machine, the date (and wall time)."""
+    import datetime
+    import os
+    import platform
+    import shlex
+    import subprocess
+    import sys
+
+    import torch
+
+    from mpp.parallel.launch import REPO
+
+    def git(*args: str) -> str:
+        try:
+            out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+            return out.stdout.strip() if out.returncode == 0 else ""
+        except OSError:
+            return ""
+
+    commit = git("rev-parse", "--short=12", "HEAD") or "unknown (not a git checkout)"
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += " with uncommitted changes"
+    cpu = platform.processor() or platform.machine()
+    try:
+        names = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln]
+        cpu = names[0].split(":", 1)[1].strip() if names else cpu
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    import deepspeed
+
+    machine = (
+        f"{cpu}, {os.cpu_count()} cores, {gpu}; Python {platform.python_version()}, "
+        f"torch {torch.__version__}, DeepSpeed {deepspeed.__version__}"
+    )
+    command = shlex.join([Path(sys.argv[0]).name if sys.argv[0] else "python", *sys.argv[1:]])
+    lines = [
+        f"- command: `{command}`",
+        f"- commit: `{commit}`",
+        f"- machine: {machine}",
+        f"- finished: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+    ]
+    if elapsed_s is not None:
+        lines.append(f"- wall time: {elapsed_s / 60:.0f} min")
+    return lines
+
+
+def write_report(
+    spec: AblationSpec, rows: list[dict], elapsed_s: float | None = None
+) -> list[Path]:
+    """results.csv / .md / .png in the output folder, and the spec's ``publish`` copies (the
+    markdown with where the numbers came from; the plot)."""
+    import shutil
+
     keys, out = list(spec.grid), spec.out_dir
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "results.csv", out / "results.md", out / "results.png"]
     write_csv(rows, keys, paths[0])
-    write_markdown(rows, keys, spec.eval, paths[1], f"Ablation of {Path(spec.base).name}", spec.set)
-    plot(rows, keys, spec.eval, paths[2])
+    title = spec.title or f"Ablation of {Path(spec.base).name}"
+    write_markdown(rows, keys, spec.evaluations, paths[1], title, spec.set)
+    text = paths[1].read_text()
+    head, _, rest = text.partition("\n\n")
+    paths[1].write_text(f"{head}\n\n" + "\n".join(provenance(elapsed_s)) + f"\n\n{rest}")
+    plot(rows, keys, spec.evaluations, paths[2])
+    for source, target in ((paths[1], spec.publish_markdown), (paths[2], spec.publish_plot)):
+        if target:
+            Path(target).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, target)
+            paths.append(Path(target))
     return paths

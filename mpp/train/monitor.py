@@ -1,5 +1,5 @@
 """Is the encoder getting better? The loss can fall while the representation gets worse, so every
-``train.monitor_every`` optimiser steps (and after the last) pretraining measures, on held-out
+``train.monitor_every`` optimiser steps (before the first and after the last) pretraining measures, on held-out
 images (solo-learn's online k-NN; DINOv2's advice to tune by k-NN, not by the loss):
 
 - the weighted k-NN top-1 / top-5 of the current encoder, exactly ``downstream/knn.py``'s
@@ -92,7 +92,7 @@ class Monitor:
     def __call__(self, objective: Any, step: int, last: bool = False) -> dict[str, float] | None:
         if not self.due(step, last):
             return None
-        params = [p for n, p in objective.named_parameters() if not n.startswith("teacher.")]
+        params = list(objective.parameters())  # HPM's teacher too: it scores the held-out images
         devices = [self.device] if self.device.type == "cuda" else []
         was_training = objective.training
         objective.eval()

@@ -98,6 +98,9 @@ class Trainer:
     def train(self) -> RunState:
         """The loop (``Preempted`` on a stop signal); then the final encoder, exported."""
         try:
+            if self.state.step == 0:  # the monitor's baseline: the encoder as initialised
+                values = self.monitor(self.objective, 0)
+                self.metrics.write(self.state, self.plan, values, section="monitor")
             while not self.done:
                 try:
                     for batch in self.batches():

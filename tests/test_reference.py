@@ -1,0 +1,112 @@
+"""Reference results (issue 30 §4): configs/reference_demo.json runs MPP, MAE and HPM at an equal
+budget through the ablation runner (a grid of whole objective sections, every evaluation also at
+few labels, the scratch baselines), and RESULTS.md says what the command, commit and machine
+were. The regression test re-runs the cheapest cell briefly and holds its few-label top-1 to
+the band RESULTS.md commits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mpp.config import ConfigError
+from mpp.tools.ablation import (
+    AblationSpec,
+    Job,
+    check_cells,
+    eval_config,
+    eval_overrides,
+    load_spec,
+    plan_baselines,
+    plan_cells,
+    resolved,
+    result_row,
+)
+from mpp.tools.ablation_report import write_report
+
+
+def test_the_reference_spec_is_equal_budget_and_every_cell_validates():
+    spec = resolved(load_spec("reference_demo", {}))
+    cells = plan_cells(spec)
+    assert [c.display["objective"] for c in cells] == ["mpp", "mae", "hpm", "hpm-visible-teacher"]
+    assert len({c.name for c in cells}) == 4 and all("{" not in c.name for c in cells)
+    model_sets = check_cells(spec, cells)  # every cell's pretraining and evaluation configs load
+    assert len({tuple(model_sets[c]) for c in cells}) == 1  # one architecture for every cell
+    k = spec.few_labels
+    assert spec.evaluations == [
+        "finetune",
+        "linear",
+        "knn",
+        f"finetune@{k}",
+        f"linear@{k}",
+        f"knn@{k}",
+    ]
+    assert spec.seed_list == [0, 1, 2] and spec.publish_markdown == "RESULTS.md"
+    assert [b.name for b in plan_baselines(spec)] == ["scratch_own"] * 3
+    # the few-label recipes, and the subset drawn per seed
+    assert eval_config(spec, f"finetune@{k}")[0].endswith("finetune_few_demo.json")
+    assert eval_config(spec, f"finetune@{k}", "scratch_own")[0].endswith(
+        "finetune_scratch_few_demo.json"
+    )
+    assert eval_config(spec, "finetune", "scratch_own")[0].endswith("finetune_scratch_demo.json")
+    assert eval_config(spec, f"knn@{k}")[0].endswith("linear_demo.json")
+    sets = eval_overrides(f"knn@{k}", [], "scratch", 2)
+    assert sets[-3:] == ["seed=2", f"data.labels_per_class={k}", "data.label_seed=2"]
+    assert eval_overrides("finetune", [], "x", 1)[-1] == "train.seed=1"
+
+
+def test_a_grid_of_whole_sections_needs_dicts_and_distinct_names():
+    with pytest.raises(ValueError, match="expected section.key"):
+        AblationSpec(base="b", grid={"objective": ["mpp"]})
+    with pytest.raises(ValueError, match="grid_names.objective: one distinct name per value"):
+        AblationSpec(
+            base="b",
+            grid={"objective": [{"name": "a"}, {"name": "b"}]},
+            grid_names={"objective": ["x", "x"]},
+        )
+    spec = AblationSpec(
+        base="b", grid={"objective": [{"name": "mae"}], "masking.strategy": ["grid"]}
+    )
+    (cell,) = plan_cells(spec)
+    assert cell.overrides == ['objective={"name": "mae"}', "masking.strategy=grid"]
+    assert cell.display == {"objective": "mae", "masking.strategy": "grid"}
+    assert cell.name.startswith("objective=mae,masking.strategy=grid-")  # a hash of the section
+
+
+def test_the_report_says_what_made_the_numbers_and_keeps_max_only_as_an_extra(tmp_path):
+    spec = AblationSpec(
+        base="mpp_demo",
+        grid={"objective": [{"name": "mpp"}, {"name": "mae"}]},
+        eval=["finetune", "knn"],
+        few_labels=3,
+        baselines=["scratch_own"],
+        output_dir=str(tmp_path / "abl"),
+        title="Reference",
+        publish_markdown=str(tmp_path / "RESULTS.md"),
+        publish_plot=str(tmp_path / "docs" / "results.png"),
+    )
+    rows = []
+    for cell in plan_cells(spec):
+        for seed in (0, 1):
+            job = Job(cell, seed, tmp_path)
+            for kind in spec.evaluations:
+                res = tmp_path / f"{cell.display['objective']}{seed}{kind}.json"
+                top1 = 80.0 + seed + (kind == "knn")
+                res.write_text(json.dumps({"top1": top1, "top5": 99.0, "max_top1": top1 + 5}))
+                rows.append(result_row(job, kind, "ok", res))
+    write_report(spec, rows, elapsed_s=600)
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert text.startswith("# Reference\n\n- command: `")
+    assert "- commit: `" in text and "- machine: " in text and "- wall time: 10 min" in text
+    assert "| objective | finetune | knn | finetune@3 | knn@3 |" in text
+    assert "| mpp | 80.50 ± 0.71 (2) | 81.50 ± 0.71 (2) |" in text
+    extra = text.split('MAE\'s "max"')[1]
+    assert "| objective | finetune | finetune@3 |" in extra and "85.50 ± 0.71 (2)" in extra
+    assert (tmp_path / "docs" / "results.png").is_file()
+
+
+def test_a_spec_name_resolves_in_configs_and_a_missing_one_is_named():
+    assert load_spec("reference_demo", {}).few_labels
+    with pytest.raises(ConfigError, match="nope.json: spec file not found"):
+        load_spec("nope.json", {})
