@@ -41,7 +41,7 @@ def build_encoder(cfg: Any, **overrides: Any) -> VisionTransformer:
     encoder.set_grad_checkpointing(cfg.model.grad_checkpointing)
     if init != "scratch":
         try:
-            load_into(encoder, init)
+            load_into(encoder, init, cfg.model.init_chans_policy)
         except (
             FileNotFoundError,
             ValueError,
@@ -73,22 +73,29 @@ def build_objective(cfg: Config) -> Objective:
     objective_cfg = cfg.objective
     encoder = build_encoder(cfg)
     try:
-        objective = objective_cfg.build(
-            encoder, mask_generator(cfg, encoder), (cfg.data.mean, cfg.data.std)
-        )
+        objective = objective_cfg.build(encoder, mask_generator(cfg, encoder), pixel_stats(cfg))
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
     except (ValueError, TypeError) as e:  # a combination only the constructor checks
         raise ConfigError(f"{source}: objective: {e}") from None
     if cfg.model.init:
         try:
-            init_objective(objective, cfg.model.init)
+            init_objective(objective, cfg.model.init, cfg.model.init_chans_policy)
         except (FileNotFoundError, ValueError, CheckpointError) as e:
             raise ConfigError(f"{source}: model.init: {e}") from None
     set_grad_checkpointing(
         objective, cfg.model.grad_checkpointing
     )  # the decoders too (HPM's teacher runs no-grad)
     return objective
+
+
+def pixel_stats(cfg: Config) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The data's mean and std; "auto" ones, measured later with the plan (``mpp.data.stats``),
+    stand in as 0.5 / 0.25 per channel until ``Objective.set_pixel_stats`` gives them."""
+    c = cfg.data.channels
+    mean = cfg.data.mean if cfg.data.mean != "auto" else (0.5,) * c
+    std = cfg.data.std if cfg.data.std != "auto" else (0.25,) * c
+    return tuple(mean), tuple(std)
 
 
 def mask_generator(cfg: Config, encoder: VisionTransformer) -> MaskGenerator | None:

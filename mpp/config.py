@@ -62,7 +62,7 @@ class ModelConfig(_Section):
     name: str = "vit_base_patch16_224"
     img_size: int | None = Field(None, gt=0)
     patch_size: int | None = Field(None, gt=0)
-    in_chans: int = Field(3, gt=0)
+    in_chans: int | None = Field(None, gt=0)  # None: data.channels
     embed_dim: int | None = Field(None, gt=0)
     depth: int | None = Field(None, gt=0)
     num_heads: int | None = Field(None, gt=0)
@@ -82,12 +82,14 @@ class ModelConfig(_Section):
     # pretraining only: continue from published weights (an encoder file, a Hugging Face ViT
     # folder, MAE's / HPM's release .pth whose decoder also initialises an MAE decoder, a run)
     init: str | None = None
+    # weights in with another channel count (RGB weights on data.channels=C): "adapt" as timm's
+    # adapt_input_conv (1 channel: summed; C > 3: tiled, scaled by 3 / C), or "error"
+    init_chans_policy: Literal["adapt", "error"] = "adapt"
 
     def vit_kwargs(self) -> dict[str, Any]:
         """Overrides for ``create_vit(self.name, **overrides)``: only what was set."""
-        return self.model_dump(
-            exclude={"name", "init", "grad_checkpointing", "compile"}, exclude_none=True
-        )
+        runtime = {"name", "init", "init_chans_policy", "grad_checkpointing", "compile"}
+        return self.model_dump(exclude=runtime, exclude_none=True)
 
 
 class DataConfig(_Section):
@@ -103,8 +105,19 @@ class DataConfig(_Section):
     crop_scale: tuple[float, float] = (0.2, 1.0)
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
     hflip: float = Field(0.5, ge=0.0, le=1.0)
-    mean: tuple[float, float, float] = IMAGENET_MEAN
-    std: tuple[float, float, float] = IMAGENET_STD
+    # what every sample holds (mpp.data.transforms): its channels; the layout of arrays whose
+    # shape cannot say; for data that is not 8-bit, the values that map to [0, 1] ("auto": the
+    # observed range); never an implicit 255
+    channels: int = Field(3, gt=0)
+    layout: Literal["HWC", "CHW"] | None = None
+    value_range: tuple[float, float] | Literal["auto"] | None = None
+    # per channel, of [0, 1] pixels; "auto": measured on stats_samples training images
+    # (mpp.data.stats, cached beside the shard counts), then saved in RUN/config.json
+    mean: tuple[float, ...] | Literal["auto"] = IMAGENET_MEAN
+    std: tuple[float, ...] | Literal["auto"] = IMAGENET_STD
+    stats_samples: int = Field(1024, gt=0)
+    # which channels the previews and pictures show (3, or 1 as grey); None: the first three
+    display_channels: tuple[int, ...] | None = None
     allow_pipe: bool = False  # `pipe:` URLs run shell commands: only when asked for
     # few labels (fine-tuning, the linear probe and k-NN; mpp.data.labels): K labelled samples
     # per class, a fraction p of them (K = round(p N / C) per class) or a file of keys, chosen
@@ -124,12 +137,39 @@ class DataConfig(_Section):
             raise ValueError(f"crop_scale must satisfy 0 < min <= max <= 1, got {self.crop_scale}")
         if not 0.0 < self.crop_ratio[0] <= self.crop_ratio[1]:
             raise ValueError(f"crop_ratio must satisfy 0 < min <= max, got {self.crop_ratio}")
-        if any(s <= 0 for s in self.std):
-            raise ValueError(f"std must be positive, got {self.std}")
         chosen = [k for k in LABEL_SUBSET_KEYS if getattr(self, k) is not None]
         if len(chosen) > 1:
             raise ValueError(f"set one of {', '.join(chosen)}, not several")
         return self
+
+    def check_pixels(self) -> None:
+        """The pixel keys agree with ``channels`` (called by the run's check: errors name data.*)."""
+        c = self.channels
+        for key in ("mean", "std"):
+            value = getattr(self, key)
+            if value == "auto":
+                continue
+            if len(value) != c:
+                hint = " (ImageNet's)" if value in (IMAGENET_MEAN, IMAGENET_STD) else ""
+                raise ValueError(
+                    f"data.{key}: {len(value)} values{hint} for data.channels={c}: give {c} "
+                    'or "auto" (measured on the training shards)'
+                )
+        if self.std != "auto" and any(v <= 0 for v in self.std):
+            raise ValueError(f"data.std must be positive, got {list(self.std)}")
+        vr = self.value_range
+        if isinstance(vr, tuple) and not vr[0] < vr[1]:
+            raise ValueError(f"data.value_range: need low < high, got {list(vr)}")
+        shown = self.display_channels
+        if shown is not None and (len(shown) not in (1, 3) or not all(0 <= i < c for i in shown)):
+            raise ValueError(
+                f"data.display_channels: 3 channels (or 1, grey) of 0..{c - 1}, got {list(shown)}"
+            )
+
+    @property
+    def auto_stats(self) -> bool:
+        """Whether the mean, std or value range is to be measured on the data."""
+        return "auto" in (self.mean, self.std, self.value_range)
 
     @property
     def label_subset_key(self) -> str | None:
@@ -228,6 +268,20 @@ class TrainConfig(_Section):
         return self
 
 
+def _channels_agree(cfg: Any) -> None:
+    """``model.in_chans`` follows ``data.channels`` unless set; set, they must agree. The pixel
+    keys fit the channels."""
+    cfg.data.check_pixels()
+    chans, channels = cfg.model.in_chans, cfg.data.channels
+    if chans is None:
+        cfg.model.in_chans = channels
+    elif chans != channels:
+        raise ValueError(
+            f"model.in_chans={chans} but data.channels={channels}: the patch embedding must take "
+            "what the data holds (set one, or both alike)"
+        )
+
+
 class RunConfig(_Section):
     """What every DeepSpeed run has: a model, data, an optimiser, a loop and DeepSpeed's keys."""
 
@@ -251,6 +305,7 @@ class RunConfig(_Section):
             )
         if self.data.train_shards is None and self.data.builtin is None:
             raise ValueError("data.train_shards is not set (give shards, or data.builtin='digits')")
+        _channels_agree(self)
         return self
 
     def stream_settings(self) -> dict[str, Any]:
@@ -448,6 +503,11 @@ class ProbeConfig(_Section):
     output_dir: str = "runs/{name}"
     seed: int = 0
     _source: str = PrivateAttr("<config>")
+
+    @model_validator(mode="after")
+    def _check(self) -> ProbeConfig:
+        _channels_agree(self)
+        return self
 
 
 # ---- loading -------------------------------------------------------------------------------

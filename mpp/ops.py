@@ -25,20 +25,21 @@ def to_2tuple(size: int | tuple[int, int] | list[int], name: str = "size") -> tu
 def normalize(
     images: Tensor, mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype: torch.dtype = torch.float32
 ) -> Tensor:
-    """uint8 (B, 3, H, W) -> ``dtype`` (x/255 - mean)/std, computed on the tensor's own device."""
-    mean_t, std_t = _pixel_stats(tuple(mean), tuple(std), images.device)
-    return (
-        (images.float() - mean_t).div_(std_t).to(dtype)
-    )  # out of place: a float input stays intact
+    """uint8 (B, C, H, W) -> ``dtype`` (x/255 - mean)/std, or float32 pixels already in [0, 1]
+    (data that is not 8-bit) -> (x - mean)/std; computed on the tensor's own device."""
+    scale = 255.0 if images.dtype == torch.uint8 else 1.0
+    mean_t, std_t = _pixel_stats(tuple(mean), tuple(std), images.device, scale)
+    # out of place: a float input stays intact
+    return (images.float() - mean_t).div_(std_t).to(dtype)
 
 
 @functools.lru_cache(maxsize=16)
 def _pixel_stats(
-    mean: tuple[float, ...], std: tuple[float, ...], device: torch.device
+    mean: tuple[float, ...], std: tuple[float, ...], device: torch.device, scale: float = 255.0
 ) -> tuple[Tensor, Tensor]:
     # made once per device: building them from Python lists every step is a blocking host-to-device copy
     def as_tensor(v):
-        return torch.tensor(v, dtype=torch.float32).mul_(255).view(1, -1, 1, 1).to(device)
+        return torch.tensor(v, dtype=torch.float32).mul_(scale).view(1, -1, 1, 1).to(device)
 
     return as_tensor(mean), as_tensor(std)
 

@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = from_rank0(
             plan_run(cfg, world, device_type(), objective.encoder.patch_embed.img_size[0])
         )
+        # data.mean / std "auto": measured with the plan (mpp.data.stats), now known
+        objective.set_pixel_stats(cfg.data.mean, cfg.data.std)
         run_dir = open_run_dir(cfg, rank)  # held by this job: a second one on it stops here
     except ConfigError as e:  # the same on every rank: said once
         if rank == 0:

@@ -28,7 +28,15 @@ from .errors import SkipCounter
 from .order import EpochShards, done_before, epoch_order, schedule, split, stream_samples
 from .sources import check_shards, expand_shards
 from .tario import shard_samples
-from .transforms import IMAGE_KEYS, collate, eval_transform, train_transform
+from .transforms import (
+    IMAGE_KEYS,
+    RGB,
+    PixelFormat,
+    SampleFormatError,
+    collate,
+    eval_transform,
+    train_transform,
+)
 
 
 def _worker_info() -> tuple[int, int]:
@@ -81,6 +89,9 @@ def decode(
         rng = random.Random(f"aug/{rng_key}/{index}")
         try:
             image = transform(data, rng=rng)
+        except SampleFormatError as exn:  # another channel count, dtype or layout
+            errors.skip(f"skipping sample {key}: it {exn}", decode=True)
+            continue
         except Exception as exn:  # PIL raises many types for corrupt data
             errors.skip(f"skipping sample {key}: cannot decode ({exn!r})", decode=True)
             continue
@@ -137,6 +148,8 @@ class StreamConfig:
     )
     # per shard, the only sample keys read (a labelled subset, mpp.data.labels); None: all of them
     shard_keys: tuple[frozenset[str], ...] | None = None
+    # what every sample holds: channels, layout, value range (mpp.data.transforms)
+    pixels: PixelFormat = RGB
 
 
 class _Stream(IterableDataset):
@@ -180,6 +193,7 @@ class _TrainStream(_Stream):
             ratio=c.crop_ratio,
             hflip=c.hflip,
             randaug=c.randaug,
+            fmt=c.pixels,
         )
         first = c.rank * c.batch_size * accum  # the rank's first stream
         streams: dict[int, Iterator] = {}
@@ -230,7 +244,7 @@ class _EvalStream(_Stream):
         items = [{"url": self.shards[i]} for i in mine]
         if c.shard_keys is not None:  # a labelled subset: only its samples are read
             items = [{**item, "keys": c.shard_keys[i]} for item, i in zip(items, mine, strict=True)]
-        resize_crop = partial(eval_transform, img_size=c.img_size)
+        resize_crop = partial(eval_transform, img_size=c.img_size, fmt=c.pixels)
         to_batch = partial(collate, with_keys=c.with_keys)
         pipeline = wds.DataPipeline(
             partial(iter, items),

@@ -20,8 +20,9 @@ from .sources import SIZES_FILE
 
 ImageLike = bytes | str | os.PathLike | np.ndarray | Image.Image
 Sample = tuple[ImageLike, int | None]
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
-_EXT = {"jpeg": "jpg", "png": "png", "webp": "webp"}
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".npy"}
+_EXT = {"jpeg": "jpg", "png": "png", "webp": "webp", "npy": "npy", "tiff": "tif"}
+_KEPT = ("npy", "tiff")  # arrays and multi-band files: kept byte for byte, never re-encoded
 _TAR_BLOCK, _TAR_END = 512, 10240  # header/padding unit; end-of-archive record, at most
 
 
@@ -54,23 +55,31 @@ def from_flat_folder(root: str | os.PathLike) -> list[Sample]:
 def from_arrays(
     images: np.ndarray | Sequence[np.ndarray], labels: Sequence[int] | None = None
 ) -> list[Sample]:
-    """uint8 (N, H, W) or (N, H, W, 3) arrays (+ labels) -> samples; they are PNG-encoded when written."""
+    """Arrays (+ labels) -> samples: uint8 (N, H, W) or (N, H, W, 3) are PNG-encoded when
+    written; any other channel count or dtype (uint16, float32) is kept exactly, as ``.npy``."""
     if labels is not None and len(labels) != len(images):
         raise ValueError(f"{len(images)} images but {len(labels)} labels")
-    if any(np.asarray(a).dtype != np.uint8 for a in images[:1]):
-        raise ValueError("from_arrays expects uint8 images")
     return [(images[i], None if labels is None else int(labels[i])) for i in range(len(images))]
 
 
 def sniff_format(data: bytes) -> str | None:
-    """'jpeg' | 'png' | 'webp' from the magic bytes, None for anything else."""
+    """'jpeg' | 'png' | 'webp' | 'npy' | 'tiff' from the magic bytes, None for anything else."""
     if data[:3] == b"\xff\xd8\xff":
         return "jpeg"
     if data[:8] == b"\x89PNG\r\n\x1a\n":
         return "png"
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "webp"
+    if data[:6] == b"\x93NUMPY":
+        return "npy"
+    if data[:4] in (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+"):
+        return "tiff"
     return None
+
+
+def _png_able(array: np.ndarray) -> bool:
+    """An array PIL writes to PNG losslessly as it is: uint8 grey or RGB."""
+    return array.dtype == np.uint8 and (array.ndim == 2 or array.shape[-1] in (1, 3))
 
 
 @dataclass(frozen=True)
@@ -105,14 +114,33 @@ def encode_image(image: ImageLike, encoding: ImageEncoding | None = None) -> tup
     resize, reencode, quality = e.resize, e.reencode, e.quality
     if isinstance(image, (str, os.PathLike)):
         image = Path(image).read_bytes()
+    if isinstance(image, np.ndarray) and not _png_able(image):
+        if resize is not None or reencode is not None:
+            raise ValueError(
+                f"a {image.dtype} array of shape {image.shape} is kept as .npy as it is"
+            )
+        out = io.BytesIO()
+        np.save(out, image, allow_pickle=False)
+        return out.getvalue(), "npy"
     if isinstance(image, bytes):
         fmt = sniff_format(image)
+        if fmt in _KEPT:
+            if resize is not None or reencode is not None:
+                raise ValueError(f"{fmt} samples are kept as they are (no resize or re-encoding)")
+            return image, _EXT[fmt]
         if fmt is not None and resize is None and reencode in (None, fmt):
             return image, _EXT[fmt]
         img = Image.open(io.BytesIO(image))
     else:
         fmt = None
-        img = image if isinstance(image, Image.Image) else Image.fromarray(np.asarray(image))
+        array = image if isinstance(image, Image.Image) else np.asarray(image)
+        img = (
+            array
+            if isinstance(array, Image.Image)
+            else Image.fromarray(
+                array.squeeze(-1) if array.ndim == 3 and array.shape[-1] == 1 else array
+            )
+        )
     target = reencode or fmt or "png"  # arrays and unknown formats: PNG, lossless
     if target not in _EXT:
         raise ValueError(f"reencode must be one of {sorted(_EXT)}, got {target!r}")

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mpp.data import make_eval_loader
+from mpp.data.transforms import pixel_format
 from mpp.ops import normalize
 from mpp.train import checkpoint as ckpt
 from mpp.train.plan import Plan, RunState
@@ -28,7 +29,8 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, mean, std) ->
     )  # correct1, correct5, loss sum, count
     for batch in in_step(loader, device):
         if batch is None:  # this rank's shards are done, another rank's are not: a forward to match
-            model.encoder(torch.zeros(1, 3, *model.encoder.patch_embed.img_size, device=device))
+            pe = model.encoder.patch_embed
+            model.encoder(torch.zeros(1, pe.in_chans, *pe.img_size, device=device))
             continue
         images = normalize(batch["image"].to(device, non_blocking=True), mean, std)
         labels = batch["label"].to(device, non_blocking=True)
@@ -119,6 +121,7 @@ class Evaluator:
             num_workers=d.num_workers,
             allow_pipe=d.allow_pipe,
             num_classes=engine.module.num_classes,
+            pixels=pixel_format(d),
         )
         res = {
             **evaluate(engine.module, loader, self.device, d.mean, d.std),

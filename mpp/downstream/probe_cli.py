@@ -15,6 +15,7 @@ import torch
 from mpp.config import ConfigError, ProbeConfig
 from mpp.data import make_eval_loader, make_train_loader
 from mpp.data.labels import KEY_FILE, LabelledSubset
+from mpp.data.transforms import pixel_format
 from mpp.downstream.probe import HeadTrainer, linear_probes, scaled_lr
 from mpp.downstream.probe_protocols import (
     MAE_CROP_SCALE,
@@ -145,6 +146,7 @@ def _evaluate(kind: str, cfg, setup: ProbeSetup, rank: int, world: int) -> dict:
         rank=rank,
         world_size=world,
         with_keys=True,
+        pixels=pixel_format(d),
     )
 
     def extract(split: str) -> tuple:
@@ -233,6 +235,7 @@ def _mae(cfg, setup: ProbeSetup, val: tuple, features: FeatureSpec, rank: int, w
         crop_scale=MAE_CROP_SCALE,
         shard_sizes=tuple(sizes),
         shard_keys=keys,
+        pixels=pixel_format(d),
         num_workers=d.num_workers,
         persistent=True,
         allow_pipe=d.allow_pipe,
@@ -260,14 +263,15 @@ def _labelled_subset(cfg, setup: ProbeSetup, world: int) -> LabelledSubset | Non
     """``data.labels_per_class`` / ``label_fraction`` / ``label_keys``: the training subset, chosen
     by every rank together (``mpp.train.plan.labelled_subset``); ConfigError names the key."""
     from mpp.data import expand_shards
-    from mpp.train.plan import labelled_subset
+    from mpp.train.plan import labelled_subset, measure_pixels
 
-    if cfg.data.label_subset_key is None:
-        return None
     try:
         shards = expand_shards(setup.shards["train"])
     except ValueError as e:
         raise ConfigError(f"{cfg._source}: data.train_shards: {e}") from None
+    measure_pixels(cfg, shards)  # data.mean / std / value_range "auto"
+    if cfg.data.label_subset_key is None:
+        return None
     return labelled_subset(cfg, shards, setup.num_classes)
 
 

@@ -302,10 +302,30 @@ def check_stated_facts(
             )
 
 
-def load_into(model: VisionTransformer, init: str | Path) -> dict[str, list[str]]:
+def adapt_input_channels(weight: torch.Tensor, chans: int) -> torch.Tensor:
+    """An RGB patch embedding (D, 3, P, P) for ``chans`` input channels, as timm's
+    ``adapt_input_conv``: one channel gets the three summed (a grey image's response stays the
+    same); more tile the RGB kernels and scale them by 3 / C (the summed response stays the same)."""
+    if weight.shape[1] != 3:
+        raise ValueError(
+            f"patch_embed.proj.weight takes {weight.shape[1]} channels; only RGB weights are "
+            f"adapted to {chans}"
+        )
+    w = weight.float()
+    if chans == 1:
+        return w.sum(dim=1, keepdim=True).to(weight.dtype)
+    tiled = w.repeat(1, math.ceil(chans / 3), 1, 1)[:, :chans] * (3 / chans)
+    return tiled.to(weight.dtype)
+
+
+def load_into(
+    model: VisionTransformer, init: str | Path, chans_policy: str = "adapt"
+) -> dict[str, list[str]]:
     """Load pretrained encoder weights into ``model``: the head is left fresh, the position
-    embedding resampled to the model's grid; an architecture fact or a shape that differs is an
-    error naming it. Returns the keys left at their initialisation (e.g. head, fc_norm)."""
+    embedding resampled to the model's grid, RGB weights adapted to another channel count
+    (``chans_policy`` "adapt": ``adapt_input_channels``, said in one line; "error": refused); an
+    architecture fact or a shape that differs is an error naming it. Returns the keys left at
+    their initialisation (e.g. head, fc_norm)."""
     sd, kwargs = load_pretrained(init)
     check_pooling(
         model, sd, init
@@ -314,6 +334,16 @@ def load_into(model: VisionTransformer, init: str | Path) -> dict[str, list[str]
         sd["pos_embed"] = resample_abs_pos_embed(
             sd["pos_embed"], model.grid_size, num_prefix_tokens=model.num_prefix_tokens
         )
+    proj, chans = sd.get("patch_embed.proj.weight"), model.patch_embed.in_chans
+    if proj is not None and proj.shape[1] != chans:
+        if chans_policy != "adapt":
+            raise ValueError(
+                f"init {init}: its patch embedding takes {proj.shape[1]} channels, the model "
+                f"{chans} (data.channels); model.init_chans_policy=adapt adapts RGB weights"
+            )
+        sd["patch_embed.proj.weight"] = adapt_input_channels(proj, chans)
+        how = "summed" if chans == 1 else f"tiled and scaled by 3/{chans}"
+        log.info("init %s: RGB patch embedding adapted to %d channels (%s)", init, chans, how)
     facts_sd = sd  # the file's own keys, before the head and the final norm are set aside
     sd = {k: v for k, v in sd.items() if not k.startswith("head.")}
     if model.global_pool == "avg":
@@ -392,18 +422,25 @@ def mae_decoder_weights(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def init_objective(objective: torch.nn.Module, init: str | Path) -> dict[str, list[str]]:
+def init_objective(
+    objective: torch.nn.Module, init: str | Path, chans_policy: str = "adapt"
+) -> dict[str, list[str]]:
     """Continue pretraining from published weights (``model.init``): the encoder from any source
-    ``load_pretrained`` reads; a release file's MAE decoder (``_full`` checkpoints) into an MAE /
-    HPM objective's pixel decoder too. Shape mismatches are errors naming the key; what stays at
-    its initialisation is returned."""
-    load_into(objective.encoder, init)
+    ``load_pretrained`` reads (RGB weights adapted to another channel count by ``chans_policy``);
+    a release file's MAE decoder (``_full`` checkpoints) into an MAE / HPM objective's pixel
+    decoder too, its pixel head left fresh when the channels differ. Shape mismatches are errors
+    naming the key; what stays at its initialisation is returned."""
+    load_into(objective.encoder, init, chans_policy)
     loaded = ["encoder"]
     path = Path(init)
     mae = getattr(objective, "base", objective)  # hpm wraps its base objective
     if path.is_file() and path.suffix in RELEASE_SUFFIXES and hasattr(mae, "decoder_embed"):
         decoder = mae_decoder_weights(read_release_file(path))
         own = mae.state_dict()
+        pred = "decoder.pred.weight"
+        if pred in decoder and pred in own and decoder[pred].shape != own[pred].shape:
+            log.info("init %s: its pixel head predicts other channels: left fresh", init)
+            decoder = {k: v for k, v in decoder.items() if not k.startswith("decoder.pred.")}
         for k, v in decoder.items():
             if k not in own or own[k].shape != v.shape:
                 got = tuple(v.shape)

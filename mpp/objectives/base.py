@@ -31,6 +31,11 @@ class Objective(nn.Module):
         forked and seeded (the same masks at every monitor). Default: none."""
         return {}
 
+    def set_pixel_stats(self, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+        """The data's per-channel mean and std, once measured (``data.mean="auto"``,
+        ``mpp.data.stats``), for an objective that un-normalises its inputs (MPP's colour
+        targets, the pictures). Default: nothing to set."""
+
     def set_progress(self, epoch: float, total_epochs: float) -> None:
         """Called by the engine before every micro-step: ``epoch`` counts completed epochs
         fractionally (step / steps_per_epoch). Schedules (HPM's easy-to-hard alpha, the

@@ -199,6 +199,11 @@ class HardPatchesMining(Objective):
     def no_weight_decay(self) -> set[str]:
         return {f"base.{n}" for n in self.base.no_weight_decay()}
 
+    def set_pixel_stats(self, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+        self.mean, self.std = tuple(mean), tuple(std)
+        for base in (self.base, self.teacher["base"]):
+            base.set_pixel_stats(mean, std)
+
     # ---- per-step state -----------------------------------------------------------------------
 
     def set_progress(self, epoch: float, total_epochs: float) -> None:

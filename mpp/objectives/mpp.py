@@ -4,6 +4,10 @@ Corrupt 50 % of the patch *embeddings*: of the corrupted, 80 % become one learna
 embedding, 10 % the embedding of another patch of the same image, 10 % stay as they are.
 From each corrupted token's output predict its patch's 3-bit mean colour (512 classes);
 the loss is cross-entropy over the corrupted positions only.
+
+Other channel counts (grey, multispectral bands; docs/ARCHITECTURE.md): the colour is factorised,
+one ``bits``-bit class of each channel's mean (C heads of 2^bits classes, the loss their mean);
+RGB keeps the paper's joint 512-class target exactly.
 """
 
 from __future__ import annotations
@@ -28,13 +32,22 @@ def color_classes(rgb_means: Tensor, bits: int = 3) -> Tensor:
     return (q[..., 0] * levels + q[..., 1]) * levels + q[..., 2]
 
 
+def channel_classes(means: Tensor, bits: int = 3) -> Tensor:
+    """(..., C) channel means in [0, 1] -> one class per channel (..., C) in [0, 2**bits)."""
+    levels = 2**bits
+    return (means * levels).floor().clamp_(0, levels - 1).long()
+
+
 def mean_color_targets(raw: Tensor, patch_size: int, bits: int = 3, cells: int = 1) -> Tensor:
-    """Raw images (B, 3, H, W) in [0, 1] -> colour classes (B, N) for cells=1, or (B, N, cells^2)
-    for the 'downsampled' target (each patch cut into cells x cells, one class per cell)."""
+    """Raw images (B, C, H, W) in [0, 1] -> colour classes: RGB's joint class (B, N) for
+    cells=1, or (B, N, cells^2) for the 'downsampled' target (each patch cut into cells x cells,
+    one class per cell); another channel count one class per channel, (B, N, cells^2 * C)."""
     if patch_size % cells:
         raise ValueError(f"patch_size {patch_size} is not divisible by downsample cells {cells}")
-    means = F.avg_pool2d(raw, kernel_size=patch_size // cells)  # (B, 3, gh*cells, gw*cells)
+    means = F.avg_pool2d(raw, kernel_size=patch_size // cells)  # (B, C, gh*cells, gw*cells)
     means = rearrange(means, "b c (h i) (w j) -> b (h w) (i j) c", i=cells, j=cells)
+    if raw.shape[1] != 3:  # factorised: (B, N, cells^2, C) -> (B, N, cells^2 * C)
+        return channel_classes(means, bits).flatten(2)
     classes = color_classes(means, bits)  # (B, N, cells^2)
     return classes[..., 0] if cells == 1 else classes
 
@@ -78,10 +91,6 @@ class MaskedPatchPrediction(PerPatchObjective):
             )
         if not 1 <= bits <= 8:
             raise ValueError(f"bits must be in [1, 8], got {bits}")
-        if encoder.patch_embed.in_chans != 3 and target != "pixel":
-            raise ValueError(
-                f"target {target!r} needs RGB input (in_chans=3), got {encoder.patch_embed.in_chans}"
-            )
         self.encoder = encoder
         self.mask_generator = mask_generator or RandomMask(encoder.grid_size, mask_ratio)
         if self.mask_generator.num_patches != encoder.num_patches:
@@ -97,11 +106,14 @@ class MaskedPatchPrediction(PerPatchObjective):
         self.token_dim = dim  # what HPM's loss predictor reads: the encoder's output tokens
         self.mask_token = nn.Parameter(torch.zeros(1, 1, dim))  # [mask], in embedding space
         nn.init.normal_(self.mask_token, std=0.02)
-        num_classes = 2 ** (3 * bits)
+        chans = encoder.patch_embed.in_chans
+        # RGB: one joint class of 2^(3 bits); C channels: C classes of 2^bits (factorised)
+        self.num_classes = 2 ** (3 * bits) if chans == 3 else 2**bits
+        groups = 1 if chans == 3 else chans  # classes predicted per patch (or cell)
         out = {
-            "mean_color": num_classes,
-            "downsampled": downsample_cells**2 * num_classes,
-            "pixel": patch * patch * encoder.patch_embed.in_chans,
+            "mean_color": groups * self.num_classes,
+            "downsampled": downsample_cells**2 * groups * self.num_classes,
+            "pixel": patch * patch * chans,
         }[target]
         if target == "downsampled" and patch % downsample_cells:
             raise ValueError(
@@ -113,6 +125,9 @@ class MaskedPatchPrediction(PerPatchObjective):
 
     def no_weight_decay(self) -> set[str]:
         return {"mask_token"} | {f"encoder.{n}" for n in self.encoder.no_weight_decay()}
+
+    def set_pixel_stats(self, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+        self.mean, self.std = tuple(mean), tuple(std)
 
     # ---- the algorithm, one step a method -------------------------------------------------
 
@@ -138,7 +153,8 @@ class MaskedPatchPrediction(PerPatchObjective):
         return out, kind
 
     def targets(self, images: Tensor) -> Tensor:
-        """Per-patch targets on un-normalised pixels: (B, N) classes, (B, N, 16) classes, or (B, N, P*P*C)."""
+        """Per-patch targets on un-normalised pixels: RGB (B, N) classes or (B, N, 16) for
+        'downsampled', (B, N, groups) classes for other channel counts, or (B, N, P*P*C)."""
         raw = unnormalize(images, self.mean, self.std)
         if self.target == "pixel":
             return patchify(raw, self.encoder.patch_size)
@@ -150,10 +166,8 @@ class MaskedPatchPrediction(PerPatchObjective):
         if self.target == "pixel":
             loss = (pred.float() - target).pow(2).mean(dim=-1)
             return loss, torch.zeros_like(loss)
-        num_classes = 2 ** (3 * self.bits)
-        logits = pred.float().reshape(
-            *target.shape[:2], -1, num_classes
-        )  # (B, n, cells^2 or 1, classes)
+        # (B, n, groups, classes): groups = cells^2 (RGB) or cells^2 * C (factorised), or 1
+        logits = pred.float().reshape(*target.shape[:2], -1, self.num_classes)
         target = target.reshape(*target.shape[:2], -1)
         ce = F.cross_entropy(logits.flatten(0, 2), target.flatten(), reduction="none").view_as(
             target

@@ -39,9 +39,9 @@ def build_on_meta(cfg: Any) -> torch.nn.Module:
     return objective.train()
 
 
-def fake_images(micro: int, img_size: int) -> torch.Tensor:
+def fake_images(micro: int, img_size: int, chans: int = 3) -> torch.Tensor:
     """The engine's input: the loader's uint8 batch normalised to fp32 on the device."""
-    return torch.empty(micro, 3, img_size, img_size, dtype=torch.uint8).float()
+    return torch.empty(micro, chans, img_size, img_size, dtype=torch.uint8).float()
 
 
 def step(objective: torch.nn.Module, images: torch.Tensor) -> None:
@@ -58,15 +58,19 @@ def activation_peak(objective: torch.nn.Module, micro: int, img_size: int) -> in
     tracker = PeakTracker()
     tracker.track_external(objective)
     with tracker:
-        step(objective, fake_images(micro, img_size))
+        step(objective, fake_images(micro, img_size, _chans(objective)))
     return tracker.peak_activation_bytes()
+
+
+def _chans(objective: torch.nn.Module) -> int:
+    return objective.encoder.patch_embed.in_chans
 
 
 def op_costs(objective: torch.nn.Module, micro: int, img_size: int) -> dict[str, Any]:
     """FLOPs (FlopCounterMode) and per-op (flops, bytes, count) calls of one step."""
     flops, costs = flop_counter(), OpCosts()
     with flops, costs:
-        step(objective, fake_images(micro, img_size))
+        step(objective, fake_images(micro, img_size, _chans(objective)))
     return {
         "flops": flops.get_total_flops(),
         "calls": [[f, b, n] for (f, b), n in costs.calls.items()],

@@ -33,7 +33,8 @@ def recipe(
     rank_ips = micro * accum / step_s
     workers = workers_needed(rank_ips, PER_WORKER_IPS)
     samples = d.num_samples
-    decoded = 3 * img_size * img_size  # uint8 CHW
+    # CHW as the loader ships it: uint8, or float32 for data that is not 8-bit (value_range)
+    decoded = d.channels * img_size * img_size * (4 if d.value_range is not None else 1)
     return {
         "global_batch": t.batch_size,
         "micro_batch": micro,

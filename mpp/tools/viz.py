@@ -131,15 +131,15 @@ def pretraining_config(path: str | Path) -> Config:
     return cfg
 
 
-def build_for(args: argparse.Namespace) -> tuple[Objective, tuple[float, ...], tuple[float, ...]]:
-    """(the objective, the images' mean and std): from --config, else the checkpoint's run, else
-    an HPM objective from the flags."""
+def build_for(args: argparse.Namespace) -> tuple[Objective, Config | None]:
+    """(the objective, its run's config): from --config, else the checkpoint's run, else an HPM
+    objective from the flags (no config)."""
     config = args.config or (run_config(args.checkpoint) if args.checkpoint else None)
     if config:
         from mpp.build import build_objective
 
         cfg = pretraining_config(config)
-        return build_objective(cfg), cfg.data.mean, cfg.data.std
+        return build_objective(cfg), cfg
     from mpp.models.vit import create_vit
 
     objective = create_objective(
@@ -150,7 +150,23 @@ def build_for(args: argparse.Namespace) -> tuple[Objective, tuple[float, ...], t
         decoder_depth=args.decoder_depth,
         decoder_heads=args.decoder_heads,
     )
-    return objective, objective.mean, objective.std
+    return objective, None
+
+
+def run_images(cfg: Config, count: int, img_size: int) -> Tensor:
+    """``count`` normalised images of the run's own data (its val shards, else its first training
+    shard), as the data holds them: any channel count and bit depth."""
+    from mpp.data import expand_shards
+    from mpp.data.transforms import pixel_format
+    from mpp.ops import normalize
+    from mpp.train.preview import preview_images
+
+    d = cfg.data
+    shards = d.val_shards or expand_shards(d.train_shards)[:1]
+    images = preview_images(shards, img_size, d.allow_pipe, pixel_format(d))
+    if images is None:
+        raise ValueError(f"{shards}: no image of {d.channels} channel(s) to show")
+    return normalize(images[:count], d.mean, d.std)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -189,17 +205,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     torch.manual_seed(args.seed)
     try:
-        objective, mean, std = build_for(args)
+        objective, cfg = build_for(args)
         if args.checkpoint:
             load_weights(objective, args.checkpoint)
+        mean, std = (cfg.data.mean, cfg.data.std) if cfg else (objective.mean, objective.std)
+        size = objective.encoder.patch_embed.img_size[0]
+        if cfg is not None and cfg.data.channels != 3 and not args.image_dir:
+            images = run_images(cfg, args.images, size)  # digits and photos are RGB
+        else:
+            images = load_images(args.images, size, mean, std, args.image_dir)
     except (ValueError, FileNotFoundError, CheckpointError) as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
-    enc = objective.encoder
-    images = load_images(args.images, enc.patch_embed.img_size[0], mean, std, args.image_dir)
     hpm = isinstance(objective, HardPatchesMining)
     k = None if args.hard_ratio is None or not hpm else int(objective.num_masked * args.hard_ratio)
-    pic = save_picture(objective_panels(objective, images, mean, std, k), args.out, args.scale)
+    show = cfg.data.display_channels if cfg else None
+    panels = objective_panels(objective, images, mean, std, k, show)
+    pic = save_picture(panels, args.out, args.scale)
     print(f"wrote {args.out} ({pic.width}x{pic.height}, {images.shape[0]} images)")
     return 0
 

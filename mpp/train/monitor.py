@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mpp.data import make_eval_loader
+from mpp.data.transforms import pixel_format
 from mpp.features import knn_classify, pooled_features
 from mpp.ops import normalize
 from mpp.parallel import zero
@@ -59,8 +60,10 @@ def load_images(shards: Any, img_size: int, settings: dict) -> Images:
         images.append(batch["image"])
         labels.append(batch.get("label"))
         keys += batch["key"]
-    if not images:
-        return Images(torch.empty(0, 3, img_size, img_size, dtype=torch.uint8), None, [])
+    if not images:  # this rank's share is empty: the others may not be
+        chans = settings["pixels"].channels
+        labels = torch.empty(0, dtype=torch.int64) if settings.get("with_labels", True) else None
+        return Images(torch.empty(0, chans, img_size, img_size, dtype=torch.uint8), labels, [])
     with_labels = labels[0] is not None
     return Images(torch.cat(images), torch.cat(labels) if with_labels else None, keys)
 
@@ -141,8 +144,9 @@ class Monitor:
         return feats, labels, [keys[i] for i in order]
 
     def knn(self, encoder: Any) -> dict[str, float]:
-        """knn.py's weighted k-NN of the encoder: the bank against the held-out images."""
-        if self.bank is None or self.val.labels is None:
+        """knn.py's weighted k-NN of the encoder: the bank against the held-out images (every
+        rank takes part, whatever its share; a bank only where both sides have labels)."""
+        if self.bank is None:
             return {}
         train_x, train_y, _ = self.features(encoder, self.bank)
         val_x, val_y, _ = self.features(encoder, self.val)
@@ -204,7 +208,7 @@ def build_monitor(
             log.warning("monitor: no held-out images (set monitor.val_shards or data.val_shards)")
         return off
     load = dict(rank=rank, world_size=world, num_workers=d.num_workers, with_keys=True)
-    load["allow_pipe"] = d.allow_pipe
+    load.update(allow_pipe=d.allow_pipe, pixels=pixel_format(d))
     index = label_index(plan.train_shards, d.allow_pipe)
     labelled_val = bool(shard_labels(expand_shards(val_shards)[0], d.allow_pipe))
     bank, what = None, "no k-NN: the training or the held-out shards carry no labels (.cls)"

@@ -6,11 +6,14 @@ HPM: input | mask (grey: masked at random, red: masked as hard by the teacher) |
 reconstruction (visible patches from the input, masked ones predicted) | teacher's predicted loss.
 MAE / MPP: input | mask (grey) | reconstruction (MPP: each masked patch in its predicted colour;
 MAE with ``norm_pix_loss``: un-normalised with each true patch's own mean and variance).
+Images of another channel count are shown as a composite of three of them (``data.display_channels``,
+default the first three) or, with one channel, in grey.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -37,10 +40,20 @@ def _patch_colors(classes: Tensor, bits: int) -> Tensor:
     return (rgb.float() + 0.5) / levels
 
 
+def display(raw: Tensor, show: Sequence[int] | None = None) -> Tensor:
+    """Raw pixels (B, C, H, W) -> (B, 3, H, W) to look at: the channels ``show`` (default the
+    first three), a single one as grey."""
+    chosen = list(show) if show is not None else list(range(min(raw.shape[1], 3)))
+    if len(chosen) < 3:
+        return raw[:, chosen[:1]].expand(-1, 3, -1, -1)
+    return raw[:, chosen]
+
+
 def predicted_patches(
     base, images: Tensor, out: dict[str, Tensor], mean: tuple[float, ...], std: tuple[float, ...]
 ) -> Tensor:
-    """The base's predictions for the masked patches (B, N_mask, P*P*C), as raw pixels in [0, 1]."""
+    """The base's predictions for the masked patches (B, N_mask, P*P*C), as raw pixels in [0, 1]
+    (MPP: the centre of each predicted colour bin, per channel where the target is factorised)."""
     P = base.encoder.patch_size
     if isinstance(base, MaskedAutoencoder):
         pred = gather_tokens(out["pred"].float(), out["idx"])
@@ -52,10 +65,13 @@ def predicted_patches(
         return (pred * images.new_tensor(std) + images.new_tensor(mean)).clamp(0, 1).flatten(2)
     if base.target == "pixel":
         return out["pred"].float().clamp(0, 1)
-    num_classes = 2 ** (3 * base.bits)
-    cells = 1 if base.target == "mean_color" else base.cells
-    logits = out["pred"].float().reshape(*out["idx"].shape, cells, cells, num_classes)
-    colors = _patch_colors(logits.argmax(-1), base.bits)  # (B, n, cells, cells, 3)
+    cells, C = (1 if base.target == "mean_color" else base.cells), images.shape[1]
+    if C == 3:  # the joint colour class
+        logits = out["pred"].float().reshape(*out["idx"].shape, cells, cells, base.num_classes)
+        colors = _patch_colors(logits.argmax(-1), base.bits)  # (B, n, cells, cells, 3)
+    else:  # a class per channel
+        shape = (*out["idx"].shape, cells, cells, C, base.num_classes)
+        colors = (out["pred"].float().reshape(shape).argmax(-1) + 0.5) / 2**base.bits
     pixels = repeat(colors, "b n i j c -> b n (i p) (j q) c", p=P // cells, q=P // cells)
     return pixels.flatten(2)
 
@@ -70,39 +86,46 @@ def heat_colors(values: Tensor) -> Tensor:
 def masked_panels(
     base,
     images: Tensor,
-    mask: Tensor,
-    hard: Tensor,
-    mean: tuple[float, ...],
-    std: tuple[float, ...],
+    masks: tuple[Tensor, Tensor],
+    pixels: tuple[tuple[float, ...], tuple[float, ...]],
+    show: Sequence[int] | None = None,
 ) -> list[Tensor]:
-    """input | mask (grey, ``hard`` red) | reconstruction, each (B, 3, H, W) in [0, 1], of an MAE or
-    MPP objective run on ``mask`` (B, N)."""
+    """input | mask (grey, the ``hard`` ones red) | reconstruction, each (B, 3, H, W) in [0, 1],
+    of an MAE or MPP objective run on ``masks`` = (mask, hard), each (B, N); ``pixels`` the
+    data's (mean, std); ``show`` the channels shown (``display``)."""
+    (mask, hard), (mean, std) = masks, pixels
     P, grid = base.encoder.patch_size, base.encoder.grid_size
     out = base.forward_per_patch(images, mask)
-    raw = unnormalize(images.float(), mean, std)  # (B, 3, H, W) in [0, 1]
-    raw_patches = patchify(raw, P)  # (B, N, P*P*3)
-
-    def tint(color: tuple[float, ...]) -> Tensor:  # the patches, 75 % covered by a colour
-        return 0.25 * raw_patches + 0.75 * raw_patches.new_tensor(color).repeat(P * P)
-
-    shown = torch.where(mask.unsqueeze(-1), tint(RANDOM_COLOR), raw_patches)
-    shown = torch.where(hard.unsqueeze(-1), tint(HARD_COLOR), shown)
-    predicted = predicted_patches(base, images, out, mean, std)  # (B, N_mask, P*P*3)
+    raw = unnormalize(images.float(), mean, std)  # (B, C, H, W) in [0, 1]
+    raw_patches = patchify(raw, P)  # (B, N, P*P*C)
+    predicted = predicted_patches(base, images, out, mean, std)  # (B, N_mask, P*P*C)
     idx = out["idx"].unsqueeze(-1).expand(-1, -1, raw_patches.shape[-1])
     recon = raw_patches.scatter(1, idx, predicted)  # visible patches as they are, masked predicted
-    return [raw] + [unpatchify(x, grid, P) for x in (shown, recon)]
+    seen = display(raw, show)
+    seen_patches = patchify(seen, P)  # (B, N, P*P*3)
+
+    def tint(color: tuple[float, ...]) -> Tensor:  # the patches, 75 % covered by a colour
+        return 0.25 * seen_patches + 0.75 * seen_patches.new_tensor(color).repeat(P * P)
+
+    shown = torch.where(mask.unsqueeze(-1), tint(RANDOM_COLOR), seen_patches)
+    shown = torch.where(hard.unsqueeze(-1), tint(HARD_COLOR), shown)
+    return [seen, unpatchify(shown, grid, P), display(unpatchify(recon, grid, P), show)]
 
 
 @torch.no_grad()
 def hpm_panels(
-    objective: HardPatchesMining, images: Tensor, num_hard: int | None = None
+    objective: HardPatchesMining,
+    images: Tensor,
+    num_hard: int | None = None,
+    show: Sequence[int] | None = None,
 ) -> list[Tensor]:
     """The four panels, each (B, 3, H, W) in [0, 1]. ``num_hard`` overrides the objective's k."""
     k = objective.num_hard if num_hard is None else num_hard
     P = objective.encoder.patch_size
     scores = objective.teacher_scores(images)  # (B, N)
-    mask, hard = hard_patch_mask(scores, objective.num_masked, k)
-    panels = masked_panels(objective.base, images, mask, hard, objective.mean, objective.std)
+    masks = hard_patch_mask(scores, objective.num_masked, k)
+    pixels = (objective.mean, objective.std)
+    panels = masked_panels(objective.base, images, masks, pixels, show)
     heat = heat_colors(scores).repeat(1, 1, P * P)  # (B, N, P*P*3)
     return panels + [unpatchify(heat, objective.encoder.grid_size, P)]
 
@@ -114,15 +137,18 @@ def objective_panels(
     mean: tuple[float, ...],
     std: tuple[float, ...],
     num_hard: int | None = None,
+    show: Sequence[int] | None = None,
 ) -> list[Tensor]:
-    """HPM's four panels, or MAE's / MPP's three on a mask from their own generator; in eval mode."""
+    """HPM's four panels, or MAE's / MPP's three on a mask from their own generator; in eval mode.
+    ``show``: which channels the pictures show (``display``)."""
     was_training = objective.training
     objective.eval()
     try:
         if isinstance(objective, HardPatchesMining):
-            return hpm_panels(objective, images, num_hard)
+            return hpm_panels(objective, images, num_hard, show)
         mask = objective.mask_generator(images.shape[0], images.device)  # (B, N)
-        return masked_panels(objective, images, mask, torch.zeros_like(mask), mean, std)
+        masks = (mask, torch.zeros_like(mask))
+        return masked_panels(objective, images, masks, (mean, std), show)
     finally:
         objective.train(was_training)
 

@@ -13,6 +13,8 @@ from mpp.config import Config, ConfigError, RunConfig
 from mpp.data import StreamConfig, digits_shards, expand_shards
 from mpp.data.census import Census, census
 from mpp.data.labels import LabelledSubset, choose, from_key_file, label_index
+from mpp.data.stats import pixel_stats
+from mpp.data.transforms import PixelFormat, pixel_format
 
 log = logging.getLogger("mpp.plan")
 
@@ -58,6 +60,7 @@ def plan_run(
     except ValueError as e:
         raise fail("train.precision", str(e)) from None
     shards, missing = train_shards(cfg, img_size)
+    measure_pixels(cfg, shards)
     subset = labelled_subset(cfg, shards, num_classes) if num_classes is not None else None
     if subset is not None:  # few labels: the epoch is the subset, read from the shards holding it
         counted, shards, sizes = None, subset.shards, subset.sizes
@@ -94,6 +97,7 @@ def plan_run(
         global_batch=t.batch_size,
         shard_sizes=tuple(sizes),
         shard_keys=subset.keys if subset is not None else None,
+        pixels=pixel_format(cfg.data),
         **cfg.stream_settings(),
     )
     return Plan(
@@ -112,6 +116,37 @@ def plan_run(
         counted,
         subset,
     )
+
+
+def measure_pixels(cfg: RunConfig, shards: list[str]) -> None:
+    """``data.mean`` / ``std`` / ``value_range`` "auto": measured on the training shards
+    (``mpp.data.stats``; a collective, cached) and written into the config, so the run's
+    config.json, its exports and every later step use the values. ConfigError names the key."""
+    import torch.distributed as dist
+
+    d = cfg.data
+    if not d.auto_stats:
+        return
+    vr = None if d.value_range == "auto" else d.value_range
+    fmt = PixelFormat(d.channels, d.layout, tuple(vr) if vr else None)
+    run_dir = Path(_output_dir(cfg))
+    try:
+        stats, source = pixel_stats(shards, fmt, d.stats_samples, run_dir, d.allow_pipe)
+    except ValueError as e:
+        auto = [k for k in ("mean", "std", "value_range") if getattr(d, k) == "auto"]
+        raise _failer(cfg)(f"data.{auto[0]}", f'"auto": {e}') from None
+    d.mean = stats.mean if d.mean == "auto" else d.mean
+    d.std = stats.std if d.std == "auto" else d.std
+    d.value_range = stats.value_range if d.value_range == "auto" else d.value_range
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        values = lambda v: "[" + ", ".join(f"{x:.4g}" for x in v) + "]"  # noqa: E731
+        log.info(
+            "data: mean %s, std %s of [0, 1] pixels, range %s -> [0, 1] (%s)",
+            values(d.mean),
+            values(d.std),
+            values(d.value_range),
+            source,
+        )
 
 
 def labelled_subset(

@@ -51,11 +51,11 @@ class Preview:
         std: tuple[float, ...],
         device: torch.device,
         rank: int,
+        show: tuple[int, ...] | None = None,
     ) -> None:
-        self.every, self.rank, self.mean, self.std = every, rank, mean, std
-        self.images = (
-            None if images is None else normalize(images, mean, std).to(device)
-        )  # (B, 3, H, W)
+        self.every, self.rank, self.mean, self.std, self.show = every, rank, mean, std, show
+        # (B, C, H, W)
+        self.images = None if images is None else normalize(images, mean, std).to(device)
         self.captioned = False
 
     def __call__(self, model: Any, step: int, reporters: list) -> None:
@@ -64,7 +64,7 @@ class Preview:
         devices = [self.images.device] if self.images.device.type == "cuda" else []
         with zero.gathered(list(model.parameters())), torch.random.fork_rng(devices=devices):
             torch.manual_seed(SEED)
-            panels = objective_panels(model, self.images, self.mean, self.std)
+            panels = objective_panels(model, self.images, self.mean, self.std, show=self.show)
         if self.rank != 0:
             return
         grid = panel_grid(panels)  # (3, H, W) uint8
@@ -74,10 +74,12 @@ class Preview:
 
 
 def preview_images(
-    shards: str | list[str], img_size: int, allow_pipe: bool = False
+    shards: str | list[str], img_size: int, allow_pipe: bool = False, pixels: Any = None
 ) -> Tensor | None:
-    """The first ``NUM_IMAGES`` images of ``shards`` (B, 3, S, S) uint8, centre-cropped; None if none."""
+    """The first ``NUM_IMAGES`` images of ``shards`` (B, C, S, S), uint8 or float32 as the data
+    holds them (``pixels``: its ``PixelFormat``), centre-cropped; None if none."""
     from mpp.data import make_eval_loader
+    from mpp.data.transforms import RGB
 
     loader = make_eval_loader(
         shards,
@@ -88,6 +90,7 @@ def preview_images(
         num_workers=0,
         with_labels=False,
         allow_pipe=allow_pipe,
+        pixels=pixels or RGB,
     )
     batch = next(iter(loader), None)
     return None if batch is None else batch["image"]
@@ -113,5 +116,7 @@ def build_preview(
         if d.train_shards is None
         else expand_shards(d.train_shards)[:1]
     )
-    images = preview_images(shards, img_size, d.allow_pipe)
-    return Preview(t.preview_every, images, d.mean, d.std, device, rank)
+    from mpp.data.transforms import pixel_format
+
+    images = preview_images(shards, img_size, d.allow_pipe, pixel_format(d))
+    return Preview(t.preview_every, images, d.mean, d.std, device, rank, d.display_channels)

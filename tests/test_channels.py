@@ -1,0 +1,199 @@
+"""Users' own images (issue 31 §1-3): any channel count, 16-bit and float arrays, statistics from
+the data. Files written by the tools users write them with (tifffile, numpy, PIL); the launcher
+runs over them are in tests/test_channels_runs.py."""
+
+from __future__ import annotations
+
+import io
+import random
+
+import numpy as np
+import pytest
+import tifffile
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from mpp.data import WriterOptions, write_shards
+from mpp.data.stats import measure, pixel_stats
+from mpp.data.transforms import (
+    PixelFormat,
+    SampleFormatError,
+    collate,
+    decode,
+    eval_transform,
+    random_resized_crop_box,
+    resize_channels,
+    train_transform,
+)
+from mpp.hub.pretrained import adapt_input_channels
+from mpp.models.vit import create_vit
+from mpp.objectives import create_objective
+from mpp.objectives.mpp import color_classes, mean_color_targets
+from mpp.ops import normalize, unnormalize
+from mpp.train.panels import display
+
+
+def tiff(array: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    tifffile.imwrite(out, array)
+    return out.getvalue()
+
+
+def npy(array: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    np.save(out, array)
+    return out.getvalue()
+
+
+def png16(array: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(array.astype(np.uint16)).save(out, format="PNG")  # PIL's mode I;16
+    return out.getvalue()
+
+
+RNG = np.random.default_rng(0)
+BANDS = RNG.integers(0, 65536, (4, 20, 24), dtype=np.uint16)  # C x H x W, as tifffile writes bands
+
+
+def test_every_writer_decodes_to_hwc_in_0_1_through_the_stated_range():
+    fmt = PixelFormat(4, value_range=(0, 65535))
+    want = BANDS.transpose(1, 2, 0).astype(np.float32) / 65535
+    for data in (tiff(BANDS), tiff(BANDS.transpose(1, 2, 0)), npy(BANDS), npy(want * 65535)):
+        got = decode(data, fmt)
+        assert got.dtype == np.float32 and got.shape == (20, 24, 4)
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    grey = RNG.integers(0, 65536, (20, 24), dtype=np.uint16)
+    got = decode(png16(grey), PixelFormat(1, value_range=(0, 65535)))
+    np.testing.assert_allclose(got[:, :, 0], grey / 65535, atol=1e-6)
+    # 8-bit arrays stay uint8, whatever the channel count
+    eight = RNG.integers(0, 256, (20, 24, 5), dtype=np.uint8)
+    assert np.array_equal(decode(npy(eight), PixelFormat(5)), eight)
+
+
+def test_a_sample_that_does_not_fit_says_what_it_holds():
+    with pytest.raises(SampleFormatError, match=r"holds a 4x20x24 uint16 array, not 3 channel"):
+        decode(tiff(BANDS), PixelFormat(3, value_range=(0, 65535)))
+    with pytest.raises(SampleFormatError, match="data.value_range must say what"):
+        decode(tiff(BANDS), PixelFormat(4))
+    cube = RNG.random((4, 7, 4)).astype(np.float32)
+    with pytest.raises(SampleFormatError, match="set data.layout"):
+        decode(npy(cube), PixelFormat(4, value_range=(0, 1)))
+    assert decode(npy(cube), PixelFormat(4, "CHW", (0, 1))).shape == (7, 4, 4)
+    # an RGB JPEG in a 1-channel dataset is not silently made grey
+    rgb = io.BytesIO()
+    Image.fromarray(RNG.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(rgb, format="JPEG")
+    with pytest.raises(SampleFormatError, match="not 1 channel"):
+        decode(rgb.getvalue(), PixelFormat(1))
+
+
+def test_arrays_are_cropped_with_the_rgb_paths_boxes_a_channel_at_a_time():
+    # a smooth picture: PIL's 8-bit resampling rounds between its two passes and clips
+    # overshoot, so on noise the two paths part by a few levels; on a photograph by about one
+    coarse = RNG.integers(0, 256, (4, 5, 3), dtype=np.uint8)
+    rgb = np.asarray(Image.fromarray(coarse).resize((40, 30), Image.BILINEAR))
+    png = io.BytesIO()
+    Image.fromarray(rgb).save(png, format="PNG")
+    as_float = npy(rgb.astype(np.float32) / 255)
+    fmt = PixelFormat(3, value_range=(0, 1))
+    # the same box (the RNG draws the same), bicubic in float vs PIL's uint8: within a level
+    a = train_transform(png.getvalue(), 16, random.Random(5), hflip=0.5)
+    b = train_transform(as_float, 16, random.Random(5), hflip=0.5, fmt=fmt)
+    assert b.dtype == np.float32 and np.abs(a / 255 - b).max() <= 1.5 / 255
+    a, b = eval_transform(png.getvalue(), 16), eval_transform(as_float, 16, fmt=fmt)
+    assert np.abs(a / 255 - b).max() <= 1.5 / 255
+    box = random_resized_crop_box(40, 30, random.Random(1))
+    planes = resize_channels(rgb.astype(np.float32) / 255, box, 12)
+    ref = Image.fromarray(rgb[:, :, 1].astype(np.float32) / 255, "F").resize(
+        (12, 12), Image.BICUBIC, box=box
+    )
+    np.testing.assert_array_equal(planes[:, :, 1], np.clip(np.asarray(ref), 0, 1))
+
+
+def test_a_float_batch_normalises_as_its_8_bit_twin():
+    eight = RNG.integers(0, 256, (4, 4, 2), dtype=np.uint8)
+    batch8 = collate([(eight, 1, "a")])["image"]
+    batchf = collate([(eight.astype(np.float32) / 255, 1, "a")])["image"]
+    mixed = collate([(eight, 1, "a"), (eight.astype(np.float32) / 255, 2, "b")])["image"]
+    assert batch8.dtype == torch.uint8 and batchf.dtype == mixed.dtype == torch.float32
+    mean, std = (0.2, 0.6), (0.3, 0.1)
+    torch.testing.assert_close(normalize(batchf, mean, std), normalize(batch8, mean, std))
+    torch.testing.assert_close(mixed[0], mixed[1])
+
+
+def test_mpp_keeps_rgbs_joint_colour_and_factorises_other_channel_counts():
+    raw = torch.rand(2, 3, 8, 8)
+    means = F.avg_pool2d(raw, 4).flatten(2).transpose(1, 2)  # (B, N, 3)
+    assert torch.equal(mean_color_targets(raw, 4), color_classes(means, 3))  # the paper's 512
+    four = torch.rand(2, 4, 8, 8)
+    means = F.avg_pool2d(four, 4).flatten(2).transpose(1, 2)  # (B, N, 4)
+    want = (means * 8).floor().clamp(0, 7).long()
+    assert torch.equal(mean_color_targets(four, 4), want)  # one 3-bit class per channel
+    encoder = create_vit("vit_tiny_patch4_16", depth=1, embed_dim=32, num_heads=2, in_chans=4)
+    mpp = create_objective("mpp", encoder, mean=(0.5,) * 4, std=(0.25,) * 4)
+    assert mpp.head.out_features == 4 * 8 and mpp.num_classes == 8
+    loss, metrics = mpp(torch.randn(3, 4, 16, 16))
+    assert loss.isfinite() and 0 <= metrics["acc"] <= 1
+    rgb = create_objective(
+        "mpp", create_vit("vit_tiny_patch4_16", depth=1, embed_dim=32, num_heads=2)
+    )
+    assert rgb.head.out_features == 512
+
+
+def test_rgb_weights_adapt_to_one_and_to_four_channels():
+    w = torch.randn(8, 3, 4, 4)
+    grey = torch.rand(2, 1, 4, 4)
+    one = adapt_input_channels(w, 1)
+    # a grey image through the summed kernel = the same image as RGB through the RGB kernel
+    torch.testing.assert_close(
+        F.conv2d(grey, one, stride=4), F.conv2d(grey.expand(-1, 3, -1, -1), w, stride=4)
+    )
+    four = adapt_input_channels(w, 4)
+    assert four.shape == (8, 4, 4, 4)
+    torch.testing.assert_close(four[:, :3], w * 0.75)
+    torch.testing.assert_close(four[:, 3], w[:, 0] * 0.75)
+    with pytest.raises(ValueError, match="only RGB weights are adapted"):
+        adapt_input_channels(torch.randn(8, 2, 4, 4), 4)
+
+
+def test_a_composite_shows_the_chosen_channels_or_grey():
+    raw = torch.rand(2, 5, 3, 3)
+    assert torch.equal(display(raw), raw[:, :3])
+    assert torch.equal(display(raw, (4, 0, 2)), raw[:, [4, 0, 2]])
+    assert torch.equal(display(raw[:, :1]), raw[:, :1].expand(-1, 3, -1, -1))
+    back = unnormalize(
+        normalize((raw * 255).round().byte(), (0.5,) * 5, (0.2,) * 5), (0.5,) * 5, (0.2,) * 5
+    )
+    torch.testing.assert_close(back, (raw * 255).round() / 255)
+
+
+def test_auto_statistics_agree_with_numpy_on_the_same_files(tmp_path):
+    bands = [RNG.integers(100, 40000, (4, 16, 18), dtype=np.uint16) for _ in range(12)]
+    corrupt = b"II*\x00 not a tiff"
+    samples = [(tiff(b), i % 3) for i, b in enumerate(bands)] + [(corrupt, 0)]
+    shards = write_shards(
+        samples, tmp_path, "t", options=WriterOptions(max_count=5, progress=False)
+    )
+    fmt = PixelFormat(4)
+    stats = measure(shards, fmt, samples=100)
+    every = np.stack([b.transpose(1, 2, 0) for b in bands]).reshape(-1, 4).astype(np.float64)
+    lo, hi = every.min(), every.max()
+    assert stats.images == 12 and stats.value_range == (lo, hi)
+    np.testing.assert_allclose(stats.mean, (every.mean(0) - lo) / (hi - lo), rtol=1e-9)
+    np.testing.assert_allclose(stats.std, every.std(0) / (hi - lo), rtol=1e-6)
+    # a stated range is kept; the cache beside the shards answers the second time
+    stated = measure(shards, PixelFormat(4, value_range=(0, 65535)), samples=100)
+    np.testing.assert_allclose(stated.mean, every.mean(0) / 65535, rtol=1e-9)
+    first, how = pixel_stats(shards, fmt, 100)
+    again, how_again = pixel_stats(shards, fmt, 100)
+    assert how.startswith("measured") and how_again.startswith("cached in") and again == first
+    assert (tmp_path / ".mpp_stats.json").is_file()
+    # eight-bit data: its range is 0..255, not the observed one
+    eight = [RNG.integers(10, 200, (6, 6, 3), dtype=np.uint8) for _ in range(4)]
+    shards8 = write_shards(
+        [(e, 0) for e in eight], tmp_path / "e", "e", options=WriterOptions(progress=False)
+    )
+    s8 = measure(shards8, PixelFormat(3), samples=10)
+    every8 = np.stack(eight).reshape(-1, 3) / 255
+    assert s8.value_range == (0.0, 255.0)
+    np.testing.assert_allclose(s8.mean, every8.mean(0), rtol=1e-9)
