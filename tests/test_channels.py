@@ -17,6 +17,7 @@ from PIL import Image
 from mpp.data import WriterOptions, write_shards
 from mpp.data.stats import measure, pixel_stats
 from mpp.data.transforms import (
+    Augmentation,
     PixelFormat,
     SampleFormatError,
     collate,
@@ -97,8 +98,8 @@ def test_arrays_are_cropped_with_the_rgb_paths_boxes_a_channel_at_a_time():
     as_float = npy(rgb.astype(np.float32) / 255)
     fmt = PixelFormat(3, value_range=(0, 1))
     # the same box (the RNG draws the same), bicubic in float vs PIL's uint8: within a level
-    a = train_transform(png.getvalue(), 16, random.Random(5), hflip=0.5)
-    b = train_transform(as_float, 16, random.Random(5), hflip=0.5, fmt=fmt)
+    a = train_transform(png.getvalue(), 16, random.Random(5), Augmentation(hflip=0.5))
+    b = train_transform(as_float, 16, random.Random(5), Augmentation(hflip=0.5), fmt=fmt)
     assert b.dtype == np.float32 and np.abs(a / 255 - b).max() <= 1.5 / 255
     a, b = eval_transform(png.getvalue(), 16), eval_transform(as_float, 16, fmt=fmt)
     assert np.abs(a / 255 - b).max() <= 1.5 / 255

@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 from mpp.data.transforms import (
+    Augmentation,
     center_crop_box,
     collate,
     crop_resize,
@@ -79,8 +80,8 @@ def test_jpeg_draft_matches_full_decode():
 
 def test_flip_mirrors_the_same_crop():
     data = encode(smooth_image(64, 48))
-    plain = train_transform(data, 16, random.Random(3), hflip=0.0)
-    flipped = train_transform(data, 16, random.Random(3), hflip=1.0)
+    plain = train_transform(data, 16, random.Random(3), Augmentation(hflip=0.0))
+    flipped = train_transform(data, 16, random.Random(3), Augmentation(hflip=1.0))
     assert np.array_equal(flipped, plain[:, ::-1]) and not np.array_equal(flipped, plain)
 
 

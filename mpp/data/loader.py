@@ -31,6 +31,7 @@ from .tario import shard_samples
 from .transforms import (
     IMAGE_KEYS,
     RGB,
+    Augmentation,
     PixelFormat,
     SampleFormatError,
     collate,
@@ -186,15 +187,8 @@ class _TrainStream(_Stream):
         select = partial(
             select_image, errors=errors, with_labels=c.with_labels, num_classes=c.num_classes
         )
-        augment = partial(
-            train_transform,
-            img_size=c.img_size,
-            scale=c.crop_scale,
-            ratio=c.crop_ratio,
-            hflip=c.hflip,
-            randaug=c.randaug,
-            fmt=c.pixels,
-        )
+        aug = Augmentation(c.crop_scale, c.crop_ratio, c.hflip, c.randaug)
+        augment = partial(train_transform, img_size=c.img_size, aug=aug, fmt=c.pixels)
         first = c.rank * c.batch_size * accum  # the rank's first stream
         streams: dict[int, Iterator] = {}
         for group in range(accum):  # this worker's part of every micro-batch group

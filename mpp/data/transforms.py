@@ -210,29 +210,37 @@ def _size(img: Image.Image | np.ndarray) -> tuple[int, int]:
     return img.size if isinstance(img, Image.Image) else (img.shape[1], img.shape[0])
 
 
+@dataclass(frozen=True)
+class Augmentation:
+    """The training crop: RandomResizedCrop's ``scale`` and ``ratio``, the flip probability and
+    RandAugment's (n, m) (None: off; 8-bit RGB only)."""
+
+    scale: tuple[float, float] = (0.2, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    hflip: float = 0.5
+    randaug: tuple[int, int] | None = None
+
+
 def train_transform(
     data: bytes,
     img_size: int,
     rng: random.Random,
-    scale=(0.2, 1.0),
-    ratio=(3 / 4, 4 / 3),
-    hflip: float = 0.5,
-    randaug: tuple[int, int] | None = None,
+    aug: Augmentation = Augmentation(),
     fmt: PixelFormat = RGB,
 ) -> np.ndarray:
     """Encoded bytes -> RandomResizedCrop (bicubic) + horizontal flip [+ RandAugment(n, m), 8-bit
     RGB only] -> (S, S, C) view, uint8 or float32 (``fmt``)."""
     img = decode(data, fmt)
-    box = random_resized_crop_box(*_size(img), rng, scale, ratio)
-    flip = rng.random() < hflip
+    box = random_resized_crop_box(*_size(img), rng, aug.scale, aug.ratio)
+    flip = rng.random() < aug.hflip
     array = crop_resize(img, box, img_size, fmt.channels)
-    if randaug is not None and randaug[0] > 0:
+    if aug.randaug is not None and aug.randaug[0] > 0:
         from .randaug import rand_augment
 
         if array.dtype != np.uint8 or array.shape[2] != 3:
             raise SampleFormatError("RandAugment's PIL ops need 8-bit RGB")
         array = np.asarray(
-            rand_augment(Image.fromarray(np.ascontiguousarray(array)), rng, *randaug)
+            rand_augment(Image.fromarray(np.ascontiguousarray(array)), rng, *aug.randaug)
         )
     return array[:, ::-1] if flip else array  # a view: the copy into the batch does the flip
 
