@@ -27,6 +27,7 @@ class SkipCounter:
 
     def __init__(self, max_consecutive: int = 100, log_first: int = 5, log_every_s: float = 10.0):
         self.skipped = 0
+        self.retries = 0  # transient read errors retried (mpp.data.sources)
         self.max_consecutive = max_consecutive
         self.log_first, self.log_every_s = log_first, log_every_s
         self._last_log, self._unlogged = 0.0, 0
@@ -45,6 +46,10 @@ class SkipCounter:
         else:
             self._read_streak += 1
         self._check()
+
+    def retried(self, url: str, exn: Exception) -> None:
+        """A transient read error that is being retried (object storage): counted, not skipped."""
+        self.retries += 1
 
     def shard_opened(self, url: str) -> None:
         self._recent_urls.append(url)

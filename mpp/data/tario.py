@@ -213,7 +213,7 @@ def shard_samples(
         url = item["url"]
         errors.shard_opened(url)
         try:
-            stream = open_shard(url, allow_pipe=allow_pipe)
+            stream = open_shard(url, allow_pipe=allow_pipe, on_retry=errors.retried)
         except Exception as exn:  # any failure to open is bad data
             errors.skip(f"cannot open shard {url}: {exn!r}", url=url)
             continue

@@ -241,9 +241,10 @@ def train_shards(cfg: RunConfig, img_size: int) -> tuple[list[str], list[str]]:
         shards = expand_shards(spec)
     except ValueError as e:
         raise fail(key, str(e)) from None
-    missing = [
-        s for s in shards if "://" not in s and not s.startswith("pipe:") and not Path(s).is_file()
-    ]
+    try:
+        missing = [s for s in shards if not shard_exists(s)]
+    except Exception as e:  # noqa: BLE001  a bad bucket, credential or endpoint: one line
+        raise fail(key, f"cannot list {shards[0]}: {type(e).__name__}: {e}") from None
     if len(missing) == len(shards):
         raise fail(key, f"{len(missing)} shard(s) not found, first: {missing[0]}")
     if missing:  # a lost shard costs its samples, not the run; named once, counted in metrics
@@ -257,6 +258,16 @@ def train_shards(cfg: RunConfig, img_size: int) -> tuple[list[str], list[str]]:
     if any(s.startswith("pipe:") for s in shards) and not d.allow_pipe:
         raise fail(key, "pipe: shards run shell commands; set data.allow_pipe=true to allow them")
     return shards, missing
+
+
+def shard_exists(url: str) -> bool:
+    """A local shard's file, an object in storage (asked through fsspec); URLs and pipes are
+    taken as given (their reader names them if they fail)."""
+    from mpp.data.sources import OBJECT_SCHEMES, _scheme, object_exists
+
+    if _scheme(url) in OBJECT_SCHEMES:
+        return object_exists(url)
+    return "://" in url or url.startswith("pipe:") or Path(url).is_file()
 
 
 def _failer(cfg: RunConfig):
