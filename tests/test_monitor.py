@@ -109,7 +109,7 @@ def test_the_monitor_on_three_zero3_ranks_is_what_knn_py_reports(tmp_path, digit
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     monitored = [m for m in read_metrics(out) if "monitor/knn_top1" in m]
     assert [m["step"] for m in monitored] == [0, 2, 4, 5]
-    names = {"knn_top1", "knn_top5", "rank_corr", "teacher_rank_corr", "rec_loss"}
+    names = {"knn_top1", "knn_top5", "rank_corr", "teacher_rank_corr", "rec_loss", "seconds"}
     assert {k.removeprefix("monitor/") for k in monitored[-1] if "/" in k} == names
     assert monitored[-1]["monitor/rec_loss"] < monitored[0]["monitor/rec_loss"]  # it trained
     assert [s for s, _ in tb_scalars(out, "monitor/knn_top1")] == [0, 2, 4, 5]

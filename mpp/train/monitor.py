@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,7 @@ class Monitor:
     def __call__(self, objective: Any, step: int, last: bool = False) -> dict[str, float] | None:
         if not self.due(step, last):
             return None
+        started = time.perf_counter()
         params = list(objective.parameters())  # HPM's teacher too: it scores the held-out images
         devices = [self.device] if self.device.type == "cuda" else []
         was_training = objective.training
@@ -104,6 +106,7 @@ class Monitor:
                 values = self.knn(objective.encoder) | self.signals(objective)
         finally:
             objective.train(was_training)
+        values["seconds"] = time.perf_counter() - started  # its cost (BENCHMARKS.md "monitor")
         return {f"monitor/{k}": v for k, v in values.items()} if self.rank == 0 else None
 
     def chunks(self, images: Images) -> list[Tensor]:
