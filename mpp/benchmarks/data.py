@@ -73,11 +73,65 @@ def workers_needed(step_ips: float, per_worker_ips: float) -> int:
     return math.ceil(step_ips / per_worker_ips)
 
 
+def bench_formats(num_images: int, img_size: int, repeats: int, **_: Any) -> dict[str, Any]:
+    """Decode + augment (RandomResizedCrop, flip) per worker, one process, on 256-px sources:
+    8-bit RGB JPEG (the draft fast path) against 4-band uint16 TIFF (tifffile), 4-band uint16 and
+    float32 .npy: images/s each, and each one's time per image as a ratio of the JPEG's."""
+    import io
+    import random
+    import time
+
+    import numpy as np
+    import tifffile
+    from PIL import Image
+
+    from mpp.data.transforms import PixelFormat, train_transform
+
+    rng = np.random.default_rng(0)
+    smooth = lambda c: np.asarray(  # noqa: E731  a photograph-like field, not noise
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).resize((256, 256))
+    )[:, :, np.arange(c) % 3]
+
+    def encode(kind: str) -> bytes:
+        out = io.BytesIO()
+        if kind == "RGB JPEG":
+            Image.fromarray(smooth(3)).save(out, format="JPEG", quality=90)
+        elif kind == "uint16 4-band TIFF":
+            tifffile.imwrite(out, (smooth(4).astype(np.uint16) * 257).transpose(2, 0, 1))
+        elif kind == "uint16 4-band npy":
+            np.save(out, smooth(4).astype(np.uint16) * 257)
+        else:
+            np.save(out, smooth(4).astype(np.float32) / 255)
+        return out.getvalue()
+
+    formats = {
+        "RGB JPEG": PixelFormat(3),
+        "uint16 4-band TIFF": PixelFormat(4, value_range=(0, 65535)),
+        "uint16 4-band npy": PixelFormat(4, value_range=(0, 65535)),
+        "float32 4-band npy": PixelFormat(4, value_range=(0, 1)),
+    }
+    rows = []
+    for kind, fmt in formats.items():
+        data = [encode(kind) for _ in range(num_images)]
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for i, d in enumerate(data):
+                train_transform(d, img_size, random.Random(i), fmt=fmt)
+            best = min(best, time.perf_counter() - t0)
+        rows.append({"format": kind, "bytes": len(data[0]), "ips": num_images / best})
+    jpeg = rows[0]["ips"]
+    for row in rows:
+        row["time_ratio"] = jpeg / row["ips"]
+    return {"num_images": num_images, "img_size": img_size, "source": 256, "rows": rows}
+
+
 def run(
     quick: bool = False, step_ips: list[str] | None = None, cpu_step_json: str | None = None
 ) -> dict[str, Any]:
     s = SETTINGS["quick" if quick else "full"]
     bench = bench_pipeline(**s)
+    formats = bench_formats(**s)
     bad = bench_bad_data(**s)
     start = bench_epoch_start(**s)
     counted = bench_census(**s)
@@ -92,6 +146,7 @@ def run(
         "bad_data": bad,
         "epoch_start": start,
         "census": counted,
+        "formats": formats,
         "node_buffer_gib": node_buffer_gib(start["mean_encoded_bytes"]),
         "per_worker_ips": per_worker,
         "sizing": sizing,
@@ -156,4 +211,14 @@ def render(result: dict[str, Any]) -> str:
             ("workers", "workers needed", "d"),
         ],
     )
-    return f"{table}\n{ratios}\n{bad}\n{start}\n{census}\n\n{sizing}"
+    f = result["formats"]
+    formats = format_table(
+        f["rows"],
+        [
+            ("format", f"decode + augment to {f['img_size']} px, {f['source']}-px sources", ""),
+            ("bytes", "bytes", "d"),
+            ("ips", "img/s per worker", ".1f"),
+            ("time_ratio", "time per image / JPEG's", ".2f"),
+        ],
+    )
+    return f"{table}\n{ratios}\n{bad}\n{start}\n{census}\n\n{formats}\n\n{sizing}"
