@@ -8,12 +8,7 @@
 
 import sys
 
-from mpp.downstream.probe_cli import run_probe
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_probe("knn", argv, __file__)
-
+from mpp.commands.knn import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,12 +12,7 @@ dinov2: DINOv2's grid of learning rates x last 1/4 blocks x cls/cls+avg, trained
 
 import sys
 
-from mpp.downstream.probe_cli import run_probe
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_probe("linear", argv, __file__)
-
+from mpp.commands.probe import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -29,7 +29,8 @@ from mpp.objectives.configs import OBJECTIVE_CONFIGS, MPPConfig, ObjectiveConfig
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
 from mpp.parallel.ds_config import derive
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# the shipped configs: configs/ at the top of the clone, linked as mpp/configs, which a wheel holds
+CONFIG_DIR = (Path(__file__).parent / "configs").resolve()
 
 # DeepSpeed keys that the train/optim sections own; setting them twice would let them disagree.
 DERIVED_DS_KEYS = {

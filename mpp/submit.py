@@ -14,10 +14,10 @@ requeue``; the local executor restarts every task). The next start resumes where
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import re
-import runpy
 import signal
 import sys
 from pathlib import Path
@@ -145,8 +145,9 @@ def make_executor(
     return executor
 
 
-def submit(script: str, argv: list[str] | None, cfg: Any, resumable: bool = True) -> int:
-    """Submit ``script``'s run (``argv`` less the submission flags) for the validated ``cfg``:
+def submit(command: str, argv: list[str] | None, cfg: Any, resumable: bool = True) -> int:
+    """Submit the run of ``command`` (a module with ``main``, ``mpp.commands.pretrain``; ``argv``
+    less the submission flags) for the validated ``cfg``:
     the job id and its log folder, and 0; with --wait, the job's exit status once it has ended.
     A run that is not ``resumable`` (the probes: minutes, no checkpoints) restarts when requeued."""
     sub, rest = split_argv(sys.argv[1:] if argv is None else argv)
@@ -154,7 +155,7 @@ def submit(script: str, argv: list[str] | None, cfg: Any, resumable: bool = True
     # --resume auto from the first start: a restart SLURM makes on its own (a node lost, a
     # preemption's SIGTERM under PreemptMode=REQUEUE) continues too, rather than from step 0
     argv = with_resume_auto(rest, keep_given=True) if resumable else rest
-    run = SubmittedRun(str(Path(script).resolve()), argv, resumable)
+    run = SubmittedRun(command, argv, resumable)
     try:
         job = make_executor(sub, run_dir / "submitit", cfg.name).submit(run)
     except SubmitError as e:
@@ -203,12 +204,12 @@ class SubmittedRun:
     """What every task of the job runs: the CLI's ``main(argv)`` in-process, in the job's
     process group. submitit's Checkpointable protocol: ``checkpoint()`` is the requeued job."""
 
-    def __init__(self, script: str, argv: list[str], resumable: bool = True) -> None:
-        self.script, self.argv, self.resumable = script, list(argv), resumable
+    def __init__(self, command: str, argv: list[str], resumable: bool = True) -> None:
+        self.script, self.argv, self.resumable = command, list(argv), resumable
 
     def __call__(self) -> int:
         join_job_process_group()
-        main = runpy.run_path(self.script, run_name="mpp_submitted")["main"]
+        main = importlib.import_module(self.script).main  # mpp.commands.*: in any install
         status = main(list(self.argv))
         if status == PREEMPTED_EXIT:
             self._requeue_if_asked()

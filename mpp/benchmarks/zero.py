@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mpp.benchmarks.common import format_table, median
-from mpp.parallel.launch import REPO, deepspeed_cmd, job_env
+from mpp.parallel.launch import deepspeed_cmd, job_env
 
 WORLD = 2
 SETTINGS = {
@@ -96,7 +96,7 @@ def run_stage(config: Path, stage: int, work: Path, timeout: int = 600) -> dict[
     rss_dir.mkdir()
     cmd = deepspeed_cmd(
         ["--num_gpus", str(WORLD)],
-        "mpp/benchmarks/zero_rank.py",
+        "mpp.benchmarks.zero_rank",
         [
             "--config",
             str(config),
@@ -109,7 +109,6 @@ def run_stage(config: Path, stage: int, work: Path, timeout: int = 600) -> dict[
     start = time.perf_counter()
     r = subprocess.run(
         cmd,
-        cwd=REPO,
         env={**rank_env(), "MPP_BENCH_RSS_DIR": str(rss_dir)},
         capture_output=True,
         text=True,

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 from mpp.benchmarks.common import current_rss_bytes, peak_rss_bytes
-from mpp.parallel.launch import REPO
 
 
 def peak_rss_mib() -> float:
@@ -28,9 +27,7 @@ def main() -> int:
     import deepspeed  # in the baseline: every stage loads it
 
     import mpp.train.checkpoint as ckpt
-
-    sys.path.insert(0, str(REPO))  # pretrain/ is a folder of the repository, not of the package
-    from pretrain.run import main as run_main
+    from mpp.commands.pretrain import main as run_main
 
     record = {"baseline_mib": peak_rss_mib()}
     save = ckpt.save_checkpoint

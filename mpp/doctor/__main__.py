@@ -84,7 +84,7 @@ def render(rows: list[Row]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # its runs start in this directory, whatever the cwd
     out.mkdir(parents=True, exist_ok=True)
     rows, seconds = run_checks(out, args.config, args.quick)
     report = {

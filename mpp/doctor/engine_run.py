@@ -23,7 +23,7 @@ from PIL import Image
 from mpp.config import apply_overrides, resolve_config_path, validate
 from mpp.data.writer import ImageEncoding, WriterOptions, from_arrays, shard_spec, write_shards
 from mpp.doctor import FAIL, PASS, WARN, Row, needs_gpu
-from mpp.parallel.launch import REPO, deepspeed_cmd, job_env
+from mpp.parallel.launch import deepspeed_cmd, job_env
 
 SECTION = "engine"
 # a CPU check of the path, not a figure: seconds per run (tests/conftest.py's tiny model)
@@ -97,17 +97,16 @@ def write_synthetic_shards(out_dir: Path, img_size: int, count: int) -> str:
 def launcher_run(
     config: Path, run_dir: Path, timeout: int
 ) -> tuple[subprocess.CompletedProcess | None, float]:
-    """``deepspeed --num_gpus 1 pretrain/run.py --config C --output-dir D``: (result or None on timeout, wall s)."""
+    """``deepspeed --num_gpus 1 --module mpp.commands.pretrain --config C --output-dir D``:
+    (result or None on timeout, wall s)."""
     cmd = deepspeed_cmd(
         ["--num_gpus", "1"],
-        "pretrain/run.py",
+        "mpp.commands.pretrain",
         ["--config", str(config), "--output-dir", str(run_dir)],
     )
     start = time.perf_counter()
     try:
-        r = subprocess.run(
-            cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=timeout
-        )
+        r = subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return None, time.perf_counter() - start
     return r, time.perf_counter() - start
@@ -184,9 +183,7 @@ def plan_for(config: Path, gpu_name: str, out: Path) -> tuple[dict[str, Any] | N
         str(out),
     ]
     try:
-        r = subprocess.run(
-            cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=600
-        )
+        r = subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
         return None, "plan unavailable: python -m mpp.plan took over 600 s"
     if r.returncode != 0 or not out.is_file():

@@ -94,7 +94,8 @@ def run_probe(kind: str, argv: list[str] | None = None, script: str | None = Non
     if args.submit:  # checked here, run there: each task runs the CLI without --submit (mpp.submit)
         from mpp.submit import submit
 
-        return submit(script or sys.argv[0], argv, cfg, resumable=False)
+        command = script or ("mpp.commands.probe" if kind == "linear" else "mpp.commands.knn")
+        return submit(command, argv, cfg, resumable=False)
     device = (
         init_distributed()
         if world > 1

@@ -48,26 +48,26 @@ def default_launcher_args() -> list[str]:
     return ["--num_gpus", str(torch.cuda.device_count() if torch.cuda.is_available() else 2)]
 
 
-def deepspeed_cmd(launcher_args: list[str], script: str, args: list[str]) -> list[str]:
-    """``deepspeed [launcher args] --master_port <free> REPO/script args`` (a given port is kept)."""
+def deepspeed_cmd(launcher_args: list[str], module: str, args: list[str]) -> list[str]:
+    """``deepspeed [launcher args] --master_port <free> --module MODULE args`` (a given port is
+    kept): the rank runs ``python -m MODULE`` (``mpp.commands.pretrain``), so an installed wheel
+    launches it as a clone does."""
     port = (
         []
         if any(a.startswith("--master_port") for a in launcher_args)
         else ["--master_port", str(free_port())]
     )
-    return ["deepspeed", *launcher_args, *port, str(REPO / script), *args]
+    return ["deepspeed", *launcher_args, *port, "--module", module, *args]
 
 
 def launch(cmd: list[str], log: Path) -> int:
-    """Run one job from the repo root, its output appended to ``log``; the exit status."""
+    """Run one job in this directory, its output appended to ``log``; the exit status."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a") as f:
         f.write(f"$ {shlex.join(cmd)}\n")
         f.flush()
         try:
-            proc = subprocess.Popen(
-                cmd, cwd=REPO, env=job_env(), stdout=f, stderr=subprocess.STDOUT
-            )
+            proc = subprocess.Popen(cmd, env=job_env(), stdout=f, stderr=subprocess.STDOUT)
         except OSError as e:  # e.g. no deepspeed on PATH: this job fails, the caller decides
             f.write(f"error: {e}\n")
             return 127

@@ -50,15 +50,16 @@ from mpp.config import (
     resolve_config_path,
     validate,
 )
-from mpp.parallel.launch import REPO, deepspeed_cmd, default_launcher_args, launch
+from mpp.parallel.launch import deepspeed_cmd, default_launcher_args, launch
 from mpp.train.checkpoint import latest_complete
 from mpp.train.preemption import PREEMPTED_EXIT, SIGNALS
 
+# each job's command (python -m, or deepspeed --module)
 SCRIPTS = {
-    "pretrain": "pretrain/run.py",
-    "finetune": "downstream/finetune.py",
-    "linear": "downstream/linear_probe.py",
-    "knn": "downstream/knn.py",
+    "pretrain": "mpp.commands.pretrain",
+    "finetune": "mpp.commands.finetune",
+    "linear": "mpp.commands.probe",
+    "knn": "mpp.commands.knn",
 }
 EvalKind = Literal["finetune", "linear", "knn"]
 # Model keys an evaluation keeps from its own config: how it runs and regularises, not the
@@ -479,9 +480,7 @@ def evaluate(
                     f"{job.label}: {kind}",
                 )
             else:  # the probes run in one process on cached features
-                code = _run(
-                    [sys.executable, str(REPO / script), *args], log, f"{job.label}: {kind}"
-                )
+                code = _run([sys.executable, "-m", script, *args], log, f"{job.label}: {kind}")
             if code:
                 print(f"{tag} {job.label}: {kind} FAILED (exit {code}), log: {log}", flush=True)
                 rows.append(result_row(job, kind, "failed", log))

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mpp.parallel.launch import REPO, default_launcher_args
+from mpp.parallel.launch import default_launcher_args
 from mpp.tools import ablation
 from mpp.tools.ablation import (
     SCRIPTS,
@@ -249,7 +249,7 @@ def submit_item(
     folder = item.dir / "submitit"
     pretrain_id = None
     if isinstance(item, Job) and not is_done("pretrain", item.dir / "pretrain"):
-        run = SubmittedRun(str(REPO / SCRIPTS["pretrain"]), ablation.pretrain_args(spec, item))
+        run = SubmittedRun(SCRIPTS["pretrain"], ablation.pretrain_args(spec, item))
         pretrain_id = make_executor(sub, folder, f"pretrain-{item.label}").submit(run).job_id
     after = (
         {"dependency": f"afterok:{pretrain_id}", "kill_on_invalid_dep": "yes"}

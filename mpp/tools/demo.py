@@ -62,7 +62,7 @@ def stages(out: Path, launcher_args: list[str]) -> list[tuple[str, list[str], Pa
     todo = [
         (
             "pretrain",
-            deepspeed_cmd(launcher_args, "pretrain/run.py", pretrain),
+            deepspeed_cmd(launcher_args, "mpp.commands.pretrain", pretrain),
             pre / "encoder.safetensors",
         )
     ]
@@ -70,7 +70,7 @@ def stages(out: Path, launcher_args: list[str]) -> list[tuple[str, list[str], Pa
         ft = out / f"finetune_{key}"
         args = ["--config", config, "--set", f"init={pre if init == 'pretrained' else 'scratch'}"]
         cmd = deepspeed_cmd(
-            launcher_args, "downstream/finetune.py", [*args, "--output-dir", str(ft)]
+            launcher_args, "mpp.commands.finetune", [*args, "--output-dir", str(ft)]
         )
         todo.append((f"finetune {key}", cmd, ft / "encoder.safetensors"))
     few = f"data.labels_per_class={labels_per_class()}"
@@ -83,7 +83,8 @@ def stages(out: Path, launcher_args: list[str]) -> list[tuple[str, list[str], Pa
                 "--set",
                 f"init={pre if init == 'pretrained' else 'scratch'}",
             ]
-            cmd = [py, f"downstream/{tool}.py", *args, "--set", few, "--output-dir", str(d)]
+            module = "mpp.commands.probe" if tool == "linear_probe" else "mpp.commands.knn"
+            cmd = [py, "-m", module, *args, "--set", few, "--output-dir", str(d)]
             todo.append((f"{tool} {init}", cmd, d / "results.json"))
     return todo
 

@@ -1,0 +1,116 @@
+"""Config -> modules: the encoder, the mask generator and the objective, in one place.
+
+The ``objective`` section is typed (``mpp.objectives.configs``: pydantic names a bad key when
+the config loads) and builds its objective, and so is ``masking`` (``mpp.masking``), which
+builds the mask generator.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mpp.config import Config, ConfigError, ModelConfig
+from mpp.hub.pretrained import init_objective, load_into, read_model_kwargs
+from mpp.masking import MaskGenerator
+from mpp.models.vit import VisionTransformer, create_vit
+from mpp.objectives import Objective
+from mpp.objectives.configs import HPMConfig
+from mpp.train.storage import CheckpointError
+
+
+def build_encoder(cfg: Any, **overrides: Any) -> VisionTransformer:
+    """``cfg.model``'s encoder (plus ``overrides``, e.g. a classification head); for downstream
+    configs with an ``init`` other than "scratch", its pretrained weights loaded
+    (``mpp.hub.pretrained.load_into``). Errors are ConfigError naming the file and the key."""
+    source = getattr(cfg, "_source", "<config>")
+    init = getattr(cfg, "init", "scratch")
+    if hasattr(cfg, "init") and cfg.model.init:
+        raise ConfigError(
+            f"{source}: model.init: pretraining's key; a downstream run starts from `init`"
+        )
+    key, weights = ("init", init) if init != "scratch" else ("model.init", cfg.model.init)
+    if weights:
+        try:
+            adopt_stated_architecture(cfg.model, weights)
+        except (FileNotFoundError, ValueError, CheckpointError) as e:
+            raise ConfigError(f"{source}: {key}: {e}") from None
+    try:
+        encoder = create_vit(cfg.model.name, **cfg.model.vit_kwargs(), **overrides)
+    except ValueError as e:
+        raise ConfigError(f"{source}: model: {e}") from None
+    encoder.set_grad_checkpointing(cfg.model.grad_checkpointing)
+    if init != "scratch":
+        try:
+            load_into(encoder, init, cfg.model.init_chans_policy)
+        except (
+            FileNotFoundError,
+            ValueError,
+            CheckpointError,
+        ) as e:  # CheckpointError: damaged files, named
+            raise ConfigError(f"{source}: init: {e}") from None
+    return encoder
+
+
+# what a weights file can state that a variant name does not; the others come with model.name
+FILE_FACTS = ("norm_eps", "qkv_bias")
+
+
+def adopt_stated_architecture(model: ModelConfig, weights: str) -> None:
+    """The LayerNorm eps and qkv bias ``weights`` states (a Hugging Face folder's layer_norm_eps,
+    a run's metadata) where the config leaves them unset, written into the config so the run's
+    config.json and its exported encoder state them too. A config that sets another value is
+    left as it is: loading the weights then fails naming both (``mpp.hub.pretrained``)."""
+    stated = read_model_kwargs(weights)
+    for key in FILE_FACTS:
+        if getattr(model, key) is None and stated.get(key) is not None:
+            setattr(model, key, stated[key])
+
+
+def build_objective(cfg: Config) -> Objective:
+    """The objective module the trainer trains, from a validated config: its typed section's
+    ``build`` with the encoder, the mask generator (``masking``) and the data's pixel stats."""
+    source = getattr(cfg, "_source", "<config>")
+    objective_cfg = cfg.objective
+    encoder = build_encoder(cfg)
+    try:
+        objective = objective_cfg.build(encoder, mask_generator(cfg, encoder), pixel_stats(cfg))
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    except (ValueError, TypeError) as e:  # a combination only the constructor checks
+        raise ConfigError(f"{source}: objective: {e}") from None
+    if cfg.model.init:
+        try:
+            init_objective(objective, cfg.model.init, cfg.model.init_chans_policy)
+        except (FileNotFoundError, ValueError, CheckpointError) as e:
+            raise ConfigError(f"{source}: model.init: {e}") from None
+    set_grad_checkpointing(
+        objective, cfg.model.grad_checkpointing
+    )  # the decoders too (HPM's teacher runs no-grad)
+    return objective
+
+
+def pixel_stats(cfg: Config) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The data's mean and std; "auto" ones, measured later with the plan (``mpp.data.stats``),
+    stand in as 0.5 / 0.25 per channel until ``Objective.set_pixel_stats`` gives them."""
+    c = cfg.data.channels
+    mean = cfg.data.mean if cfg.data.mean != "auto" else (0.5,) * c
+    std = cfg.data.std if cfg.data.std != "auto" else (0.25,) * c
+    return tuple(mean), tuple(std)
+
+
+def mask_generator(cfg: Config, encoder: VisionTransformer) -> MaskGenerator | None:
+    """``masking``'s generator at the objective's ratio; None for HPM, whose teacher masks
+    (mpp.config refuses a masking section beside it)."""
+    if isinstance(cfg.objective, HPMConfig):
+        return None
+    try:
+        return cfg.masking.build(encoder.grid_size, cfg.objective.mask_ratio)
+    except ValueError as e:  # what only the generator checks: grid's 0.75, units that divide
+        raise ConfigError(f"masking: {e}") from None
+
+
+def set_grad_checkpointing(module: Any, enable: bool) -> None:
+    """``model.grad_checkpointing`` on every part of ``module`` that has the switch (timm's)."""
+    for part in module.modules():
+        if hasattr(part, "set_grad_checkpointing"):
+            part.set_grad_checkpointing(enable)

@@ -1,0 +1,118 @@
+"""The one front end of the command-line tools (pretrain/run.py, downstream/finetune.py,
+linear_probe.py, knn.py): their arguments, the config they load from them, and the run
+directory they open. The CLIs stay a page each: parse -> config -> model -> plan -> engine."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from mpp.config import Config, ConfigError, load_config, save_config
+
+
+def run_parser(
+    doc: str, configs: str, resume: bool = True, submit: bool = False
+) -> argparse.ArgumentParser:
+    """--config, --set, --output-dir, the launcher's --local_rank, for training runs --resume, and
+    with ``submit`` the job flags (``add_submit_arguments``) of a CLI that hands them to mpp.submit."""
+    p = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--config", required=True, help=f"a JSON file, or a name in configs/ ({configs})"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key, value as JSON",
+    )
+    p.add_argument("--output-dir", help="the run directory (default: the config's output_dir)")
+    if resume:
+        p.add_argument(
+            "--resume", help="'auto' (newest complete checkpoint of this run) or a checkpoint path"
+        )
+    p.add_argument(
+        "--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS
+    )  # the launcher's
+    if submit:
+        add_submit_arguments(p)
+    return p
+
+
+def add_submit_arguments(p: argparse.ArgumentParser) -> None:
+    """--submit and the job's shape: run this command as a SLURM job (or through submitit's local
+    executor) that requeues itself on preemption (mpp.submit)."""
+    g = p.add_argument_group("submitting as a job (submitit: pip install 'mpp[slurm]')")
+    g.add_argument(
+        "--submit",
+        choices=("slurm", "local"),
+        help="run as a job on SLURM, or through submitit's local executor on this machine",
+    )
+    g.add_argument("--nodes", type=int, default=1, help="nodes of the job (default 1)")
+    g.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=1,
+        help="GPUs per node, one task (rank) each (default 1)",
+    )
+    g.add_argument("--partition", help="the SLURM partition")
+    g.add_argument(
+        "--time",
+        help="the job's time limit, [D-]HH:MM:SS or minutes (required with --submit slurm)",
+    )
+    g.add_argument(
+        "--slurm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other sbatch option, e.g. cpus-per-task=10, account=A, constraint=volta32gb",
+    )
+    g.add_argument(
+        "--wait", action="store_true", help="return when the job has ended, with its exit status"
+    )
+
+
+def _output_key(cls: type[BaseModel]) -> str:
+    return "train.output_dir" if "train" in cls.model_fields else "output_dir"
+
+
+def config_from_args(args: argparse.Namespace, cls: type[BaseModel] = Config):
+    """The validated config with --set and --output-dir applied. ConfigError (naming the key
+    and the file) on a bad config, and on a --resume path that does not exist."""
+    overrides = args.set + ([f"{_output_key(cls)}={args.output_dir}"] if args.output_dir else [])
+    cfg = load_config(args.config, overrides, cls=cls)
+    resume = getattr(args, "resume", None)
+    if resume not in (None, "auto") and not Path(resume).exists():
+        raise ConfigError(f"--resume {resume}: no such checkpoint")
+    return cfg
+
+
+def open_run_dir(cfg, rank: int) -> Path:
+    """The run directory, created by rank 0, held by this job (``mpp.train.runlock``: RunHeld, a
+    ConfigError, on every rank when another live job holds it) and the resolved config saved in
+    it. A collective under a process group."""
+    from mpp.parallel.distributed import from_rank0
+    from mpp.train.runlock import RunHeld, hold
+
+    run_dir = run_dir_of(cfg)
+    held = None
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            hold(run_dir)
+            save_config(cfg, run_dir / "config.json")
+        except RunHeld as e:
+            held = str(e)
+    if held := from_rank0(held):
+        raise RunHeld(held)
+    return run_dir
+
+
+def run_dir_of(cfg) -> Path:
+    """The run directory a validated config names (its output_dir, ``{name}`` filled in)."""
+    template = cfg.train.output_dir if hasattr(cfg, "train") else cfg.output_dir
+    return Path(template.format(name=cfg.name))

@@ -1,0 +1,79 @@
+"""Fine-tune a pretrained encoder for classification under DeepSpeed.
+
+deepspeed downstream/finetune.py --config finetune_b16.json --set init=RUN_DIR|CKPT_DIR|FILE.safetensors|scratch
+python downstream/finetune.py --config finetune_demo.json --set init=runs/mpp_demo
+python downstream/finetune.py --config finetune_b16.json --set init=RUN_DIR --submit slurm --gpus-per-node 8 --time 24:00:00
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from mpp.cli import config_from_args, open_run_dir, run_parser
+from mpp.config import ConfigError, FinetuneConfig
+from mpp.data import DataError
+from mpp.downstream.finetune import build_classifier, run_finetune
+from mpp.parallel.distributed import device_type, from_rank0, init_distributed, world_from_env
+from mpp.submit import submit
+from mpp.train.nonfinite import NonFiniteLossError
+from mpp.train.plan import check_resume, plan_run
+from mpp.train.preemption import PREEMPTED_EXIT, Preempted
+from mpp.train.rng import seed_everything
+from mpp.train.runlock import release
+from mpp.train.storage import CheckpointError, DiskFullError
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = run_parser(__doc__, "finetune_b16, finetune_demo", submit=True).parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    rank, world = world_from_env()
+    try:
+        cfg = config_from_args(args, FinetuneConfig)
+        seed_everything(cfg.train.seed)
+        model = build_classifier(cfg)
+        check_resume(cfg, args.resume)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if (
+        args.submit
+    ):  # checked here, run there: each task runs this command without --submit (mpp.submit)
+        return submit("mpp.commands.finetune", argv, cfg)
+    device = init_distributed()
+    try:  # the shards' samples counted by the ranks together (mpp.data.census); rank 0's plan on every rank
+        img_size = model.encoder.patch_embed.img_size[0]
+        plan = from_rank0(
+            plan_run(cfg, world, device_type(), img_size, num_classes=model.num_classes)
+        )
+        run_dir = open_run_dir(cfg, rank)  # held by this job: a second one on it stops here
+    except ConfigError as e:  # the same on every rank: said once
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        results = run_finetune(cfg, model, plan, run_dir, device, resume=args.resume)
+    except Preempted as e:
+        if rank == 0:
+            print(f"stopped: {e}", file=sys.stderr)
+        return PREEMPTED_EXIT
+    except (
+        NonFiniteLossError,
+        DataError,
+        DiskFullError,
+    ) as e:  # DataLoader workers wrap the message in a traceback
+        print(f"error: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
+        return 1
+    except CheckpointError as e:  # nothing intact to resume from: the files are named
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        release(run_dir)
+    if rank == 0:
+        print(json.dumps({k: results[k] for k in ("top1", "top5", "epoch", "init")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

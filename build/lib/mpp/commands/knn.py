@@ -1,0 +1,14 @@
+"""``mpp knn`` (``downstream/knn.py``): the k-NN evaluation of a frozen encoder
+(mpp.downstream.probe_cli)."""
+
+import sys
+
+from mpp.downstream.probe_cli import run_probe
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_probe("knn", argv, "mpp.commands.knn")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Pretrain a ViT with a masked-patch objective under DeepSpeed.
+
+deepspeed pretrain/run.py --config mpp_b16.json [--set key=value ...] [--output-dir DIR] [--resume auto|PATH]
+python pretrain/run.py --config mpp_demo.json          # one process
+python pretrain/run.py --config mpp_b16.json --plan --gpus 64   # the GPU plan (python -m mpp.plan): nothing runs
+python pretrain/run.py --config mpp_b16.json --submit slurm --nodes 8 --gpus-per-node 8 --partition P --time 72:00:00
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from mpp.build import build_objective
+from mpp.cli import config_from_args, open_run_dir, run_parser
+from mpp.config import ConfigError
+from mpp.data import DataError
+from mpp.parallel.distributed import device_type, from_rank0, init_distributed, world_from_env
+from mpp.plan.cli import add_plan_arguments, plan_main
+from mpp.submit import submit
+from mpp.train.nonfinite import NonFiniteLossError
+from mpp.train.plan import check_resume, plan_run
+from mpp.train.preemption import PREEMPTED_EXIT, Preempted
+from mpp.train.rng import seed_everything
+from mpp.train.runlock import release
+from mpp.train.storage import CheckpointError, DiskFullError
+from mpp.train.trainer import Trainer
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = run_parser(__doc__, "mpp_b16, mpp_demo, ...", submit=True)
+    parser.add_argument(
+        "--plan", action="store_true", help="print the GPU plan (python -m mpp.plan) and exit"
+    )
+    add_plan_arguments(parser.add_argument_group("--plan"))
+    args = parser.parse_args(argv)
+    if args.plan:  # nothing created: no process group, no run directory
+        return plan_main(args.config, args.set, args.gpus, args.gpu, args.out)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    rank, world = world_from_env()
+    try:  # every check before the run directory exists
+        cfg = config_from_args(args)
+        seed_everything(cfg.train.seed)  # the same initial weights on every rank and every run
+        objective = build_objective(cfg)
+        check_resume(cfg, args.resume)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if (
+        args.submit
+    ):  # checked here, run there: each task runs this command without --submit (mpp.submit)
+        return submit("mpp.commands.pretrain", argv, cfg)
+    device = init_distributed()
+    try:  # the shards' samples counted by the ranks together (mpp.data.census); rank 0's plan on every rank
+        plan = from_rank0(
+            plan_run(cfg, world, device_type(), objective.encoder.patch_embed.img_size[0])
+        )
+        # data.mean / std "auto": measured with the plan (mpp.data.stats), now known
+        objective.set_pixel_stats(cfg.data.mean, cfg.data.std)
+        run_dir = open_run_dir(cfg, rank)  # held by this job: a second one on it stops here
+    except ConfigError as e:  # the same on every rank: said once
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        state = Trainer(cfg, objective, plan, run_dir, device, resume=args.resume).train()
+    except Preempted as e:
+        if rank == 0:
+            print(f"stopped: {e}", file=sys.stderr)
+        return PREEMPTED_EXIT
+    except (
+        NonFiniteLossError,
+        DataError,
+        DiskFullError,
+    ) as e:  # DataLoader workers wrap the message in a traceback
+        print(f"error: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
+        return 1
+    except CheckpointError as e:  # nothing intact to resume from: the files are named
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        release(run_dir)
+    if rank == 0:
+        print(
+            f"done: {state.step} steps, {state.samples} images -> {run_dir}/metrics.jsonl, "
+            f"{run_dir}/checkpoints, {run_dir}/encoder.safetensors"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

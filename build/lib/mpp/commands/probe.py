@@ -1,0 +1,14 @@
+"""``mpp probe`` (``downstream/linear_probe.py``): the linear probe of a frozen encoder
+(mpp.downstream.probe_cli)."""
+
+import sys
+
+from mpp.downstream.probe_cli import run_probe
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_probe("linear", argv, "mpp.commands.probe")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,601 @@
+"""The run configuration: JSON in, validated into typed sections, ``--set`` overrides,
+resolved copy saved in the run directory. Every default lives here, nowhere else.
+
+Sections: model, objective, masking, data, optim, train, deepspeed. ``objective`` is typed
+per objective (``mpp.objectives.configs``: MPP, MAE, HPM with its base, keyed on ``name``);
+``masking`` is typed per strategy (``mpp.masking.MaskingConfig``, keyed on ``strategy``). ``deepspeed`` holds DeepSpeed's own keys, passed to ``deepspeed.initialize``;
+the batch, precision and clipping keys are derived from ``train``/``optim`` (one source).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from mpp.masking import MASKING_CONFIGS, MaskingConfig, RandomMasking
+from mpp.objectives.configs import OBJECTIVE_CONFIGS, MPPConfig, ObjectiveConfig
+from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
+from mpp.parallel.ds_config import derive
+
+# the shipped configs: configs/ at the top of the clone, linked as mpp/configs, which a wheel holds
+CONFIG_DIR = (Path(__file__).parent / "configs").resolve()
+
+# DeepSpeed keys that the train/optim sections own; setting them twice would let them disagree.
+DERIVED_DS_KEYS = {
+    "train_batch_size": "train.batch_size",
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.micro_batch_size",
+    "gradient_clipping": "optim.grad_clip",
+    "bf16": "train.precision",
+    "fp16": "train.precision",
+    "optimizer": "optim",
+    "scheduler": "optim (the engine computes warm-up + cosine per iteration)",
+}
+
+
+# DINO's weighted k-NN (k = 20, temperature 0.07): the k-NN probe's and the monitor's defaults
+KNN_K, KNN_TEMPERATURE = 20, 0.07
+# the data keys that ask for a labelled subset (few labels): one at most
+LABEL_SUBSET_KEYS = ("labels_per_class", "label_fraction", "label_keys")
+
+
+class ConfigError(ValueError):
+    """A bad configuration: one line naming the key and the file."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    name: str = "vit_base_patch16_224"
+    img_size: int | None = Field(None, gt=0)
+    patch_size: int | None = Field(None, gt=0)
+    in_chans: int | None = Field(None, gt=0)  # None: data.channels
+    embed_dim: int | None = Field(None, gt=0)
+    depth: int | None = Field(None, gt=0)
+    num_heads: int | None = Field(None, gt=0)
+    pos_embed: Literal["learned", "sincos"] = "learned"
+    attn_backend: Literal["auto", "xformers", "sdpa", "math"] = "auto"
+    drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
+    # None: what the init weights state (a Hugging Face folder's layer_norm_eps, 1e-12 in Google's
+    # checkpoints), else the ViT's own 1e-6 / True; a value here that contradicts the file is an error
+    norm_eps: float | None = Field(None, gt=0.0)
+    qkv_bias: bool | None = None
+    # activation checkpointing per block (timm's name), encoder and decoders: recompute each
+    # block's activations in the backward instead of keeping them; not architecture
+    grad_checkpointing: bool = False
+    compile: bool = (
+        False  # torch.compile through DeepSpeed's engine.compile(); off until a GPU measures it
+    )
+    # pretraining only: continue from published weights (an encoder file, a Hugging Face ViT
+    # folder, MAE's / HPM's release .pth whose decoder also initialises an MAE decoder, a run)
+    init: str | None = None
+    # weights in with another channel count (RGB weights on data.channels=C): "adapt" as timm's
+    # adapt_input_conv (1 channel: summed; C > 3: tiled, scaled by 3 / C), or "error"
+    init_chans_policy: Literal["adapt", "error"] = "adapt"
+
+    def vit_kwargs(self) -> dict[str, Any]:
+        """Overrides for ``create_vit(self.name, **overrides)``: only what was set."""
+        runtime = {"name", "init", "init_chans_policy", "grad_checkpointing", "compile"}
+        return self.model_dump(exclude=runtime, exclude_none=True)
+
+
+class DataConfig(_Section):
+    train_shards: str | list[str] | None = None  # brace patterns, paths or http(s) URLs
+    val_shards: str | list[str] | None = None
+    builtin: Literal["digits"] | None = None  # used when train_shards is not given
+    num_samples: int | None = Field(None, gt=0)  # for shards without sizes.json
+    num_classes: int | None = Field(None, gt=0)
+    num_workers: int = Field(2, ge=0)
+    shuffle_buffer: int = Field(
+        16, ge=1
+    )  # samples shuffled together in each stream of the global batch (mpp.data.order)
+    crop_scale: tuple[float, float] = (0.2, 1.0)
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    hflip: float = Field(0.5, ge=0.0, le=1.0)
+    # what every sample holds (mpp.data.transforms): its channels; the layout of arrays whose
+    # shape cannot say; for data that is not 8-bit, the values that map to [0, 1] ("auto": the
+    # observed range); never an implicit 255
+    channels: int = Field(3, gt=0)
+    layout: Literal["HWC", "CHW"] | None = None
+    value_range: tuple[float, float] | Literal["auto"] | None = None
+    # per channel, of [0, 1] pixels; "auto": measured on stats_samples training images
+    # (mpp.data.stats, cached beside the shard counts), then saved in RUN/config.json
+    mean: tuple[float, ...] | Literal["auto"] = IMAGENET_MEAN
+    std: tuple[float, ...] | Literal["auto"] = IMAGENET_STD
+    stats_samples: int = Field(1024, gt=0)
+    # which channels the previews and pictures show (3, or 1 as grey); None: the first three
+    display_channels: tuple[int, ...] | None = None
+    allow_pipe: bool = False  # `pipe:` URLs run shell commands: only when asked for
+    # few labels (fine-tuning, the linear probe and k-NN; mpp.data.labels): K labelled samples
+    # per class, a fraction p of them (K = round(p N / C) per class) or a file of keys, chosen
+    # from the training shards with label_seed; the validation shards always stay whole
+    labels_per_class: int | None = Field(None, gt=0)
+    label_fraction: float | None = Field(None, gt=0.0, le=1.0)
+    label_keys: str | None = None
+    label_seed: int = 0
+    log_keys: bool = (
+        False  # RUN/keys/rankN.jsonl: every trained sample's key, by (epoch, micro-batch)
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        lo, hi = self.crop_scale
+        if not 0.0 < lo <= hi <= 1.0:
+            raise ValueError(f"crop_scale must satisfy 0 < min <= max <= 1, got {self.crop_scale}")
+        if not 0.0 < self.crop_ratio[0] <= self.crop_ratio[1]:
+            raise ValueError(f"crop_ratio must satisfy 0 < min <= max, got {self.crop_ratio}")
+        chosen = [k for k in LABEL_SUBSET_KEYS if getattr(self, k) is not None]
+        if len(chosen) > 1:
+            raise ValueError(f"set one of {', '.join(chosen)}, not several")
+        return self
+
+    def check_pixels(self) -> None:
+        """The pixel keys agree with ``channels`` (called by the run's check: errors name data.*)."""
+        c = self.channels
+        for key in ("mean", "std"):
+            value = getattr(self, key)
+            if value == "auto":
+                continue
+            if len(value) != c:
+                hint = " (ImageNet's)" if value in (IMAGENET_MEAN, IMAGENET_STD) else ""
+                raise ValueError(
+                    f"data.{key}: {len(value)} values{hint} for data.channels={c}: give {c} "
+                    'or "auto" (measured on the training shards)'
+                )
+        if self.std != "auto" and any(v <= 0 for v in self.std):
+            raise ValueError(f"data.std must be positive, got {list(self.std)}")
+        vr = self.value_range
+        if isinstance(vr, tuple) and not vr[0] < vr[1]:
+            raise ValueError(f"data.value_range: need low < high, got {list(vr)}")
+        shown = self.display_channels
+        if shown is not None and (len(shown) not in (1, 3) or not all(0 <= i < c for i in shown)):
+            raise ValueError(
+                f"data.display_channels: 3 channels (or 1, grey) of 0..{c - 1}, got {list(shown)}"
+            )
+
+    @property
+    def auto_stats(self) -> bool:
+        """Whether the mean, std or value range is to be measured on the data."""
+        return "auto" in (self.mean, self.std, self.value_range)
+
+    @property
+    def label_subset_key(self) -> str | None:
+        """The key that asks for a labelled subset (``data.labels_per_class``, ...), if any."""
+        return next((k for k in LABEL_SUBSET_KEYS if getattr(self, k) is not None), None)
+
+
+class OptimConfig(_Section):
+    name: Literal["adam", "adamw"] | None = (
+        None  # None: the objective's paper (Adam for mpp, AdamW otherwise)
+    )
+    lr: float | None = Field(None, gt=0.0)  # absolute peak lr; else blr * batch_size / 256
+    blr: float | None = Field(None, gt=0.0)
+    betas: tuple[float, float] | None = (
+        None  # None: the paper's (0.9, 0.999) for Adam, (0.9, 0.95) for AdamW
+    )
+    eps: float = Field(1e-8, gt=0.0)
+    weight_decay: float = Field(0.05, ge=0.0)
+    warmup_steps: int | None = Field(None, ge=0)
+    warmup_epochs: float | None = Field(None, ge=0.0)
+    min_lr: float = Field(0.0, ge=0.0)
+    grad_clip: float | None = Field(None, gt=0.0)
+    layer_decay: float = Field(
+        1.0, gt=0.0, le=1.0
+    )  # lr x decay^(depth - layer): fine-tuning's 0.65 / 0.8
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimConfig:
+        if self.lr is None and self.blr is None:
+            raise ValueError("one of lr or blr must be set")
+        if self.lr is not None and self.blr is not None:
+            raise ValueError(f"set lr or blr, not both (lr={self.lr}, blr={self.blr})")
+        if self.warmup_steps is not None and self.warmup_epochs is not None:
+            raise ValueError("set warmup_steps or warmup_epochs, not both")
+        if self.betas is not None and not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must be in [0, 1), got {self.betas}")
+        return self
+
+
+class TrainConfig(_Section):
+    batch_size: int = Field(256, gt=0)  # global: micro_batch_size x grad accumulation x world size
+    micro_batch_size: int | None = Field(None, gt=0)  # per rank, exactly; None: derived (below)
+    # the most one rank holds at once (its memory): micro batch and accumulation follow from the
+    # world size, so one config runs on 8 and on 64 GPUs (4096 = 8 x 2 x 256 = 64 x 1 x 64)
+    max_micro_batch_size: int | None = Field(None, gt=0)
+    epochs: float | None = Field(None, gt=0.0)
+    max_steps: int | None = Field(
+        None, gt=0
+    )  # optimiser steps; overrides epochs (sets the schedule)
+    stop_at_step: int | None = Field(
+        None, gt=0
+    )  # stop early, schedule unchanged (time-limited jobs)
+    output_dir: str = "runs/{name}"
+    log_every: int = Field(10, gt=0)
+    ckpt_every: int = Field(1000, gt=0)
+    keep_last: int = Field(2, gt=0)
+    seed: int = 0
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    max_bad_steps: int = Field(
+        10, ge=0
+    )  # non-finite losses skipped before the run stops (or rolls back)
+    on_nonfinite: Literal["skip", "rollback", "stop"] = (
+        "skip"  # past max_bad_steps: stop, or roll back
+    )
+    rollback_lr_scale: float = Field(1.0, gt=0.0, le=1.0)  # lr x this after each rollback
+    max_rollbacks: int = Field(3, ge=0)
+    skip_nonfinite: bool = (
+        True  # check every micro-step's loss (one host sync) and skip NaN/Inf steps
+    )
+    preview_every: int = Field(
+        1000, ge=0
+    )  # pictures of the objective on fixed val images (mpp.train.preview); 0: none
+    # the monitor (mpp.train.monitor, the monitor section): every this many optimiser steps and
+    # after the last, a k-NN top-1 of the encoder and the objective's held-out signal; 0: never
+    monitor_every: int = Field(200, ge=0)
+    report_to: list[Literal["tensorboard", "wandb"]] = [
+        "tensorboard"
+    ]  # besides metrics.jsonl; wandb is optional
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.epochs is None and self.max_steps is None:
+            raise ValueError("one of epochs or max_steps must be set")
+        if self.on_nonfinite != "skip" and not self.skip_nonfinite:
+            raise ValueError(
+                f"on_nonfinite={self.on_nonfinite!r} needs skip_nonfinite=true (the check that sees a NaN)"
+            )
+        if self.micro_batch_size is not None and self.max_micro_batch_size is not None:
+            raise ValueError(
+                "set micro_batch_size (exact) or max_micro_batch_size (a bound), not both"
+            )
+        if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"batch_size {self.batch_size} is not divisible by micro_batch_size {self.micro_batch_size}"
+            )
+        return self
+
+
+def _channels_agree(cfg: Any) -> None:
+    """``model.in_chans`` follows ``data.channels`` unless set; set, they must agree. The pixel
+    keys fit the channels."""
+    cfg.data.check_pixels()
+    chans, channels = cfg.model.in_chans, cfg.data.channels
+    if chans is None:
+        cfg.model.in_chans = channels
+    elif chans != channels:
+        raise ValueError(
+            f"model.in_chans={chans} but data.channels={channels}: the patch embedding must take "
+            "what the data holds (set one, or both alike)"
+        )
+
+
+class RunConfig(_Section):
+    """What every DeepSpeed run has: a model, data, an optimiser, a loop and DeepSpeed's keys."""
+
+    name: str = "run"
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig
+    train: TrainConfig
+    deepspeed: dict[str, Any] = Field(default_factory=dict)
+    _source: str = PrivateAttr("<config>")  # the file it came from, for error messages
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        for key, owner in DERIVED_DS_KEYS.items():
+            if key in self.deepspeed:
+                raise ValueError(f"deepspeed.{key} is derived from {owner}; set it there")
+        stage = self.zero_stage
+        if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage <= 3:
+            raise ValueError(
+                f"deepspeed.zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}"
+            )
+        if self.data.train_shards is None and self.data.builtin is None:
+            raise ValueError("data.train_shards is not set (give shards, or data.builtin='digits')")
+        _channels_agree(self)
+        return self
+
+    def stream_settings(self) -> dict[str, Any]:
+        """The training stream's settings from the data section (``mpp.data.StreamConfig`` fields)."""
+        d = self.data
+        return dict(
+            crop_scale=d.crop_scale,
+            crop_ratio=d.crop_ratio,
+            hflip=d.hflip,
+            shuffle_buffer=d.shuffle_buffer,
+            allow_pipe=d.allow_pipe,
+        )
+
+    @property
+    def zero_stage(self) -> Any:
+        return (self.deepspeed.get("zero_optimization") or {}).get("stage", 0)
+
+    # ---- runtime checks (need the world size / device), before any run directory exists ----
+
+    def micro_batch(self, world_size: int) -> tuple[int, int]:
+        """(micro batch per rank, gradient accumulation steps) for this world size."""
+        t = self.train
+        if t.micro_batch_size is None:
+            if t.batch_size % world_size:
+                raise ValueError(
+                    f"train.batch_size {t.batch_size} is not divisible by the world size {world_size}"
+                )
+            per_rank = t.batch_size // world_size
+            bound = t.max_micro_batch_size or per_rank
+            # the fewest accumulation steps whose micro batch fits the bound and splits evenly
+            accum = next(
+                a for a in range(1, per_rank + 1) if per_rank % a == 0 and per_rank // a <= bound
+            )
+            return per_rank // accum, accum
+        if t.batch_size % (t.micro_batch_size * world_size):
+            raise ValueError(
+                f"train.batch_size {t.batch_size} is not divisible by train.micro_batch_size "
+                f"{t.micro_batch_size} x world size {world_size}"
+            )
+        return t.micro_batch_size, t.batch_size // (t.micro_batch_size * world_size)
+
+    def resolved_precision(self, device_type: str) -> str:
+        p = self.train.precision
+        if p == "auto":
+            return "bf16" if device_type == "cuda" else "fp32"
+        if device_type != "cuda" and p == "fp16":
+            raise ValueError(
+                "train.precision 'fp16' needs a GPU (the CPU accelerator runs fp32 and bf16)"
+            )
+        return p
+
+    def deepspeed_config(self, world_size: int, device_type: str) -> dict[str, Any]:
+        """The dict for ``deepspeed.initialize(config=...)`` (``mpp.parallel.ds_config``)."""
+        micro, accum = self.micro_batch(world_size)
+        return derive(
+            self.deepspeed,
+            self.train.batch_size,
+            micro,
+            accum,
+            self.optim.grad_clip,
+            self.resolved_precision(device_type),
+        )
+
+
+class MonitorSection(_Section):
+    """What pretraining measures every ``train.monitor_every`` steps (``mpp.train.monitor``): the
+    weighted k-NN of ``downstream/knn.py`` (``pool``, ``k``, ``temperature``) with a bank of
+    ``bank_per_class`` labelled training samples per class (chosen with ``seed``) scored on the
+    whole of ``val_shards``, and the objective's own signal on those held-out images."""
+
+    bank_per_class: int = Field(20, gt=0)
+    # None: data.val_shards, else the built-in dataset's validation split
+    val_shards: str | list[str] | None = None
+    seed: int = 0
+    pool: Literal["token", "avg"] = "token"
+    k: int = Field(KNN_K, gt=0)
+    temperature: float = Field(KNN_TEMPERATURE, gt=0.0)
+
+
+class Config(RunConfig):
+    """Pretraining: the objective and its masking."""
+
+    objective: ObjectiveConfig = MPPConfig()
+    masking: MaskingConfig = RandomMasking()
+    monitor: MonitorSection = MonitorSection()
+
+    @model_validator(mode="after")
+    def _every_image(self) -> Config:
+        """Pretraining trains on every image: a labelled subset is the evaluations'."""
+        if (key := self.data.label_subset_key) is not None:
+            raise ValueError(
+                f"data.{key}: a labelled subset is for fine-tuning and the probes; pretraining "
+                "trains on every image (the monitor's labelled bank is monitor.bank_per_class)"
+            )
+        return self
+
+    @field_validator("objective", mode="before")
+    @classmethod
+    def _mpp_unless_named(cls, raw: Any) -> Any:
+        """An objective section without ``name`` is MPP's (the default objective)."""
+        return {"name": "mpp", **raw} if isinstance(raw, dict) and "name" not in raw else raw
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hpm_masks_itself(cls, raw: Any) -> Any:
+        """HPM's mask is its teacher's choice: neither a ``masking.strategy`` of its own nor
+        a masking section beside ``objective.name="hpm"``."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("masking"), dict):
+            return raw
+        objective = raw.get("objective") if isinstance(raw.get("objective"), dict) else {}
+        name = objective.get("name", "mpp")
+        if raw["masking"].get("strategy") == "hpm":
+            raise ValueError(
+                'masking.strategy: "hpm" masks the patches a teacher predicts to be hard, which '
+                f'only HPM has: set objective.name="hpm" (objective.base="{name}") instead; '
+                f"strategies: {', '.join(sorted(MASKING_CONFIGS))}"
+            )
+        if name == "hpm" and raw["masking"] not in ({}, {"strategy": "random"}):
+            raise ValueError(
+                'masking: objective.name="hpm" chooses its own masks (its teacher); '
+                "remove the masking section"
+            )
+        return raw
+
+
+class FinetuneSection(_Section):
+    """The supervised recipe (MAE/BEiT fine-tuning, DESIGN.md §4.6)."""
+
+    num_classes: int | None = Field(
+        None, gt=0
+    )  # None: from the shards' class list / data.num_classes
+    global_pool: Literal["avg", "token"] = "avg"
+    label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
+    mixup: float = Field(0.8, ge=0.0)  # Beta(alpha, alpha); 0 disables
+    cutmix: float = Field(1.0, ge=0.0)
+    mixup_prob: float = Field(1.0, ge=0.0, le=1.0)
+    mixup_switch_prob: float = Field(0.5, ge=0.0, le=1.0)
+    randaug_n: int = Field(2, ge=0)  # RandAugment(n ops, magnitude m / 10); n=0 disables
+    randaug_m: int = Field(9, ge=0, le=30)
+    reprob: float = Field(0.25, ge=0.0, le=1.0)  # random erasing
+    eval_batch_size: int | None = Field(None, gt=0)
+    # evaluate every this many optimiser steps (and at the end); None: every epoch. With few
+    # labels an epoch is a few steps: evaluate on a schedule of steps instead
+    eval_every: int | None = Field(None, gt=0)
+    # the fresh head's init: MAE's fine-tuning (2e-5, so the first steps do not push large random
+    # gradients into pretrained blocks); timm's supervised recipe from scratch uses 0.02
+    head_init_std: float = Field(2e-5, gt=0.0)
+
+
+class FinetuneConfig(RunConfig):
+    """Supervised fine-tuning from ``init``: a run dir, a DeepSpeed checkpoint, a .safetensors or 'scratch'."""
+
+    init: str = "scratch"
+    finetune: FinetuneSection = FinetuneSection()
+
+    def stream_settings(self) -> dict[str, Any]:
+        f = self.finetune
+        return {
+            **super().stream_settings(),
+            "randaug": (f.randaug_n, f.randaug_m) if f.randaug_n > 0 else None,
+        }
+
+
+class ProbeSection(_Section):
+    """Frozen-encoder evaluations (DESIGN.md §4.6): linear probe and k-NN on cached features."""
+
+    pool: Literal["token", "avg"] = (
+        "token"  # cls token (MAE's linear probe) or mean of patch tokens
+    )
+    batch_size: int = Field(256, gt=0)
+    epochs: int = Field(90, gt=0)
+    blr: float = Field(0.1, gt=0.0)  # SGD lr = blr x batch / 256 (MAE: 0.1)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_epochs: int = Field(10, ge=0)
+    k: int = Field(KNN_K, gt=0)
+    temperature: float = Field(KNN_TEMPERATURE, gt=0.0)
+    # the linear probe's recipe (README "Probe protocols"): cached features + SGD, MAE's
+    # (BatchNorm + LARS, augmented images through the frozen encoder), DINOv2's (a grid in one pass)
+    protocol: Literal["fast", "mae", "dinov2"] = "fast"
+    layers: Literal["last", "all"] = (
+        "last"  # all: every block's features, probed in one feature pass
+    )
+    holdout: float = Field(
+        0.1, gt=0.0, lt=1.0
+    )  # dinov2: the share of train that picks the grid's best head
+
+
+class ProbeConfig(_Section):
+    name: str = "probe"
+    init: str = "scratch"
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    probe: ProbeSection = ProbeSection()
+    output_dir: str = "runs/{name}"
+    seed: int = 0
+    _source: str = PrivateAttr("<config>")
+
+    @model_validator(mode="after")
+    def _check(self) -> ProbeConfig:
+        _channels_agree(self)
+        return self
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A path as given, or a bare name (``mpp_b16`` / ``mpp_b16.json``) looked up in configs/."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    for cand in (CONFIG_DIR / p.name, CONFIG_DIR / f"{p.name}.json"):
+        if p.parent == Path(".") and cand.is_file():
+            return cand
+    raise ConfigError(f"{path}: config file not found (looked here and in {CONFIG_DIR})")
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> (["a", "b"], value parsed as JSON, else the string)."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    raw = copy.deepcopy(raw)
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = raw
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {k} is not a section")
+        node[keys[-1]] = value
+    return raw
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    e = err.errors()[0]
+    parts = [str(x) for x in e["loc"] if not str(x).startswith("function-after")]
+    # a typed union's tag (objective.mae.mask_ratio, objective.hpm.base.mpp.bits,
+    # masking.block.min_aspect): not a key
+    tags = {"objective": OBJECTIVE_CONFIGS, "base": OBJECTIVE_CONFIGS, "masking": MASKING_CONFIGS}
+    parts = [x for i, x in enumerate(parts) if not (i and x in tags.get(parts[i - 1], ()))]
+    loc = ".".join(parts)
+    msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif e["type"] == "union_tag_invalid":  # objective.name, base.name, masking.strategy
+        tags = [t.strip() for t in e["ctx"]["expected_tags"].split(",")]
+        loc, msg = (
+            f"{loc}.{e['ctx']['discriminator'].strip(chr(39))}",
+            f"Input should be {', '.join(tags[:-1])} or {tags[-1]} (got {e['ctx']['tag']!r})",
+        )
+        return f"{source}: {loc}: {msg}"
+    elif "input" in e and e["type"] not in ("missing", "value_error"):
+        msg += f" (got {e['input']!r})"
+    return f"{source}: {loc}: {msg}" if loc else f"{source}: {msg}"
+
+
+def validate(raw: dict[str, Any], source: str = "<config>", cls: type[BaseModel] = Config) -> Any:
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, source)) from None
+
+
+def load_config(
+    path: str | Path, overrides: list[str] | None = None, cls: type[BaseModel] = Config
+) -> Any:
+    """Read, override, validate. Errors are ``ConfigError`` naming the key and the file."""
+    p = resolve_config_path(path)
+    try:
+        raw = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: expected a JSON object at the top level")
+    raw = apply_overrides(raw, overrides or [])
+    cfg = validate(raw, str(p), cls)
+    cfg._source = str(p)
+    return cfg
+
+
+def save_config(cfg: BaseModel, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2) + "\n")

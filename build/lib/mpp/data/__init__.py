@@ -1,0 +1,40 @@
+"""WebDataset shards in, uint8 batches out (DESIGN.md §3, §6).
+
+Write shards with `write_shards` (or `python -m mpp.data.shards`), stream them with
+`make_train_loader` / `make_eval_loader`; batches are normalised on the device (`mpp.ops.normalize`).
+"""
+
+from .digits import digits_shards
+from .errors import DataError, SkipCounter
+from .loader import Loader, StreamConfig, make_eval_loader, make_train_loader
+from .sources import count_samples, expand_shards, read_sizes, shard_sizes
+from .writer import (
+    ImageEncoding,
+    WriterOptions,
+    from_arrays,
+    from_flat_folder,
+    from_image_folder,
+    shard_spec,
+    write_shards,
+)
+
+__all__ = [
+    "DataError",
+    "ImageEncoding",
+    "Loader",
+    "SkipCounter",
+    "StreamConfig",
+    "WriterOptions",
+    "count_samples",
+    "shard_sizes",
+    "digits_shards",
+    "expand_shards",
+    "from_arrays",
+    "from_flat_folder",
+    "from_image_folder",
+    "make_eval_loader",
+    "make_train_loader",
+    "read_sizes",
+    "shard_spec",
+    "write_shards",
+]

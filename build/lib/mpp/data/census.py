@@ -1,0 +1,248 @@
+"""How many samples each training shard holds: counted before training, never assumed.
+
+The training order (``mpp.data.order``) lays the shards end to end and gives each stream a range
+of positions, so every shard's count must be exact: with shards assumed equal, two shards of 200
+and 120 samples trained 280 distinct samples an epoch (40 never, 40 twice). Per shard, the first
+source that knows wins:
+
+1. ``sizes.json`` beside the shards (our writer);
+2. img2dataset's ``NNNNN_stats.json`` beside ``NNNNN.tar`` (its ``successes``);
+3. the count cache: ``.mpp_counts.json`` beside the shards (valid while a shard's size and mtime
+   are unchanged), else the run directory's ``shard_counts.json``;
+4. one pass over the tar headers (seeks, no decode) through the reader's own grouping
+   (``mpp.data.tario.tar_samples``), so the samples counted are exactly the samples read.
+
+A count is the samples that have an image: those are the positions of the order (samples
+without one are left out of it, and named). Under a process group the shards to scan are split
+across the ranks and the counts gathered; what the files say is read by rank 0 alone, so every
+rank plans with the same numbers.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .sources import _local_path, _read_json, _scheme, _sizes_url, open_shard
+from .tario import tar_samples
+from .transforms import IMAGE_KEYS
+
+log = logging.getLogger("mpp.data")
+CACHE_FILE = ".mpp_counts.json"  # beside the shards
+RUN_CACHE_FILE = "shard_counts.json"  # in the run directory, when the shards' folder is read-only
+
+
+@dataclass
+class ShardCount:
+    samples: int  # samples with an image: the shard's positions in the training order
+    source: str  # "sizes.json", "img2dataset stats", "cache" or "tar headers"
+    duplicate_keys: int = 0  # samples whose key an earlier sample of the shard has
+    without_image: int = 0  # samples with no image member (not trained)
+    problem: str | None = None  # why the shard ends early (truncated, corrupt, unreadable)
+
+
+@dataclass
+class Census:
+    shards: list[str]
+    counts: list[ShardCount]
+    scan_s: float = 0.0  # wall time of the header scan (all ranks in parallel)
+    to_run_cache: dict = field(default_factory=dict)  # url -> count, for RUN/shard_counts.json
+
+    @property
+    def sizes(self) -> list[int]:
+        return [c.samples for c in self.counts]
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+    def summary(self) -> str:
+        """One paragraph: the total, where the counts came from, and every shard that is not clean."""
+        sources = Counter(c.source for c in self.counts)
+        made = ", ".join(f"{n} from {s}" for s, n in sources.items())
+        if self.scan_s:
+            made += f" ({self.scan_s:.1f} s)"
+        lines = [f"{self.total:,} samples in {len(self.shards)} shards ({made})"]
+        _name(lines, "empty", [s for s, c in self._items() if c.samples == 0 and not c.problem])
+        _name(lines, "ending early", [f"{s} ({c.problem})" for s, c in self._items() if c.problem])
+        _name(
+            lines,
+            "keys held twice",
+            [f"{c.duplicate_keys} in {s}" for s, c in self._items() if c.duplicate_keys],
+        )
+        _name(
+            lines,
+            "samples without an image, not trained",
+            [f"{c.without_image} in {s}" for s, c in self._items() if c.without_image],
+        )
+        return "; ".join(lines)
+
+    def _items(self):
+        return zip(self.shards, self.counts, strict=True)
+
+    def write_run_cache(self, run_dir: Path) -> None:
+        """The counts no shard folder could keep, into ``RUN/shard_counts.json`` (rank 0)."""
+        if self.to_run_cache:
+            path = Path(run_dir) / RUN_CACHE_FILE
+            old = (_read_json(str(path)) or {}).get("shards", {})
+            _write_json(path, {"shards": {**old, **self.to_run_cache}})
+
+
+def _name(lines: list[str], what: str, items: list[str]) -> None:
+    if items:
+        lines.append(
+            f"{what}: {len(items)} ({', '.join(items[:5])}{' ...' if len(items) > 5 else ''})"
+        )
+
+
+def scan_shard(url: str, allow_pipe: bool = False) -> ShardCount:
+    """Count one shard's samples from its tar headers alone (a local file is seeked through)."""
+    keys: set[str] = set()
+    count = ShardCount(0, "tar headers")
+    try:
+        stream = open_shard(url, allow_pipe=allow_pipe)
+    except Exception as exn:
+        count.problem = f"cannot open: {exn!r}"
+        return count
+    if url.endswith((".tar.gz", ".tgz")):
+        stream = gzip.GzipFile(fileobj=stream)
+    try:
+        for key, sample in tar_samples(stream, headers_only=True):
+            if any(ext in sample for ext in IMAGE_KEYS):
+                count.samples += 1
+            else:
+                count.without_image += 1
+            count.duplicate_keys += key in keys
+            keys.add(key)
+    except Exception as exn:  # the reader stops at the same place and keeps the same samples
+        count.problem = str(exn) or repr(exn)
+    finally:
+        stream.close()
+    return count
+
+
+def census(shards: list[str], allow_pipe: bool = False, run_dir: Path | None = None) -> Census:
+    """Every shard's count (module docstring). A collective when a process group is up: every rank
+    calls it with the same ``shards``, rank 0's list and files decide."""
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    known = known_counts(shards, run_dir) if rank == 0 else None
+    if distributed:
+        box = [(shards, known)]
+        dist.broadcast_object_list(box, src=0)
+        shards, known = box[0]
+    todo = [s for s in shards if s not in known]
+    t0 = time.perf_counter()
+    if todo and rank == 0:
+        log.info(
+            "counting the samples of %d shard(s) from their tar headers (once: the counts are cached)",
+            len(todo),
+        )
+    scanned = {s: scan_shard(s, allow_pipe) for s in todo[rank::world]}
+    if distributed:
+        parts: list = [None] * world
+        dist.all_gather_object(parts, scanned)
+        scanned = {k: v for part in parts for k, v in part.items()}
+    result = Census(
+        shards,
+        [known.get(s) or scanned[s] for s in shards],
+        time.perf_counter() - t0 if todo else 0.0,
+    )
+    if rank == 0 and scanned:
+        result.to_run_cache = _save_beside_shards(scanned)
+    return result
+
+
+def known_counts(shards: list[str], run_dir: Path | None = None) -> dict[str, ShardCount]:
+    """The counts the files already hold (sources 1-3 of the module docstring)."""
+    known: dict[str, ShardCount] = {}
+    listed = {
+        url: (_read_json(url) or {}).get("shards", {})
+        for url in dict.fromkeys(map(_sizes_url, shards))
+    }
+    run_cache = (
+        (_read_json(str(Path(run_dir) / RUN_CACHE_FILE)) or {}).get("shards", {}) if run_dir else {}
+    )
+    caches: dict[str, dict] = {}
+    for url in shards:
+        name = url.rsplit("/", 1)[-1]
+        if (n := listed[_sizes_url(url)].get(name)) is not None:
+            known[url] = ShardCount(int(n), "sizes.json")
+        elif (stats := _stats(url)) is not None:
+            known[url] = ShardCount(stats, "img2dataset stats")
+        elif (hit := _cached(url, caches) or _valid(run_cache.get(url), url)) is not None:
+            known[url] = ShardCount(**hit, source="cache")
+    return known
+
+
+def _stats(url: str) -> int | None:
+    base = url[: -len(".tar")] if url.endswith(".tar") else None
+    stats = _read_json(f"{base}_stats.json") if base else None
+    successes = (stats or {}).get("successes")
+    return int(successes) if isinstance(successes, int) else None
+
+
+def _stat(url: str) -> dict | None:
+    """A local shard's identity for the cache (size and mtime); None for remote shards."""
+    if _scheme(url) not in ("", "file"):
+        return None
+    try:
+        st = os.stat(_local_path(url))
+    except OSError:
+        return None
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _cached(url: str, caches: dict[str, dict]) -> dict | None:
+    stat = _stat(url)
+    if stat is None:
+        return None
+    folder = os.path.dirname(_local_path(url)) or "."
+    if folder not in caches:
+        caches[folder] = (_read_json(os.path.join(folder, CACHE_FILE)) or {}).get("shards", {})
+    return _valid(caches[folder].get(os.path.basename(url)), url)
+
+
+def _valid(hit: dict | None, url: str) -> dict | None:
+    """A cached record's counts, unless the shard changed since it was counted (size, mtime)."""
+    if not hit or ("bytes" in hit and any(hit.get(k) != v for k, v in (_stat(url) or {}).items())):
+        return None
+    return {k: v for k, v in hit.items() if k in ShardCount.__dataclass_fields__ and k != "source"}
+
+
+def _save_beside_shards(scanned: dict[str, ShardCount]) -> dict:
+    """Cache the scanned counts in each shard folder that can be written; the rest are returned
+    (url -> record) for the run directory's cache."""
+    by_folder: dict[str, dict[str, dict]] = {}
+    rest = {}
+    for url, count in scanned.items():
+        record = {**{k: v for k, v in asdict(count).items() if k != "source"}, **(_stat(url) or {})}
+        folder = os.path.dirname(_local_path(url)) or "." if "bytes" in record else None
+        if folder is not None and os.access(folder, os.W_OK):
+            by_folder.setdefault(folder, {})[url] = record
+        else:
+            rest[url] = record
+    for folder, records in by_folder.items():
+        path = Path(folder) / CACHE_FILE
+        try:
+            old = (_read_json(str(path)) or {}).get("shards", {})
+            _write_json(
+                path, {"shards": {**old, **{os.path.basename(u): r for u, r in records.items()}}}
+            )
+        except OSError:  # a full or read-only filesystem: the run directory keeps them
+            rest.update(records)
+    return rest
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # ranks of other jobs may write at once
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,475 @@
+"""Training and evaluation loaders: one webdataset pipeline per DataLoader worker, batched in the worker.
+
+Training: the epoch's global order (``mpp.data.order``): every rank yields the same number of
+micro-batches, and what a step trains on depends on (seed, epoch, step) only:
+    stream c: its range of the shards -> image/label -> shuffle window -> skip -> decode+augment
+    worker: one sample of each of its streams per micro-batch part -> the main process joins parts
+Evaluation: the shard list split by rank then by worker, one exact pass.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import random
+import signal
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+
+import torch
+import webdataset as wds
+from torch.utils.data import DataLoader, IterableDataset
+
+from .census import census
+from .errors import SkipCounter
+from .order import EpochShards, done_before, epoch_order, schedule, split, stream_samples
+from .sources import check_shards, expand_shards
+from .tario import shard_samples
+from .transforms import (
+    IMAGE_KEYS,
+    RGB,
+    Augmentation,
+    PixelFormat,
+    SampleFormatError,
+    collate,
+    eval_transform,
+    train_transform,
+)
+
+
+def _worker_info() -> tuple[int, int]:
+    info = torch.utils.data.get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+# ---- pipeline stages: each takes an iterator and yields -------------------------------------
+
+
+def select_image(
+    src: Iterator[dict], errors: SkipCounter, with_labels: bool, num_classes: int | None
+) -> Iterator[tuple[bytes, int | None, str]]:
+    """webdataset sample -> (encoded image, label, "url#key"); samples without an image/label are skipped."""
+    for sample in src:
+        key = f"{sample['__url__']}#{sample['__key__']}"
+        image = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
+        if image is None:
+            errors.skip(
+                f"skipping sample {key}: no image member (has {sorted(sample)})", sample["__url__"]
+            )
+            continue
+        label = None
+        if with_labels:
+            try:
+                label = int(sample["cls"])
+                if num_classes is not None and not 0 <= label < num_classes:
+                    raise ValueError(f"label {label} outside [0, {num_classes})")
+            except (KeyError, ValueError) as exn:
+                errors.skip(
+                    f"skipping sample {key}: bad or missing .cls ({exn!r})", sample["__url__"]
+                )
+                continue
+        errors.sample_read()
+        yield image, label, key
+
+
+def number(src: Iterator, skip: int = 0) -> Iterator[tuple[int, tuple]]:
+    """Attach each sample's position in the stream; drop the first `skip` BEFORE decoding (cheap resume)."""
+    for index, sample in enumerate(src):
+        if index >= skip:
+            yield index, sample
+
+
+def decode(
+    src: Iterator, transform: Callable, rng_key: str, errors: SkipCounter
+) -> Iterator[tuple]:
+    """(index, (bytes, label, key)) -> (HWC uint8, label, key); the augmentation RNG is per sample index."""
+    for index, (data, label, key) in src:
+        rng = random.Random(f"aug/{rng_key}/{index}")
+        try:
+            image = transform(data, rng=rng)
+        except SampleFormatError as exn:  # another channel count, dtype or layout
+            errors.skip(f"skipping sample {key}: it {exn}", decode=True)
+            continue
+        except Exception as exn:  # PIL raises many types for corrupt data
+            errors.skip(f"skipping sample {key}: cannot decode ({exn!r})", decode=True)
+            continue
+        errors.sample_decoded()
+        yield image, label, key
+
+
+def batched(
+    src: Iterator, batch_size: int, collation_fn: Callable, partial: bool
+) -> Iterator[dict]:
+    # Not wds.batched: it holds a full batch until the NEXT sample arrives, decoding one extra
+    # image per batch ahead of need and one wasted at the end of a worker's share.
+    batch = []
+    for sample in src:
+        batch.append(sample)
+        if len(batch) == batch_size:
+            yield collation_fn(batch)
+            batch = []
+    if batch and partial:
+        yield collation_fn(batch)
+
+
+# ---- per-worker datasets --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Everything a stream's workers need, in one place (the loaders' keyword arguments)."""
+
+    batch_size: int
+    img_size: int
+    rank: int = 0
+    world_size: int = 1
+    with_labels: bool = False
+    num_classes: int | None = None
+    with_keys: bool = False
+    allow_pipe: bool = False
+    max_consecutive_errors: int = 100
+    # training only
+    num_batches: int = 0
+    start_batch: int = 0
+    seed: int = 0
+    epoch: int = 0
+    crop_scale: tuple[float, float] = (0.2, 1.0)
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    hflip: float = 0.5
+    randaug: tuple[int, int] | None = None
+    shuffle_buffer: int = 16  # samples shuffled together in each stream (mpp.data.order)
+    global_batch: int = (
+        0  # the streams of a step: batch_size x world_size x accumulation (0: no accumulation)
+    )
+    shard_sizes: tuple[int, ...] | None = (
+        None  # samples per shard (mpp.data.census); None: counted by the loader
+    )
+    # per shard, the only sample keys read (a labelled subset, mpp.data.labels); None: all of them
+    shard_keys: tuple[frozenset[str], ...] | None = None
+    # what every sample holds: channels, layout, value range (mpp.data.transforms)
+    pixels: PixelFormat = RGB
+
+
+class _Stream(IterableDataset):
+    """Shards + settings; each DataLoader worker iterates its own part."""
+
+    def __init__(self, shards: list[str], cfg: StreamConfig):
+        self.shards, self.cfg = shards, cfg
+
+
+class _TrainStream(_Stream):
+    """The training stream of one epoch at a time. (epoch, start_batch) live in shared memory:
+    persistent workers keep their copy of this object across epochs and read the position the
+    main process set (``Loader.set_epoch``) when the next pass starts."""
+
+    def __init__(self, shards: list[str], cfg: StreamConfig):
+        super().__init__(shards, cfg)
+        self.position = torch.tensor(
+            [cfg.epoch, cfg.start_batch], dtype=torch.int64
+        ).share_memory_()
+
+    def __iter__(self) -> Iterator[dict]:
+        epoch, start_batch = self.position.tolist()
+        c = replace(self.cfg, epoch=epoch, start_batch=start_batch)
+        worker, num_workers = _worker_info()
+        errors = SkipCounter(c.max_consecutive_errors)
+        accum, steps = _accumulation(c), c.num_batches // _accumulation(c)
+        epoch_shards = EpochShards(
+            self.shards,
+            list(c.shard_sizes),
+            epoch_order(len(self.shards), c.seed, c.epoch),
+            c.allow_pipe,
+            c.shard_keys,
+        )
+        select = partial(
+            select_image, errors=errors, with_labels=c.with_labels, num_classes=c.num_classes
+        )
+        aug = Augmentation(c.crop_scale, c.crop_ratio, c.hflip, c.randaug)
+        augment = partial(train_transform, img_size=c.img_size, aug=aug, fmt=c.pixels)
+        first = c.rank * c.batch_size * accum  # the rank's first stream
+        streams: dict[int, Iterator] = {}
+        for group in range(accum):  # this worker's part of every micro-batch group
+            for i in split(c.batch_size, num_workers, worker):
+                s = first + group * c.batch_size + i
+                key = f"{c.seed}/{c.epoch}/{s}"
+                samples = stream_samples(
+                    epoch_shards,
+                    s,
+                    steps,
+                    c.shuffle_buffer,
+                    random.Random(f"samples/{key}"),
+                    select,
+                    errors,
+                )
+                numbered = number(samples, skip=done_before(group, c.start_batch, accum))
+                streams[s] = decode(numbered, transform=augment, rng_key=key, errors=errors)
+        for _, group in schedule(steps, accum, c.start_batch):
+            part = [
+                next(streams[first + group * c.batch_size + i])
+                for i in split(c.batch_size, num_workers, worker)
+            ]
+            batch = collate(part, with_keys=c.with_keys) if part else {}
+            yield {**batch, "_worker": worker, "_skipped": errors.skipped}
+        yield {"_worker": worker, "_skipped": errors.skipped, "_end": True}
+
+
+def _accumulation(c: StreamConfig) -> int:
+    per_step = c.global_batch or c.batch_size * c.world_size
+    if per_step % (c.batch_size * c.world_size) or c.num_batches % (
+        per_step // (c.batch_size * c.world_size)
+    ):
+        raise ValueError(
+            f"global_batch {per_step} is not batch_size {c.batch_size} x world_size {c.world_size} x "
+            f"an accumulation that divides num_batches {c.num_batches}"
+        )
+    return per_step // (c.batch_size * c.world_size)
+
+
+class _EvalStream(_Stream):
+    def __iter__(self) -> Iterator[dict]:
+        c = self.cfg
+        worker, num_workers = _worker_info()
+        errors = SkipCounter(c.max_consecutive_errors)
+        # split by node, then by worker: every shard read exactly once
+        mine = list(range(len(self.shards)))[c.rank :: c.world_size][worker::num_workers]
+        items = [{"url": self.shards[i]} for i in mine]
+        if c.shard_keys is not None:  # a labelled subset: only its samples are read
+            items = [{**item, "keys": c.shard_keys[i]} for item, i in zip(items, mine, strict=True)]
+        resize_crop = partial(eval_transform, img_size=c.img_size, fmt=c.pixels)
+        to_batch = partial(collate, with_keys=c.with_keys)
+        pipeline = wds.DataPipeline(
+            partial(iter, items),
+            partial(shard_samples, errors=errors, allow_pipe=c.allow_pipe),
+            partial(
+                select_image, errors=errors, with_labels=c.with_labels, num_classes=c.num_classes
+            ),
+            number,
+            partial(decode, transform=resize_crop, rng_key="eval", errors=errors),
+            partial(batched, batch_size=c.batch_size, collation_fn=to_batch, partial=True),
+        )
+        for batch in pipeline:
+            yield {**batch, "_worker": worker, "_skipped": errors.skipped}
+        # a last message so errors after the final batch (or in a worker with none) still count
+        yield {"_worker": worker, "_skipped": errors.skipped, "_end": True}
+
+
+_WORKERS: weakref.WeakSet = weakref.WeakSet()  # the worker processes our loaders started
+
+
+def _kill_workers_at_exit() -> None:
+    # multiprocessing's exit hook SIGTERMs daemon children and waits: our workers ignore SIGTERM,
+    # so a loader still alive at exit (kept by a traceback) would hang the process. This hook is
+    # registered later, so it runs first. Only our workers: another library's daemons are its own.
+    # DataLoader's SIGCHLD handler would report each kill as a worker failure: at exit, nobody asks
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for worker in list(_WORKERS):
+        if worker.is_alive():
+            worker.kill()
+
+
+atexit.register(_kill_workers_at_exit)
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    # SIGTERM / SIGUSR1 reach every process of a job (SLURM, the launcher's process-tree kill):
+    # the rank finishes its step and checkpoints (mpp.train.preemption), so its workers must keep
+    # serving it; they exit with the rank (the DataLoader's shutdown, or its parent watchdog)
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
+
+
+class Loader:
+    """Iterable of batch dicts; `skipped` sums the bad-data counts reported by every worker.
+
+    ``persistent``: one DataLoader, its workers kept across passes (a training run's epochs:
+    ``set_epoch`` before each), instead of new worker processes every epoch."""
+
+    def __init__(
+        self,
+        dataset: IterableDataset,
+        num_workers: int,
+        num_batches: int | None,
+        persistent: bool = False,
+        key_log: Path | None = None,
+    ):
+        self.dataset, self.num_workers, self.num_batches = dataset, num_workers, num_batches
+        self.key_log = (
+            key_log  # a training stream's sample keys, a line per micro-batch (data.log_keys)
+        )
+        self.persistent = persistent and num_workers > 0
+        # a training micro-batch arrives in one part per worker, in worker order
+        self.parts = max(1, num_workers) if isinstance(dataset, _TrainStream) else 1
+        self._loader: DataLoader | None = None
+        self._skipped: dict[int, int] = {}
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """The next pass is ``epoch`` from its batch ``start_batch`` (a training stream)."""
+        total = self.dataset.cfg.num_batches
+        if not 0 <= start_batch <= total:
+            raise ValueError(f"start_batch {start_batch} outside [0, num_batches={total}]")
+        self.dataset.position.copy_(torch.tensor([epoch, start_batch]))
+        self.num_batches = total - start_batch
+
+    def close(self) -> None:
+        """Stop persistent workers now, through the DataLoader's own shutdown (they finish and
+        exit). Not left to garbage collection: an exception's traceback can keep the loader alive
+        until interpreter exit, where multiprocessing would SIGTERM workers that ignore it."""
+        loader, self._loader = self._loader, None
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+
+    @property
+    def skipped(self) -> int:
+        return sum(self._skipped.values())
+
+    def __len__(self) -> int:
+        if self.num_batches is None:
+            raise TypeError("an evaluation loader's length depends on the shards; iterate it")
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[dict]:
+        loader = (
+            self._loader
+            if self._loader is not None
+            else DataLoader(
+                self.dataset,
+                batch_size=None,  # batches are built inside the workers
+                num_workers=self.num_workers,
+                pin_memory=torch.cuda.is_available()
+                and self.parts == 1,  # parts: pinned once joined
+                persistent_workers=self.persistent,
+                # its own generator: DataLoader otherwise draws worker seeds from the global torch
+                # RNG, and re-creating a loader on resume would shift every later mask draw
+                generator=torch.Generator().manual_seed(0),
+                worker_init_fn=_ignore_stop_signals,
+            )
+        )
+        if self.persistent:
+            self._loader = loader
+        self._skipped = {}
+        count, parts = 0, []
+        items = iter(loader)
+        _WORKERS.update(
+            getattr(items, "_workers", ())
+        )  # DataLoader's worker processes (none in-process)
+        try:
+            for item in items:
+                self._skipped[item.pop("_worker")] = item.pop("_skipped")
+                if item.pop("_end", False):
+                    continue
+                parts.append(item)
+                if len(parts) < self.parts:
+                    continue
+                batch, parts = _join(parts), []
+                batch["skipped"] = self.skipped
+                if self.key_log is not None:
+                    self._log_keys(batch["key"], count)
+                count += 1
+                yield batch
+        except (
+            Exception
+        ):  # a worker's error (bad data): its workers stop now, not at interpreter exit
+            if hasattr(items, "_shutdown_workers"):
+                items._shutdown_workers()
+            self._loader = None
+            raise
+        if self.num_batches is not None and count != self.num_batches:
+            # unequal batch counts across ranks deadlock the next collective: fail loudly instead
+            raise RuntimeError(f"training loader gave {count} batches, expected {self.num_batches}")
+
+    def _log_keys(self, keys: list[str], count: int) -> None:
+        epoch, start = self.dataset.position.tolist()
+        self.key_log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.key_log, "a") as f:
+            f.write(json.dumps({"epoch": epoch, "batch": start + count, "keys": keys}) + "\n")
+
+
+def _join(parts: list[dict]) -> dict:
+    """One batch from the workers' parts of it (a training micro-batch; an eval batch is one part)."""
+    if len(parts) == 1:
+        return parts[0]
+    parts = [p for p in parts if p]  # workers without a stream in this micro-batch
+    images = [p["image"] for p in parts]
+    shape = (sum(len(x) for x in images), *images[0].shape[1:])
+    out = torch.empty(
+        shape, dtype=images[0].dtype, pin_memory=torch.cuda.is_available()
+    )  # one copy, pinned
+    batch = {"image": torch.cat(images, out=out)}
+    if "label" in parts[0]:
+        batch["label"] = torch.cat([p["label"] for p in parts])
+    if "key" in parts[0]:
+        batch["key"] = [k for p in parts for k in p["key"]]
+    return batch
+
+
+def _validate(shards, allow_pipe: bool, rank: int, world_size: int) -> list[str]:
+    shards = expand_shards(shards)
+    check_shards(shards, allow_pipe=allow_pipe)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside [0, world_size={world_size})")
+    return shards
+
+
+def make_train_loader(
+    shards: str | list[str],
+    stream: StreamConfig | None = None,
+    *,
+    num_workers: int = 2,
+    persistent: bool = False,
+    key_log: Path | None = None,
+    **settings,
+) -> Loader:
+    """Exactly ``num_batches - start_batch`` uint8 batches for this rank of this epoch.
+
+    ``stream``'s settings (or a fresh ``StreamConfig``) with ``settings`` replacing fields of it:
+    ``make_train_loader(shards, batch_size=64, num_batches=100, img_size=224)``, or
+    ``make_train_loader(shards, plan.stream, epoch=e, rank=r)``. ``persistent``: keep the workers
+    across passes, each pass set with ``Loader.set_epoch(epoch, start_batch)``. ``key_log``: a
+    file that gets {"epoch", "batch", "keys"} for every batch (turns ``with_keys`` on).
+    Batches are {"image": (B,3,H,W) uint8, "label": (B,) int64 if with_labels, "skipped": int}.
+    Order and augmentation depend only on (seed, epoch, global batch, shards) and the rank's
+    place in the global batch, not on the workers: with clean data, start_batch=k gives exactly
+    the batches after the first k of a straight run, on any world size (``mpp.data.order``).
+    ``shard_sizes`` unset: counted here (``mpp.data.census``: sizes.json, stats, cache or tar headers).
+    """
+    cfg = replace(stream, **settings) if stream is not None else StreamConfig(**settings)
+    shards = _validate(shards, cfg.allow_pipe, cfg.rank, cfg.world_size)
+    if cfg.shard_sizes is None and cfg.shard_keys is not None:  # a labelled subset's own counts
+        cfg = replace(cfg, shard_sizes=tuple(len(keys) for keys in cfg.shard_keys))
+    if cfg.shard_sizes is None:
+        cfg = replace(cfg, shard_sizes=tuple(census(shards, cfg.allow_pipe).sizes))
+    if len(cfg.shard_sizes) != len(shards):
+        raise ValueError(f"{len(cfg.shard_sizes)} shard sizes for {len(shards)} shards")
+    _accumulation(cfg)  # the global batch splits into this rank's micro-batches
+    if key_log is not None:
+        cfg = replace(cfg, with_keys=True)
+    if cfg.batch_size < 1 or not 0 <= cfg.start_batch <= cfg.num_batches:
+        raise ValueError(
+            f"need batch_size >= 1 and 0 <= start_batch <= num_batches (batch_size={cfg.batch_size}, "
+            f"start_batch={cfg.start_batch}, num_batches={cfg.num_batches})"
+        )
+    return Loader(
+        _TrainStream(shards, cfg),
+        num_workers,
+        cfg.num_batches - cfg.start_batch,
+        persistent,
+        key_log,
+    )
+
+
+def make_eval_loader(
+    shards: str | list[str], *, num_workers: int = 2, with_labels: bool = True, **settings
+) -> Loader:
+    """One exact pass over this rank's shards (split by rank, then by worker); the last batch may
+    be short. ``settings``: the ``StreamConfig`` fields that apply (batch_size, img_size, rank,
+    world_size, num_classes, with_keys, allow_pipe, max_consecutive_errors).
+
+    Ranks may get different batch counts: reduce metrics after the loop, not per batch.
+    """
+    cfg = StreamConfig(with_labels=with_labels, **settings)
+    shards = _validate(shards, cfg.allow_pipe, cfg.rank, cfg.world_size)
+    return Loader(_EvalStream(shards, cfg), num_workers, None)

@@ -1,0 +1,104 @@
+"""The training data's global order: what each step of an epoch trains on is fixed by
+(seed, epoch, step) alone, not by the world size, micro batch, accumulation or worker count,
+so a run can resume on another number of GPUs without a sample seen twice or skipped.
+
+Epoch ``e``: the shards in a seeded order, their samples end to end (``N`` positions: every
+shard's samples with an image, counted before training by ``mpp.data.census``). The global batch ``B`` is made of ``B`` streams; stream ``c`` owns positions
+``[c*T, (c+1)*T)`` (``T = N // B`` steps per epoch), shuffled within a window of
+``shuffle_buffer`` samples, and gives one sample to each step. Rank ``r`` of ``W`` takes streams
+``[r*B/W, (r+1)*B/W)``: a contiguous stretch of the shards, read by that rank only; its
+micro-batch ``j`` of a step is the ``j``-th run of ``m`` of them, each split across the
+DataLoader workers (each worker builds its part, the main process joins the parts).
+
+A stream short of ``T`` good samples (bad data) goes on past its range: those samples repeat
+another stream's, and the skipped ones are counted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import webdataset as wds
+
+from .errors import SkipCounter
+from .tario import shard_samples
+
+
+def epoch_order(num_shards: int, seed: int, epoch: int) -> list[int]:
+    """The epoch's shard order (indices), the same on every rank."""
+    order = list(range(num_shards))
+    random.Random(f"order/{seed}/{epoch}").shuffle(order)
+    return order
+
+
+@dataclass(frozen=True)
+class EpochShards:
+    """One epoch's concatenation: ``shards`` (``sizes`` samples each, counted before training)
+    read end to end in the epoch's ``order``; ``allow_pipe`` lets ``pipe:`` URLs run. ``keys``:
+    per shard, the only samples read (a labelled subset, ``mpp.data.labels``; ``sizes`` count them)."""
+
+    shards: list[str]
+    sizes: list[int]
+    order: list[int]
+    allow_pipe: bool
+    keys: Sequence[frozenset[str]] | None = None
+
+    def read_from(self, start: int, errors: SkipCounter) -> Iterator[dict]:
+        """Raw tar samples from position ``start`` of the concatenation, wrapping around forever."""
+        sizes, order = self.sizes, self.order
+        offset = start % max(1, sum(sizes))
+        first = 0
+        while offset and offset >= sizes[order[first]]:
+            offset -= sizes[order[first]]
+            first += 1
+        for n in itertools.count():
+            index = order[(first + n) % len(order)]
+            item = {"url": self.shards[index], "skip": offset if n == 0 else 0}
+            if self.keys is not None:
+                item["keys"] = self.keys[index]
+            yield from shard_samples(
+                [item],
+                errors,
+                self.allow_pipe,
+                images_only=True,
+            )
+
+
+def stream_samples(
+    epoch: EpochShards,
+    stream: int,
+    steps: int,
+    window: int,
+    rng: random.Random,
+    select,
+    errors: SkipCounter,
+) -> Iterator:
+    """Stream ``stream``'s samples: its ``steps`` positions of ``epoch`` through a shuffle window,
+    then (only when bad data left it short) the samples after its range. ``select``: raw sample
+    -> (bytes, label, key)."""
+    mine = itertools.islice(epoch.read_from(stream * steps, errors), steps)
+    shuffled = (
+        wds.shuffle(window, initial=window, rng=rng)(select(mine)) if window > 1 else select(mine)
+    )
+    after = select(epoch.read_from((stream + 1) * steps, errors))
+    return itertools.chain(shuffled, after)
+
+
+def split(n: int, parts: int, part: int) -> range:
+    """Items of ``range(n)`` in contiguous part ``part`` of ``parts`` (sizes differ by at most one)."""
+    return range(n * part // parts, n * (part + 1) // parts)
+
+
+def schedule(steps: int, accum: int, start_batch: int) -> Iterator[tuple[int, int]]:
+    """(step in epoch, micro-batch in step) from micro-batch ``start_batch`` of the rank's epoch."""
+    for index in range(start_batch, steps * accum):
+        yield divmod(index, accum)
+
+
+def done_before(stream_group: int, start_batch: int, accum: int) -> int:
+    """Samples a stream of micro-batch group ``stream_group`` gave before micro-batch ``start_batch``."""
+    step, micro = divmod(start_batch, accum)
+    return step + (stream_group < micro)

@@ -1,0 +1,221 @@
+"""Shard lists: brace expansion, URL checks, sizes.json, opening a shard as a byte stream.
+
+Shards may be local paths, ``http(s)://`` URLs, object storage (``s3://``, ``gs://``, ``az://``,
+through fsspec: s3fs, gcsfs or adlfs installed, credentials from their usual environment and
+files, never from our config) or, when allowed, ``pipe:`` commands. Object storage takes glob
+patterns and folders (``s3://bucket/train/``) as well as brace patterns; opening an object is
+retried with backoff on a transient error (each retry counted and logged); one still unreadable
+is skipped and named like any other bad shard.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import urllib.request
+from collections.abc import Callable, Iterable
+from urllib.parse import urlparse
+
+import braceexpand
+
+log = logging.getLogger(__name__)
+SIZES_FILE = "sizes.json"
+HTTP_TIMEOUT_S = 60.0
+# object storage through fsspec (s3fs, gcsfs, adlfs: the optional extras s3, gcs, azure)
+OBJECT_SCHEMES = ("s3", "gs", "gcs", "az", "abfs", "abfss")
+RETRIES, BACKOFF_S = 3, 0.5  # a transient read error: retried after 0.5, 1, 2 s
+
+
+def expand_shards(spec: str | Iterable[str]) -> list[str]:
+    """`train-{000000..000127}.tar`, comma-separated specs, lists, or a directory of `.tar` files."""
+    parts = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    shards: list[str] = []
+    for part in parts:
+        for piece in _split_top_level_commas(os.fspath(part)):
+            if os.path.isdir(piece):
+                shards += sorted(
+                    os.path.join(piece, f) for f in os.listdir(piece) if f.endswith(".tar")
+                )
+            elif _scheme(piece) in OBJECT_SCHEMES:
+                for url in braceexpand.braceexpand(piece):
+                    shards += _list_objects(url)
+            else:
+                shards += list(braceexpand.braceexpand(piece))
+    if not shards:
+        raise ValueError(f"no shards in {spec!r}")
+    return shards
+
+
+def _split_top_level_commas(spec: str) -> list[str]:
+    # Commas inside braces belong to brace expansion ({a,b}); only the outer ones separate specs.
+    pieces, depth, start = [], 0, 0
+    for i, ch in enumerate(spec):
+        depth += (ch == "{") - (ch == "}")
+        if ch == "," and depth == 0:
+            pieces.append(spec[start:i])
+            start = i + 1
+    pieces.append(spec[start:])
+    return [p.strip() for p in pieces if p.strip()]
+
+
+def _list_objects(url: str) -> list[str]:
+    """An object URL as it is; a glob pattern (``*``, ``?``, ``[``) or a folder (ending in ``/``)
+    listed through fsspec: the ``.tar`` objects, sorted, with their scheme."""
+    if not url.endswith("/") and not any(ch in url for ch in "*?["):
+        return [url]
+    import fsspec
+
+    scheme = _scheme(url)
+    fs = fsspec.filesystem(scheme)
+    pattern = url + "*.tar" if url.endswith("/") else url
+    return sorted(f"{scheme}://{path}" for path in fs.glob(pattern) if path.endswith(".tar"))
+
+
+def _scheme(url: str) -> str:
+    scheme = urlparse(url).scheme
+    return "" if len(scheme) <= 1 else scheme  # "C:\\x.tar" parses as scheme "c"
+
+
+def check_shards(shards: list[str], *, allow_pipe: bool = False) -> None:
+    """Fail early: refuse `pipe:` (it runs a shell command) unless allowed, name missing local files."""
+    missing = []
+    for url in shards:
+        scheme = _scheme(url)
+        if scheme == "pipe":
+            if not allow_pipe:
+                raise ValueError(
+                    f"refusing shard {url!r}: 'pipe:' runs a shell command; pass allow_pipe=True "
+                    "if the shard list is trusted"
+                )
+        elif scheme not in ("", "file", "http", "https", *OBJECT_SCHEMES):
+            raise ValueError(
+                f"shard {url!r}: unsupported scheme {scheme!r} (local path, file:, http(s):, "
+                f"{', '.join(f'{s}:' for s in OBJECT_SCHEMES)}, pipe:)"
+            )
+        elif scheme in ("", "file") and not os.path.isfile(_local_path(url)):
+            missing.append(url)
+    if missing:
+        shown = ", ".join(missing[:10]) + (
+            f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        )
+        raise FileNotFoundError(f"{len(missing)} shard file(s) not found: {shown}")
+
+
+def _local_path(url: str) -> str:
+    return urllib.request.url2pathname(urlparse(url).path) if url.startswith("file:") else url
+
+
+def open_shard(
+    url: str, *, allow_pipe: bool = False, on_retry: Callable[[str, Exception], None] | None = None
+):
+    """A readable binary stream for one shard (local file, http(s), object storage or, if
+    allowed, a `pipe:`); an object's transient open error is retried (``on_retry`` hears each)."""
+    scheme = _scheme(url)
+    if scheme in ("", "file"):
+        return open(_local_path(url), "rb")
+    if scheme in OBJECT_SCHEMES:
+        return _open_object(url, on_retry)
+    if scheme in ("http", "https"):
+        # urllib, not webdataset's curl pipe: curl retries an unreachable host for a minute
+        # and reports nothing useful; urlopen fails at once with the reason.
+        return urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S)
+    if scheme == "pipe" and allow_pipe:
+        import webdataset as wds
+
+        return wds.gopen(url)
+    raise ValueError(f"refusing to open shard {url!r}")
+
+
+def _open_object(url: str, on_retry: Callable[[str, Exception], None] | None = None):
+    """An object through fsspec, retried RETRIES times with doubling backoff on an error that may
+    pass; a missing object or a refusal (FileNotFoundError, PermissionError) is raised at once."""
+    import fsspec
+
+    for attempt in range(RETRIES + 1):
+        try:
+            return fsspec.open(url, "rb").open()
+        except (FileNotFoundError, PermissionError, ImportError):
+            raise
+        except Exception as exn:  # noqa: BLE001  connection resets, throttling, timeouts
+            if attempt == RETRIES:
+                raise
+            if on_retry is not None:
+                on_retry(url, exn)
+            log.warning("retrying %s in %.1f s after %r", url, BACKOFF_S * 2**attempt, exn)
+            time.sleep(BACKOFF_S * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+def object_exists(url: str) -> bool:
+    """Whether an object is there; a bad bucket, credential or network raises (one line)."""
+    import fsspec
+
+    return fsspec.filesystem(_scheme(url)).exists(url)
+
+
+def _read_json(url: str) -> dict | None:
+    try:
+        if _scheme(url) in OBJECT_SCHEMES:
+            import fsspec
+
+            with fsspec.open(url, "rb") as f:
+                return json.loads(f.read())
+        if _scheme(url) in ("http", "https"):
+            with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as f:
+                return json.loads(f.read())
+        with open(_local_path(url)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _sizes_url(shard: str) -> str:
+    return shard.rsplit("/", 1)[0] + "/" + SIZES_FILE if "/" in shard else SIZES_FILE
+
+
+def read_sizes(shards: str | list[str]) -> dict | None:
+    """Merge the sizes.json files beside `shards`: {"shards": {name: count}, "class_names": [...]}.
+
+    None when no shard has a sizes.json beside it (shards written by other tools).
+    """
+    shards = expand_shards(shards)
+    merged: dict = {"shards": {}, "class_names": None}
+    found = False
+    for url in dict.fromkeys(_sizes_url(s) for s in shards):
+        sizes = _read_json(url)
+        if sizes is None:
+            continue
+        found = True
+        merged["shards"].update(sizes.get("shards", {}))
+        merged["class_names"] = merged["class_names"] or sizes.get("class_names")
+    return merged if found else None
+
+
+def shard_sizes(shards: list[str]) -> list[int] | None:
+    """Samples per shard from sizes.json, in ``shards``' order; None unless it lists every one."""
+    found = {
+        url: (_read_json(url) or {}).get("shards", {})
+        for url in dict.fromkeys(map(_sizes_url, shards))
+    }
+    sizes = [found[_sizes_url(s)].get(s.rsplit("/", 1)[-1]) for s in shards]
+    return None if None in sizes else sizes
+
+
+def count_samples(shards: str | list[str]) -> int:
+    """Total samples in `shards` according to sizes.json; ValueError when it cannot tell."""
+    shards = expand_shards(shards)
+    sizes = read_sizes(shards)
+    if sizes is None:
+        raise ValueError(
+            f"no {SIZES_FILE} beside the shards ({shards[0]} ...): pass the sample count "
+            "(num_samples) for shards written by other tools"
+        )
+    names = [s.rsplit("/", 1)[-1] for s in shards]
+    missing = [n for n in names if n not in sizes["shards"]]
+    if missing:
+        raise ValueError(
+            f"{SIZES_FILE} does not list {len(missing)} shard(s), e.g. {missing[0]}: pass num_samples"
+        )
+    return sum(sizes["shards"][n] for n in names)

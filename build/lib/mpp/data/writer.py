@@ -1,0 +1,261 @@
+"""Write WebDataset tar shards (`key.jpg|png|webp` + `key.cls`) and a sizes.json beside them."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import re
+import tarfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from tqdm import tqdm
+
+from .sources import SIZES_FILE
+
+ImageLike = bytes | str | os.PathLike | np.ndarray | Image.Image
+Sample = tuple[ImageLike, int | None]
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".npy"}
+_EXT = {"jpeg": "jpg", "png": "png", "webp": "webp", "npy": "npy", "tiff": "tif"}
+_KEPT = ("npy", "tiff")  # arrays and multi-band files: kept byte for byte, never re-encoded
+_TAR_BLOCK, _TAR_END = 512, 10240  # header/padding unit; end-of-archive record, at most
+
+
+def _image_files(folder: Path, recursive: bool) -> list[Path]:
+    files = folder.rglob("*") if recursive else folder.iterdir()
+    return sorted(p for p in files if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def from_image_folder(root: str | os.PathLike) -> tuple[list[Sample], list[str]]:
+    """ImageNet-style `root/<class>/**/<image>` -> ([(path, label)], class_names); labels follow sorted names."""
+    root = Path(root)
+    class_names = sorted(d.name for d in root.iterdir() if d.is_dir())
+    if not class_names:
+        raise ValueError(
+            f"{root}: no class sub-folders (use from_flat_folder for unlabelled images)"
+        )
+    samples = [
+        (p, label)
+        for label, name in enumerate(class_names)
+        for p in _image_files(root / name, True)
+    ]
+    return samples, class_names
+
+
+def from_flat_folder(root: str | os.PathLike) -> list[Sample]:
+    """Every image under `root`, unlabelled: [(path, None)]."""
+    return [(p, None) for p in _image_files(Path(root), True)]
+
+
+def from_arrays(
+    images: np.ndarray | Sequence[np.ndarray], labels: Sequence[int] | None = None
+) -> list[Sample]:
+    """Arrays (+ labels) -> samples: uint8 (N, H, W) or (N, H, W, 3) are PNG-encoded when
+    written; any other channel count or dtype (uint16, float32) is kept exactly, as ``.npy``."""
+    if labels is not None and len(labels) != len(images):
+        raise ValueError(f"{len(images)} images but {len(labels)} labels")
+    return [(images[i], None if labels is None else int(labels[i])) for i in range(len(images))]
+
+
+def sniff_format(data: bytes) -> str | None:
+    """'jpeg' | 'png' | 'webp' | 'npy' | 'tiff' from the magic bytes, None for anything else."""
+    if data[:3] == b"\xff\xd8\xff":
+        return "jpeg"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return "png"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    if data[:6] == b"\x93NUMPY":
+        return "npy"
+    if data[:4] in (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+"):
+        return "tiff"
+    return None
+
+
+def _png_able(array: np.ndarray) -> bool:
+    """An array PIL writes to PNG losslessly as it is: uint8 grey or RGB."""
+    return array.dtype == np.uint8 and (array.ndim == 2 or array.shape[-1] in (1, 3))
+
+
+@dataclass(frozen=True)
+class ImageEncoding:
+    """What each image is stored as. Encoded input is kept byte-for-byte unless ``resize`` (the
+    short side, re-encoding in the same format) or ``reencode`` ('jpeg' | 'png' | 'webp') asks;
+    ``quality`` is JPEG's and WebP's when re-encoding. Arrays are PNG-encoded (lossless)."""
+
+    resize: int | None = None
+    reencode: str | None = None
+    quality: int = 95
+
+
+@dataclass(frozen=True)
+class WriterOptions:
+    """How ``write_shards`` deals the samples into shards: a shard closes at ``max_count``
+    samples or before passing ``max_size`` bytes; ``seed`` shuffles the order first (None keeps
+    it). ``overwrite`` replaces a prefix's existing shards (else they are an error); ``progress``
+    shows a bar."""
+
+    max_count: int = 10_000
+    max_size: int = 1 << 30
+    seed: int | None = 0
+    overwrite: bool = False
+    progress: bool = True
+
+
+def encode_image(image: ImageLike, encoding: ImageEncoding | None = None) -> tuple[bytes, str]:
+    """-> (bytes, extension). Encoded input is kept byte-for-byte unless ``encoding`` asks to
+    resize/re-encode."""
+    e = encoding or ImageEncoding()
+    resize, reencode, quality = e.resize, e.reencode, e.quality
+    if isinstance(image, (str, os.PathLike)):
+        image = Path(image).read_bytes()
+    if isinstance(image, np.ndarray) and not _png_able(image):
+        if resize is not None or reencode is not None:
+            raise ValueError(
+                f"a {image.dtype} array of shape {image.shape} is kept as .npy as it is"
+            )
+        out = io.BytesIO()
+        np.save(out, image, allow_pickle=False)
+        return out.getvalue(), "npy"
+    if isinstance(image, bytes):
+        fmt = sniff_format(image)
+        if fmt in _KEPT:
+            if resize is not None or reencode is not None:
+                raise ValueError(f"{fmt} samples are kept as they are (no resize or re-encoding)")
+            return image, _EXT[fmt]
+        if fmt is not None and resize is None and reencode in (None, fmt):
+            return image, _EXT[fmt]
+        img = Image.open(io.BytesIO(image))
+    else:
+        fmt = None
+        array = image if isinstance(image, Image.Image) else np.asarray(image)
+        img = (
+            array
+            if isinstance(array, Image.Image)
+            else Image.fromarray(
+                array.squeeze(-1) if array.ndim == 3 and array.shape[-1] == 1 else array
+            )
+        )
+    target = reencode or fmt or "png"  # arrays and unknown formats: PNG, lossless
+    if target not in _EXT:
+        raise ValueError(f"reencode must be one of {sorted(_EXT)}, got {target!r}")
+    if resize is not None:
+        scale = resize / min(img.size)
+        size = (max(1, round(img.width * scale)), max(1, round(img.height * scale)))
+        if img.format == "JPEG":
+            img.draft("RGB", size)  # decode at 1/2..1/8 scale when that still covers `size`
+        img = img.convert("RGB") if img.mode not in ("RGB", "L") else img
+        img = img.resize(size, Image.Resampling.BICUBIC)
+    if img.mode not in ("RGB", "L"):
+        img = img.convert("RGB")
+    out = io.BytesIO()
+    img.save(out, format=target.upper(), **({"quality": quality} if target != "png" else {}))
+    return out.getvalue(), _EXT[target]
+
+
+def shard_spec(out_dir: str | os.PathLike, prefix: str, num_shards: int) -> str:
+    """The brace pattern naming `num_shards` shards: `out/prefix-{000000..000007}.tar`."""
+    return f"{out_dir}/{prefix}-{{000000..{num_shards - 1:06d}}}.tar"
+
+
+def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(data), 0o644, 0  # fixed metadata: same input, same bytes
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _member_bytes(data: bytes) -> int:
+    return _TAR_BLOCK + -(-len(data) // _TAR_BLOCK) * _TAR_BLOCK
+
+
+def _update_sizes(
+    out_dir: Path, prefix: str, counts: dict[str, int], class_names: list[str] | None
+) -> None:
+    # train and val may share a folder: keep the other prefixes' entries, replace ours
+    path = out_dir / SIZES_FILE
+    sizes = json.loads(path.read_text()) if path.exists() else {"shards": {}, "class_names": None}
+    pattern = re.compile(rf"{re.escape(prefix)}-\d{{6}}\.tar")
+    sizes["shards"] = {
+        k: v for k, v in sizes["shards"].items() if not pattern.fullmatch(k)
+    } | counts
+    sizes["class_names"] = class_names if class_names is not None else sizes.get("class_names")
+    tmp = out_dir / f".{SIZES_FILE}.tmp"
+    tmp.write_text(json.dumps(sizes, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _clear_old_shards(out_dir: Path, prefix: str, overwrite: bool) -> None:
+    """Make ``out_dir``; its old ``prefix-*.tar`` shards are an error unless ``overwrite``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    old = sorted(out_dir.glob(f"{prefix}-[0-9][0-9][0-9][0-9][0-9][0-9].tar"))
+    if old and not overwrite:
+        raise FileExistsError(
+            f"{out_dir} already holds {prefix}-*.tar shards; pass WriterOptions(overwrite=True) "
+            "(--overwrite on the command line) to replace them"
+        )
+    for path in old:
+        path.unlink()
+
+
+def write_shards(
+    samples: Iterable[Sample],
+    out_dir: str | os.PathLike,
+    prefix: str = "data",
+    *,
+    options: WriterOptions | None = None,
+    encoding: ImageEncoding | None = None,
+    class_names: list[str] | None = None,
+) -> list[str]:
+    """Write `samples` [(image, label or None)] to `out_dir/prefix-000000.tar ...`; returns the shard paths.
+
+    ``options`` (``WriterOptions``): when a shard closes, the shuffle seed, overwrite, progress.
+    ``encoding`` (``ImageEncoding``): the bytes each image is stored as. ``class_names`` go to
+    sizes.json.
+    """
+    o = options or WriterOptions()
+    out_dir = Path(out_dir)
+    _clear_old_shards(out_dir, prefix, o.overwrite)
+    samples = list(samples)
+    if o.seed is not None:
+        random.Random(o.seed).shuffle(samples)  # cheap: paths and arrays move, bytes are read later
+    paths: list[str] = []
+    counts: dict[str, int] = {}
+    tar, count, size = None, 0, 0
+
+    def close() -> None:
+        tar.close()
+        final = out_dir / f"{prefix}-{len(paths):06d}.tar"
+        os.replace(out_dir / f".{final.name}.tmp", final)  # readers never see a half-written shard
+        paths.append(str(final))
+        counts[final.name] = count
+
+    for index, (image, label) in enumerate(
+        tqdm(samples, desc=f"{prefix} shards", unit="img", disable=not o.progress)
+    ):
+        data, ext = encode_image(image, encoding)
+        members = [
+            (f"{index:09d}.{ext}", data)
+        ]  # the image first: a cut inside it loses one sample only
+        if label is not None:
+            members.append((f"{index:09d}.cls", str(int(label)).encode()))
+        needed = sum(_member_bytes(d) for _, d in members)
+        if tar is not None and (count >= o.max_count or size + needed > o.max_size):
+            close()
+            tar = None
+        if tar is None:
+            tar = tarfile.open(
+                out_dir / f".{prefix}-{len(paths):06d}.tar.tmp", "w", format=tarfile.USTAR_FORMAT
+            )
+            count, size = 0, _TAR_END
+        for name, blob in members:
+            _add_member(tar, name, blob)
+        count, size = count + 1, size + needed
+    if tar is not None:
+        close()
+    _update_sizes(out_dir, prefix, counts, class_names)
+    return paths

@@ -1,0 +1,2 @@
+"""Evaluation of a pretrained encoder: fine-tuning (finetune, evaluate), linear probes and k-NN
+(probe, probe_protocols, lars, probe_report, probe_cli)."""

@@ -1,0 +1,214 @@
+"""Export a trained encoder (or a fine-tuned classifier) for the ecosystem.
+
+    python -m mpp.export RUN_DIR|CKPT_DIR|FILE.safetensors --format safetensors|timm|hf [--out PATH]
+
+``safetensors``: ``encoder.safetensors``, fp32, timm names, the architecture in its metadata
+(what ``downstream/finetune.py --set init=...`` takes).
+``timm``: a folder with ``model.safetensors`` + ``config.json`` in timm's hub layout:
+``timm.models.VisionTransformer(**config["model_args"]).load_state_dict(load_file(...))``
+loads it with ``strict=True`` and gives the same features, or for a fine-tuned run the same
+logits (head, ``fc_norm`` and ``global_pool`` carried; the run's mean/std in ``pretrained_cfg``).
+``hf``: a ``save_pretrained`` folder for ``transformers``: ``ViTModel.from_pretrained(DIR)``
+(a pretrained encoder) or ``ViTForImageClassification`` (a fine-tuned run, ``id2label`` from the
+shards' class names), with a ``preprocessor_config.json`` carrying the run's size, mean and std.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from mpp.hub.hf import hf_config, to_hf
+from mpp.hub.pretrained import load_pretrained
+from mpp.models.vit import full_vit_config
+from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
+from mpp.train.checkpoint import save_weights
+from mpp.train.storage import CheckpointError
+
+# model kwargs of ours that are timm VisionTransformer constructor arguments
+_TIMM_ARGS = (
+    "img_size",
+    "patch_size",
+    "in_chans",
+    "embed_dim",
+    "depth",
+    "num_heads",
+    "mlp_ratio",
+    "qkv_bias",
+    "drop_path_rate",
+)
+FORMATS = ("safetensors", "timm", "hf")
+TIMM_NORM_EPS = 1e-6  # timm's ViT: norm_layer = partial(nn.LayerNorm, eps=1e-6)
+
+
+def timm_model_args(model_kwargs: dict) -> dict:
+    """Our architecture -> timm VisionTransformer kwargs: a headless cls-token encoder, or a
+    classifier with its head and pooling (``fc_norm`` after an average pool, as timm and MAE do)."""
+    full = full_vit_config(model_kwargs)
+    if full.get("norm_eps", TIMM_NORM_EPS) != TIMM_NORM_EPS:
+        raise ValueError(
+            f"norm_eps={full['norm_eps']}: timm's VisionTransformer builds its LayerNorms with eps "
+            f"{TIMM_NORM_EPS} and its model_args cannot state another; export with --format hf or safetensors"
+        )
+    args = {k: full[k] for k in _TIMM_ARGS if k in full}
+    args.pop("drop_path_rate", None)  # a training choice, not the architecture
+    num_classes = int(full.get("num_classes", 0) or 0)
+    pool = full.get("global_pool", "token") if num_classes else "token"
+    return {
+        **args,
+        "num_classes": num_classes,
+        "global_pool": pool,
+        "class_token": True,
+        "fc_norm": pool == "avg",
+    }
+
+
+def run_info(source: str | Path) -> dict:
+    """What the run that made ``source`` knew: its mean/std and its shards' class names (from the
+    run's config.json beside it; ImageNet's statistics and no names when there is none)."""
+    from mpp.data import digits_shards, expand_shards, read_sizes
+
+    src = Path(source)
+    # beside a run's encoder.safetensors, or above its checkpoints/ or checkpoints/stepN
+    cfg_file = next(
+        (
+            d / "config.json"
+            for d in (src, src.parent, src.parent.parent)
+            if (d / "config.json").is_file()
+        ),
+        None,
+    )
+    info = {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD), "class_names": None}
+    if cfg_file is None:
+        return info
+    cfg = json.loads(cfg_file.read_text())
+    data = cfg.get("data") or {}
+    info.update(mean=list(data.get("mean", info["mean"])), std=list(data.get("std", info["std"])))
+    try:
+        spec = (
+            data.get("train_shards")
+            or digits_shards(full_vit_config(cfg["model"])["img_size"])["train"]
+        )
+        info["class_names"] = (read_sizes(expand_shards(spec)) or {}).get("class_names")
+    except (KeyError, ValueError, OSError):
+        pass  # no class names: HF labels stay "0", "1", ...
+    return info
+
+
+def export(source: str | Path, fmt: str, out: str | Path | None = None) -> Path:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; allowed: {FORMATS}")
+    sd, kwargs = load_pretrained(source)
+    if "name" not in kwargs:
+        raise ValueError(
+            f"{source}: the architecture is unknown (no metadata or config.json beside it)"
+        )
+    classifier = int(kwargs.get("num_classes", 0) or 0) > 0 and "head.weight" in sd
+    if not classifier:
+        sd = {k: v for k, v in sd.items() if not k.startswith("head.")}
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("num_classes", "global_pool")}
+    src = Path(source)
+    base = src if src.is_dir() else src.parent
+    if fmt == "safetensors":
+        path = Path(out) if out else base / "encoder.safetensors"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_weights(sd, path, {"format": "mpp-encoder", "model": kwargs})
+        return path
+    folder = Path(out) if out else base / fmt
+    info = run_info(source)
+    write = write_timm if fmt == "timm" else write_hf
+    write(sd, kwargs, info, folder)
+    return folder
+
+
+def write_timm(sd: dict, kwargs: dict, info: dict, folder: Path) -> None:
+    args = timm_model_args(kwargs)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_weights(sd, folder / "model.safetensors")
+    size = args["img_size"] if isinstance(args["img_size"], int) else args["img_size"][0]
+    config = {
+        "architecture": kwargs["name"],
+        "num_classes": args["num_classes"],
+        "num_features": args["embed_dim"],
+        "global_pool": args["global_pool"],
+        "model_args": args,
+        "pretrained_cfg": {
+            "input_size": [args.get("in_chans", 3), size, size],
+            "interpolation": "bicubic",
+            "crop_pct": 0.875,
+            "mean": info["mean"],
+            "std": info["std"],
+            "num_classes": args["num_classes"],
+            "first_conv": "patch_embed.proj",
+            "classifier": "head",
+        },
+    }
+    if info["class_names"] and args["num_classes"]:
+        config["label_names"] = info["class_names"]
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_hf(sd: dict, kwargs: dict, info: dict, folder: Path) -> None:
+    full = full_vit_config(kwargs)
+    num_classes = int(full.get("num_classes", 0) or 0)
+    names = (
+        info["class_names"]
+        if info["class_names"] and len(info["class_names"]) == num_classes
+        else None
+    )
+    config = hf_config(
+        kwargs, dict(enumerate(names)) if names else None
+    )  # refuses what HF cannot express
+    folder.mkdir(parents=True, exist_ok=True)
+    save_weights(
+        to_hf(sd, full["depth"], classifier=num_classes > 0),
+        folder / "model.safetensors",
+        {"format": "pt"},
+    )
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    h, w = (
+        (full["img_size"], full["img_size"])
+        if isinstance(full["img_size"], int)
+        else full["img_size"]
+    )
+    processor = {
+        "image_processor_type": "ViTImageProcessor",
+        "do_resize": True,
+        "size": {"height": h, "width": w},
+        "resample": 3,  # PIL bicubic
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": info["mean"],
+        "image_std": info["std"],
+    }
+    (folder / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "source", help="a run directory, a DeepSpeed checkpoint, or an encoder .safetensors"
+    )
+    p.add_argument("--format", choices=FORMATS, default="safetensors")
+    p.add_argument("--out", help="output file (safetensors) or folder (timm, hf)")
+    args = p.parse_args(argv)
+    try:
+        path = export(args.source, args.format, args.out)
+    except (
+        FileNotFoundError,
+        ValueError,
+        CheckpointError,
+    ) as e:  # CheckpointError: a damaged file, named
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

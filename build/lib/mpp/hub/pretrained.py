@@ -1,0 +1,455 @@
+"""Pretrained weights in: an encoder (timm names) from an exported ``encoder.safetensors``,
+a pretraining run directory or a DeepSpeed checkpoint of any ZeRO stage, a timm or Hugging Face
+folder, loaded into a ViT with its position embedding resampled to the new grid. What the file
+states about the computation (patch size, width, depth, heads, MLP, qkv bias, LayerNorm eps,
+pooling) must agree with the model: a difference is an error naming both values, never silent.
+Never unpickles arbitrary objects."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from mpp.models.vit import VisionTransformer, full_vit_config, resample_abs_pos_embed, vit_config
+from mpp.train.checkpoint import (
+    encoder_file_kwargs,
+    find_checkpoint,
+    load_encoder_file,
+    zero_to_fp32,
+)
+from mpp.train.storage import CheckpointError
+
+log = logging.getLogger("mpp.pretrained")
+
+# the encoder's keys in timm's (and MAE's, and our) naming
+ENCODER_KEYS = ("cls_token", "pos_embed", "patch_embed.", "blocks.", "norm.", "fc_norm.", "head.")
+RELEASE_SUFFIXES = (".pth", ".pt", ".bin")
+# what the tensors' shapes say, and what only a file's metadata / config says (the image size is
+# neither: a new resolution resamples pos_embed)
+SHAPE_FACTS = ("patch_size", "in_chans", "embed_dim", "depth", "mlp_ratio", "qkv_bias")
+STATED_FACTS = ("num_heads", "norm_eps")
+# compared by name; the other shape facts show as a weight's shape, which the load names
+NAMED_FACTS = ("qkv_bias", *STATED_FACTS)
+# the constructor's values, which a file whose metadata leaves them out was built with (ours, timm's)
+FACT_DEFAULTS = {"in_chans": 3, "mlp_ratio": 4.0, "qkv_bias": True, "norm_eps": 1e-6}
+
+
+def load_pretrained(init: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(encoder state dict with timm names, model kwargs if known) from ``init``: an exported or
+    timm ``.safetensors``, a Hugging Face or timm folder, a checkpoint in MAE's / HPM's release
+    format (``{"model": state_dict}``, ``.pth``), a pretrain run directory, or a DeepSpeed
+    checkpoint (root or tag) of any ZeRO stage. Never unpickles arbitrary objects."""
+    path = _existing(init)
+    if path.is_file():
+        if path.suffix in RELEASE_SUFFIXES:
+            sd = read_release_file(path)
+            return {k: v for k, v in sd.items() if k.startswith(ENCODER_KEYS)}, {}
+        return load_encoder_file(path)
+    if is_hf_folder(path):
+        from mpp.hub.hf import read_hf_folder
+
+        return read_hf_folder(path)
+    if is_timm_folder(path):
+        return load_encoder_file(path / "model.safetensors")[0], read_model_kwargs(path)
+    if (path / "encoder.safetensors").is_file():
+        return load_encoder_file(path / "encoder.safetensors")
+    found = find_checkpoint(path)
+    if found is None:
+        raise ValueError(_no_weights(path))
+    sd = zero_to_fp32(*found)
+    # the encoder inside any objective: keys ending in a ViT parameter, under '...encoder.'
+    prefixes = sorted(
+        {k[: k.index("encoder.") + len("encoder.")] for k in sd if "encoder." in k}, key=len
+    )
+    prefixes = [p for p in prefixes if not p.startswith("teacher")]
+    if not prefixes:
+        raise ValueError(f"{init}: the checkpoint holds no encoder weights")
+    prefix = prefixes[0]
+    encoder = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
+    kwargs = _run_model_kwargs(found[0])
+    if (
+        "head.weight" in encoder
+    ):  # a fine-tuning run's classifier: its config.json leaves the head out
+        pool = "avg" if "fc_norm.weight" in encoder else "token"
+        kwargs.update(num_classes=encoder["head.weight"].shape[0], global_pool=pool)
+    return encoder, kwargs
+
+
+def _no_weights(path: Path) -> str:
+    results = path / "results.json"
+    if results.is_file() and "eval" in (done := json.loads(results.read_text())):
+        return (
+            f"{path}: a {done['eval']} evaluation run keeps no weights (it read {done.get('init')})"
+        )
+    return f"{path}: neither encoder.safetensors nor a DeepSpeed checkpoint found there"
+
+
+def _existing(init: str | Path) -> Path:
+    path = Path(init)
+    if not path.exists():
+        raise FileNotFoundError(f"{init}: no such file or directory")
+    if path.is_file() and path.suffix not in RELEASE_SUFFIXES + (".safetensors",):
+        raise ValueError(
+            f"{init}: unknown kind (expected .safetensors, .pth, a run directory, a Hugging Face "
+            "or timm folder, or a DeepSpeed checkpoint)"
+        )
+    return path
+
+
+def _run_model_kwargs(ckpt_root: Path) -> dict:
+    """The model section of the run that wrote a DeepSpeed checkpoint (its config.json), if any."""
+    cfg_file = ckpt_root.parent / "config.json"
+    if not cfg_file.is_file():
+        return {}
+    model = json.loads(cfg_file.read_text()).get("model", {})
+    architecture = {
+        "name",
+        *inspect.signature(VisionTransformer).parameters,
+    }  # not init, grad_checkpointing
+    return {k: v for k, v in model.items() if v is not None and k in architecture}
+
+
+def read_model_kwargs(init: str | Path) -> dict:
+    """The model kwargs ``init`` states, read without its tensors (metadata, config.json);
+    {} when it states none (a release .pth, a bare timm .safetensors)."""
+    path = _existing(init)
+    if path.is_dir() and is_hf_folder(path):
+        from mpp.hub.hf import model_kwargs_from_hf
+
+        return model_kwargs_from_hf(json.loads((path / "config.json").read_text()))
+    if path.is_dir() and is_timm_folder(path):
+        return timm_model_kwargs(json.loads((path / "config.json").read_text()))
+    if path.is_dir() and (path / "encoder.safetensors").is_file():
+        path = path / "encoder.safetensors"
+    if path.is_file():
+        return _metadata_kwargs(path) if path.suffix == ".safetensors" else {}
+    found = find_checkpoint(path)
+    return _run_model_kwargs(found[0]) if found else {}
+
+
+def _metadata_kwargs(path: Path) -> dict:
+    try:
+        return encoder_file_kwargs(path)
+    except CheckpointError:
+        return {}  # a damaged file: the load that follows names it
+
+
+# timm VisionTransformer arguments that only change training (dropout rates), and those whose
+# timm default is the only value our ViT has
+_TIMM_TRAINING_ARGS = (
+    "drop_rate",
+    "pos_drop_rate",
+    "patch_drop_rate",
+    "proj_drop_rate",
+    "attn_drop_rate",
+    "drop_path_rate",
+)
+_TIMM_FIXED_ARGS = {
+    "class_token": True,
+    "reg_tokens": 0,
+    "no_embed_class": False,
+    "pre_norm": False,
+    "qk_norm": False,
+    "init_values": None,
+    "dynamic_img_size": False,
+    "act_layer": None,
+    "norm_layer": None,
+}
+
+
+def timm_model_kwargs(config: dict) -> dict:
+    """A timm hub ``config.json`` (``mpp.hub.export``'s or timm's) -> our model kwargs: the variant from
+    ``architecture`` and its ``model_args``; an argument our ViT cannot follow is an error naming it."""
+    args = dict(config.get("model_args") or {})
+    for key, value in args.items():
+        if key in _TIMM_FIXED_ARGS and value != _TIMM_FIXED_ARGS[key]:
+            raise ValueError(
+                f"timm model_args {key}={value!r}: our ViT supports only {_TIMM_FIXED_ARGS[key]!r}"
+            )
+    if args.pop("fc_norm", None) not in (None, args.get("global_pool") == "avg"):
+        raise ValueError(
+            f"timm model_args fc_norm={config['model_args']['fc_norm']!r} with global_pool="
+            f"{args.get('global_pool')!r}: ours normalises after pooling exactly when it averages"
+        )
+    kwargs = {
+        k: v for k, v in args.items() if k not in _TIMM_FIXED_ARGS and k not in _TIMM_TRAINING_ARGS
+    }
+    name = str(config.get("architecture", "")).split(".")[0]  # "vit_base_patch16_224.augreg_in21k"
+    try:
+        vit_config(name)
+    except ValueError:
+        if not {"img_size", "patch_size"} <= kwargs.keys():
+            return {}
+        side = kwargs["img_size"] if isinstance(kwargs["img_size"], int) else kwargs["img_size"][0]
+        name = f"vit_base_patch{kwargs['patch_size']}_{side}"
+    if not kwargs.get("num_classes"):
+        kwargs.pop("num_classes", None), kwargs.pop("global_pool", None)
+    return {"name": name, **kwargs}
+
+
+def tensor_facts(sd: dict[str, torch.Tensor]) -> dict:
+    """What the encoder weights' shapes say about the architecture."""
+    if "patch_embed.proj.weight" not in sd or "blocks.0.mlp.fc1.weight" not in sd:
+        return {}
+    dim, chans, patch, _ = sd["patch_embed.proj.weight"].shape
+    depth = len({k.split(".")[1] for k in sd if k.startswith("blocks.")})
+    mlp_ratio = sd["blocks.0.mlp.fc1.weight"].shape[0] / dim
+    return dict(
+        patch_size=patch,
+        in_chans=chans,
+        embed_dim=dim,
+        depth=depth,
+        mlp_ratio=mlp_ratio,
+        qkv_bias="blocks.0.attn.qkv.bias" in sd,
+    )
+
+
+def model_facts(model: VisionTransformer) -> dict:
+    """The same facts of a built model."""
+    block = model.blocks[0]
+    return dict(
+        patch_size=model.patch_size,
+        in_chans=model.patch_embed.in_chans,
+        embed_dim=model.embed_dim,
+        depth=len(model.blocks),
+        mlp_ratio=block.mlp.fc1.out_features / model.embed_dim,
+        qkv_bias=block.attn.qkv.bias is not None,
+        num_heads=block.attn.num_heads,
+        norm_eps=block.norm1.eps,
+    )
+
+
+def stated_facts(sd: dict[str, torch.Tensor], model_kwargs: dict, init: str | Path) -> dict:
+    """The architecture facts of a weights file: its shapes', plus the heads and LayerNorm eps its
+    metadata / config.json states, when that metadata describes these tensors at all."""
+    facts = tensor_facts(sd)
+    if "name" not in model_kwargs or not facts:
+        return facts
+    meta = {**FACT_DEFAULTS, **full_vit_config(model_kwargs)}
+    if differ := [k for k in SHAPE_FACTS if k in meta and not _same(meta[k], facts[k])]:
+        log.warning(
+            "%s: its metadata does not describe its tensors (%s): num_heads and norm_eps not checked",
+            init,
+            ", ".join(f"{k} {meta[k]} vs {facts[k]}" for k in differ),
+        )
+        return facts
+    return {**facts, **{k: meta[k] for k in STATED_FACTS}}
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9)
+    return a == b
+
+
+def check_pooling(model: VisionTransformer, sd: dict[str, torch.Tensor], init: str | Path) -> None:
+    """A mean-pooled classifier's weights (fc_norm, no final norm) fit only a mean-pooling model."""
+    if "fc_norm.weight" in sd and "norm.weight" not in sd and model.global_pool != "avg":
+        raise ValueError(
+            f"init {init}: its weights pool global_pool='avg' (fc_norm after the mean, no final norm: a "
+            f"fine-tuned classifier), the model pools {model.global_pool!r}; fine-tune it with "
+            "finetune.global_pool=avg, or start from its pretraining run"
+        )
+
+
+def check_shapes(
+    model: VisionTransformer, sd: dict[str, torch.Tensor], init: str | Path
+) -> list[str]:
+    """Every weight a parameter of the model with its shape, every encoder parameter there;
+    returns the model's keys left at their initialisation."""
+    own = model.state_dict()
+    for k, v in sd.items():
+        if k not in own:
+            raise ValueError(
+                f"init {init}: {k} is not a parameter of the model (a different architecture?)"
+            )
+        if v.shape != own[k].shape:
+            hint = ""
+            if k == "patch_embed.proj.weight":
+                hint = (
+                    f" (patch_size {v.shape[-1]}, the model's {own[k].shape[-1]}: model.patch_size)"
+                )
+            raise ValueError(
+                f"init {init}: {k} has shape {tuple(v.shape)}, the model expects {tuple(own[k].shape)}{hint}"
+            )
+    missing = [k for k in own if k not in sd]
+    unexpected_missing = [k for k in missing if not k.startswith(("head.", "fc_norm.", "norm."))]
+    if unexpected_missing:
+        raise ValueError(
+            f"init {init}: missing {len(unexpected_missing)} encoder weights, e.g. {unexpected_missing[:3]} (a different depth or size?)"
+        )
+    return missing
+
+
+def check_stated_facts(
+    model: VisionTransformer, sd: dict[str, torch.Tensor], model_kwargs: dict, init: str | Path
+) -> None:
+    """The qkv bias, heads and LayerNorm eps the file states must be the model's; a difference is
+    an error naming the key and both values."""
+    ours, stated = model_facts(model), stated_facts(sd, model_kwargs, init)
+    for key, theirs in ((k, stated[k]) for k in NAMED_FACTS if k in stated):
+        if not _same(theirs, ours[key]):
+            raise ValueError(
+                f"init {init}: its weights state {key}={theirs!r}, the config's model has "
+                f"{key}={ours[key]!r} (model.{key}): they must agree"
+            )
+
+
+def adapt_input_channels(weight: torch.Tensor, chans: int) -> torch.Tensor:
+    """An RGB patch embedding (D, 3, P, P) for ``chans`` input channels, as timm's
+    ``adapt_input_conv``: one channel gets the three summed (a grey image's response stays the
+    same); more tile the RGB kernels and scale them by 3 / C (the summed response stays the same)."""
+    if weight.shape[1] != 3:
+        raise ValueError(
+            f"patch_embed.proj.weight takes {weight.shape[1]} channels; only RGB weights are "
+            f"adapted to {chans}"
+        )
+    w = weight.float()
+    if chans == 1:
+        return w.sum(dim=1, keepdim=True).to(weight.dtype)
+    tiled = w.repeat(1, math.ceil(chans / 3), 1, 1)[:, :chans] * (3 / chans)
+    return tiled.to(weight.dtype)
+
+
+def load_into(
+    model: VisionTransformer, init: str | Path, chans_policy: str = "adapt"
+) -> dict[str, list[str]]:
+    """Load pretrained encoder weights into ``model``: the head is left fresh, the position
+    embedding resampled to the model's grid, RGB weights adapted to another channel count
+    (``chans_policy`` "adapt": ``adapt_input_channels``, said in one line; "error": refused); an
+    architecture fact or a shape that differs is an error naming it. Returns the keys left at
+    their initialisation (e.g. head, fc_norm)."""
+    sd, kwargs = load_pretrained(init)
+    check_pooling(
+        model, sd, init
+    )  # first: its fc_norm would read as "not a parameter of the model"
+    if "pos_embed" in sd and sd["pos_embed"].shape != model.pos_embed.shape:
+        sd["pos_embed"] = resample_abs_pos_embed(
+            sd["pos_embed"], model.grid_size, num_prefix_tokens=model.num_prefix_tokens
+        )
+    proj, chans = sd.get("patch_embed.proj.weight"), model.patch_embed.in_chans
+    if proj is not None and proj.shape[1] != chans:
+        if chans_policy != "adapt":
+            raise ValueError(
+                f"init {init}: its patch embedding takes {proj.shape[1]} channels, the model "
+                f"{chans} (data.channels); model.init_chans_policy=adapt adapts RGB weights"
+            )
+        sd["patch_embed.proj.weight"] = adapt_input_channels(proj, chans)
+        how = "summed" if chans == 1 else f"tiled and scaled by 3/{chans}"
+        log.info("init %s: RGB patch embedding adapted to %d channels (%s)", init, chans, how)
+    facts_sd = sd  # the file's own keys, before the head and the final norm are set aside
+    sd = {k: v for k, v in sd.items() if not k.startswith("head.")}
+    if model.global_pool == "avg":
+        sd = {
+            k: v for k, v in sd.items() if not k.startswith("norm.")
+        }  # MAE: pooled features get a fresh fc_norm
+    check_stated_facts(model, facts_sd, kwargs, init)
+    missing = check_shapes(model, sd, init)
+    model.load_state_dict(sd, strict=False)
+    return {"initialised": missing}
+
+
+def is_hf_folder(path: Path) -> bool:
+    """A ``save_pretrained`` folder of a Hugging Face ViT (not one of our run directories)."""
+    cfg = path / "config.json"
+    return cfg.is_file() and json.loads(cfg.read_text()).get("model_type") == "vit"
+
+
+def is_timm_folder(path: Path) -> bool:
+    """A timm hub folder (``config.json`` with ``architecture`` + ``model.safetensors``), as
+    ``python -m mpp.export --format timm`` writes."""
+    cfg = path / "config.json"
+    return (
+        (path / "model.safetensors").is_file()
+        and cfg.is_file()
+        and "architecture" in json.loads(cfg.read_text())
+    )
+
+
+def read_release_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """The state dict of a ``torch.save``d checkpoint in MAE's / HPM's / DeiT's release format
+    (``{"model": ...}``, ``{"state_dict": ...}`` or the dict itself), read with
+    ``weights_only=True``: a pickled payload is refused, never run."""
+    import pickle
+
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(
+            f"{path}: refused: not a plain weights file ({str(e).splitlines()[0]})"
+        ) from None
+    except (RuntimeError, EOFError, OSError) as e:  # a truncated or damaged copy
+        raise CheckpointError(
+            f"{path}: not a readable weights file ({str(e).splitlines()[0]})"
+        ) from None
+    for key in ("model", "state_dict", "module"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+            break
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ValueError(
+            f"{path}: no state dict found (expected {{'model': state_dict}} or a state dict)"
+        )
+    return {k.removeprefix("module."): v for k, v in obj.items()}
+
+
+# MAE's decoder names (models_mae.py) -> ours (mpp.objectives.mae: decoder_embed.*, decoder.*)
+_MAE_DECODER = (
+    ("decoder_embed.", "decoder_embed.proj."),
+    ("mask_token", "decoder_embed.mask_token"),
+    ("decoder_pos_embed", "decoder_embed.pos_embed"),
+    ("decoder_blocks.", "decoder.blocks."),
+    ("decoder_norm.", "decoder.norm."),
+    ("decoder_pred.", "decoder.pred."),
+)
+
+
+def mae_decoder_weights(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The MAE decoder in a release checkpoint (``mae_pretrain_vit_base_full.pth``), in our names."""
+    out = {}
+    for k, v in sd.items():
+        for theirs, ours in _MAE_DECODER:
+            if k == theirs or (theirs.endswith(".") and k.startswith(theirs)):
+                out[ours + k[len(theirs) :]] = v
+                break
+    return out
+
+
+def init_objective(
+    objective: torch.nn.Module, init: str | Path, chans_policy: str = "adapt"
+) -> dict[str, list[str]]:
+    """Continue pretraining from published weights (``model.init``): the encoder from any source
+    ``load_pretrained`` reads (RGB weights adapted to another channel count by ``chans_policy``);
+    a release file's MAE decoder (``_full`` checkpoints) into an MAE / HPM objective's pixel
+    decoder too, its pixel head left fresh when the channels differ. Shape mismatches are errors
+    naming the key; what stays at its initialisation is returned."""
+    load_into(objective.encoder, init, chans_policy)
+    loaded = ["encoder"]
+    path = Path(init)
+    mae = getattr(objective, "base", objective)  # hpm wraps its base objective
+    if path.is_file() and path.suffix in RELEASE_SUFFIXES and hasattr(mae, "decoder_embed"):
+        decoder = mae_decoder_weights(read_release_file(path))
+        own = mae.state_dict()
+        pred = "decoder.pred.weight"
+        if pred in decoder and pred in own and decoder[pred].shape != own[pred].shape:
+            log.info("init %s: its pixel head predicts other channels: left fresh", init)
+            decoder = {k: v for k, v in decoder.items() if not k.startswith("decoder.pred.")}
+        for k, v in decoder.items():
+            if k not in own or own[k].shape != v.shape:
+                got = tuple(v.shape)
+                raise ValueError(
+                    f"init {init}: decoder weight {k} {got} does not fit the objective "
+                    f"({tuple(own[k].shape) if k in own else 'no such parameter'})"
+                )
+        if decoder:
+            mae.load_state_dict(decoder, strict=False)
+            loaded.append("decoder")
+    objective.weights_loaded()
+    return {"loaded": loaded}

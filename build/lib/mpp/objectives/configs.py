@@ -1,0 +1,174 @@
+"""The ``objective`` section of a pretraining config, typed: one model per objective keyed on
+``name`` (``ObjectiveConfig``), each with its defaults and ``build``. pydantic names a bad or
+unknown key (``objective.decoder_dim``) with the file, before anything is created.
+
+HPM's is ``HPMConfig`` with its base nested (``base: {"name": "mae", ...}``); the flat form of
+the shipped configs (``"base": "mae"`` with the base's keys beside HPM's) is read too and nested.
+The decoder's size (``decoder_*``, ``mlp_ratio``, ``attn_backend``) is HPM's: its loss predictor
+and, for MAE, the base's pixel decoder share it, so the nested base does not repeat it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from mpp.masking import MaskGenerator
+from mpp.models.vit import VisionTransformer
+from mpp.objectives.hpm import PRED_LOSSES, TEACHER_VIEWS, HardPatchesMining
+from mpp.objectives.hpm_mask import SCHEDULES
+from mpp.objectives.mae import MaskedAutoencoder
+from mpp.objectives.mpp import MPP_TARGETS, MaskedPatchPrediction
+
+Pixels = tuple[tuple[float, ...], tuple[float, ...]]  # the data's (mean, std)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    def kwargs(self) -> dict[str, Any]:
+        """The constructor's arguments this section sets (all but ``name``)."""
+        return self.model_dump(exclude={"name"})
+
+
+class _Decoder(BaseModel):
+    """A decoder's size: MAE's pixel decoder, HPM's loss predictor (and its MAE base's decoder)."""
+
+    decoder_dim: int = Field(512, gt=0)
+    decoder_depth: int = Field(8, gt=0)
+    decoder_heads: int = Field(16, gt=0)
+    mlp_ratio: float = Field(4.0, gt=0)
+    attn_backend: Literal["auto", "xformers", "sdpa", "math"] = "auto"
+
+
+class MPPConfig(_Section):
+    """The ViT paper's masked patch prediction (mpp.objectives.mpp)."""
+
+    name: Literal["mpp"] = "mpp"
+    mask_ratio: float = Field(0.5, ge=0.0, le=1.0)
+    mask_token_prob: float = Field(0.8, ge=0.0, le=1.0)
+    random_token_prob: float = Field(0.1, ge=0.0, le=1.0)
+    keep_prob: float = Field(0.1, ge=0.0, le=1.0)
+    target: Literal[MPP_TARGETS] = "mean_color"
+    bits: int = Field(3, ge=1)
+    downsample_cells: int = Field(4, ge=1)
+
+    def build(
+        self, encoder: VisionTransformer, mask: MaskGenerator | None, pixels: Pixels
+    ) -> MaskedPatchPrediction:
+        return MaskedPatchPrediction(encoder, mask, mean=pixels[0], std=pixels[1], **self.kwargs())
+
+    def build_base(
+        self, encoder: VisionTransformer, decoder: _Decoder, pixels: Pixels
+    ) -> MaskedPatchPrediction:
+        """HPM's base (its masks are HPM's): MPP's head is linear, so no decoder of its own."""
+        return self.build(encoder, None, pixels)
+
+
+class MAEBase(_Section):
+    """MAE beside its decoder's size: what HPM nests as its base."""
+
+    name: Literal["mae"] = "mae"
+    mask_ratio: float = Field(0.75, gt=0.0, lt=1.0)  # MAE needs visible and masked patches
+    norm_pix_loss: bool = True
+
+    def build_base(
+        self, encoder: VisionTransformer, decoder: _Decoder, pixels: Pixels
+    ) -> MaskedAutoencoder:
+        """HPM's base (its masks are HPM's), its pixel decoder the size of HPM's ``decoder``."""
+        return MaskedAutoencoder(
+            encoder, None, **self.kwargs(), **decoder.model_dump(include=set(_Decoder.model_fields))
+        )
+
+
+class MAEConfig(MAEBase, _Decoder):
+    """MAE (mpp.objectives.mae)."""
+
+    def build(
+        self, encoder: VisionTransformer, mask: MaskGenerator | None, pixels: Pixels
+    ) -> MaskedAutoencoder:
+        return MaskedAutoencoder(encoder, mask, **self.kwargs())
+
+
+HPM_BASE_CONFIGS: dict[str, type[MAEBase | MPPConfig]] = {"mae": MAEBase, "mpp": MPPConfig}
+
+
+class HPMConfig(_Section, _Decoder):
+    """HPM (mpp.objectives.hpm) around ``base``; it chooses its masks itself (its teacher)."""
+
+    name: Literal["hpm"] = "hpm"
+    base: Annotated[MAEBase | MPPConfig, Field(discriminator="name")] = MAEBase()
+    hard_ratio: float = Field(0.5, ge=0.0, le=1.0)
+    schedule: Literal[SCHEDULES] = "easy_to_hard"
+    pred_loss: Literal[PRED_LOSSES] = "ranking"
+    pred_weight: float = Field(1.0, ge=0.0)
+    momentum_start: float = Field(0.999, ge=0.0, le=1.0)
+    momentum_end: float = Field(0.9999, ge=0.0, le=1.0)
+    momentum_epochs: float = 100.0
+    teacher_view: Literal[TEACHER_VIEWS] = "visible"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_the_base(cls, raw: Any) -> Any:
+        """The flat form (``"base": "mae"`` and the base's keys beside HPM's): nested."""
+        if not isinstance(raw, dict):
+            return raw
+        own = set(cls.model_fields)
+        base = raw.get("base", "mae")
+        base = dict(base) if isinstance(base, dict) else {"name": base}
+        base.update({k: v for k, v in raw.items() if k not in own})
+        return {**{k: v for k, v in raw.items() if k in own}, "base": base}
+
+    def kwargs(self) -> dict[str, Any]:
+        """The flat form: HPM's arguments and its base's, beside ``base``'s name (what
+        ``create_objective("hpm", ...)`` takes)."""
+        own = self.model_dump(exclude={"name", "base"})
+        return {**own, "base": self.base.name, **self.base.kwargs()}
+
+    def build(
+        self, encoder: VisionTransformer, mask: MaskGenerator | None, pixels: Pixels
+    ) -> HardPatchesMining:
+        """HPM around its base built on ``encoder``; ``mask`` must be None (the teacher masks)."""
+        if mask is not None:
+            raise ValueError("hpm chooses its own masks (its teacher): pass no mask generator")
+        base = self.base.build_base(encoder, self, pixels)
+        own = self.model_dump(exclude={"name", "base"})
+        return HardPatchesMining(base, mean=pixels[0], std=pixels[1], **own)
+
+
+ObjectiveConfig = Annotated[MPPConfig | MAEConfig | HPMConfig, Field(discriminator="name")]
+OBJECTIVE_CONFIGS: dict[str, type[MPPConfig | MAEConfig | HPMConfig]] = {
+    "mpp": MPPConfig,
+    "mae": MAEConfig,
+    "hpm": HPMConfig,
+}
+
+
+def parse_objective(name: str, kwargs: dict[str, Any]) -> MPPConfig | MAEConfig | HPMConfig:
+    """``name``'s typed section from a library call's flat arguments (``create_objective``);
+    a bad argument raises ValueError naming it, as a config's key is named."""
+    if name not in OBJECTIVE_CONFIGS:
+        raise ValueError(f"unknown objective {name!r}; allowed: {sorted(OBJECTIVE_CONFIGS)}")
+    section = OBJECTIVE_CONFIGS[name]
+    try:
+        return section.model_validate({**kwargs, "name": name})
+    except ValidationError as err:
+        e = err.errors()[0]
+        if e["type"] == "extra_forbidden":  # every unknown one, and what the section takes
+            unknown = [x["loc"][-1] for x in err.errors() if x["type"] == "extra_forbidden"]
+            if e["loc"][0] == "base":  # ("base", tag, key): the nested base's section
+                base = HPM_BASE_CONFIGS[e["loc"][1]]
+                where, allowed = f"hpm with base {e['loc'][1]!r}", set(base.model_fields)
+            else:
+                where, allowed = repr(name), set(section.model_fields) - {"base"}
+            msg = (
+                f"unknown argument(s) {unknown} for {where}; allowed: {sorted(allowed - {'name'})}"
+            )
+        elif e["type"] == "union_tag_invalid":  # HPM's base
+            tag, tags = e["ctx"]["tag"], sorted(HPM_BASE_CONFIGS)
+            msg = f"unknown base {tag!r}; allowed: {tags}"
+        else:
+            loc = ".".join(str(x) for x in e["loc"] if str(x) not in OBJECTIVE_CONFIGS)
+            msg = f"{loc}={e.get('input')!r}: {e['msg']}"
+        raise ValueError(f"objective {name!r}: {msg}") from None

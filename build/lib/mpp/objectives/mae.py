@@ -1,0 +1,137 @@
+"""MAE, the asymmetric masked autoencoder (He et al., 2111.06377; DESIGN.md §4.3).
+
+Mask 75 % of the patches at random (exact count), run the encoder on the visible 25 % and
+the cls token only, then a light decoder on the full sequence (visible tokens + one shared
+mask token + fixed sin-cos positions) predicts the pixels of every patch. The loss is the
+MSE against per-patch normalised pixels, on the masked patches only.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from mpp.masking import MaskGenerator, RandomMask, mask_indices
+from mpp.models.decoder import Decoder, DecoderEmbed
+from mpp.models.vit import VisionTransformer
+from mpp.objectives.base import PerPatch, PerPatchObjective
+from mpp.ops import gather_tokens, patchify
+
+
+def normalize_patches(patches: Tensor, eps: float = 1e-6) -> Tensor:
+    """MAE's norm_pix target: (y - mean) / sqrt(var + eps) per patch over its P*P*C values.
+
+    var is the unbiased estimate, as in MAE's ``target.var(dim=-1)``."""
+    mean = patches.mean(dim=-1, keepdim=True)
+    var = patches.var(dim=-1, keepdim=True)
+    return (patches - mean) / (var + eps) ** 0.5
+
+
+class MaskedAutoencoder(PerPatchObjective):
+    """``forward(images) -> (loss, metrics)`` on normalised images (B, C, H, W).
+
+    Targets are computed on the normalised images the objective receives, as MAE does."""
+
+    def __init__(
+        self,
+        encoder: VisionTransformer,
+        mask_generator: MaskGenerator | None = None,
+        mask_ratio: float = 0.75,
+        decoder_dim: int = 512,
+        decoder_depth: int = 8,
+        decoder_heads: int = 16,
+        norm_pix_loss: bool = True,
+        mlp_ratio: float = 4.0,
+        attn_backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        if not 0.0 < mask_ratio < 1.0:
+            raise ValueError(
+                f"mask_ratio must be in (0, 1) (MAE needs visible and masked patches), got {mask_ratio}"
+            )
+        if decoder_dim % 4 or decoder_dim % decoder_heads:
+            raise ValueError(
+                f"decoder_dim {decoder_dim} must be divisible by 4 (sin-cos positions) and by decoder_heads {decoder_heads}"
+            )
+        self.encoder = encoder
+        self.mask_generator = mask_generator or RandomMask(encoder.grid_size, mask_ratio)
+        if self.mask_generator.num_patches != encoder.num_patches:
+            raise ValueError(
+                f"mask generator covers {self.mask_generator.num_patches} patches, encoder has {encoder.num_patches}"
+            )
+        self.num_masked = self.mask_generator.num_masked
+        if not 0 < self.num_masked < encoder.num_patches:
+            raise ValueError(
+                f"mask_ratio {mask_ratio} masks {self.num_masked} of {encoder.num_patches} patches; need 1..N-1"
+            )
+        self.norm_pix_loss = norm_pix_loss
+        self.token_dim = decoder_dim  # what HPM's loss predictor reads: the decoder input
+        patch_dim = encoder.patch_size**2 * encoder.patch_embed.in_chans
+        self.decoder_embed = DecoderEmbed(
+            encoder.embed_dim, decoder_dim, encoder.grid_size, encoder.num_prefix_tokens
+        )
+        self.decoder = Decoder(
+            decoder_dim,
+            decoder_depth,
+            decoder_heads,
+            patch_dim,
+            mlp_ratio=mlp_ratio,
+            attn_backend=attn_backend,
+        )
+
+    def no_weight_decay(self) -> set[str]:
+        return {"decoder_embed.mask_token"} | {
+            f"encoder.{n}" for n in self.encoder.no_weight_decay()
+        }
+
+    # ---- the algorithm, one step a method -------------------------------------------------
+
+    def random_masking(self, batch_size: int, device) -> Tensor:
+        """(B, N) bool, exactly num_masked True per row."""
+        return self.mask_generator(batch_size, device)
+
+    def forward_encoder(self, images: Tensor, visible_idx: Tensor | None) -> Tensor:
+        """Images -> normed tokens (B, 1 + N_vis, D): the blocks see the visible patches only."""
+        return self.encoder.encode(self.encoder.patch_embed(images), visible_idx)
+
+    def forward_decoder(self, tokens: Tensor) -> Tensor:
+        """Decoder input (B, 1 + N, Dd) -> pixel predictions (B, N, P*P*C)."""
+        return self.decoder(tokens)[:, self.encoder.num_prefix_tokens :]
+
+    def targets(self, images: Tensor) -> Tensor:
+        """Per-patch pixel targets (B, N, P*P*C), standardised per patch under norm_pix_loss."""
+        target = patchify(images, self.encoder.patch_size).float()
+        return normalize_patches(target) if self.norm_pix_loss else target
+
+    def forward_loss(self, images: Tensor, pred: Tensor, masked_idx: Tensor) -> Tensor:
+        """Per-patch MSE (B, N_mask) on the masked patches only."""
+        target = gather_tokens(self.targets(images), masked_idx)
+        return (gather_tokens(pred, masked_idx).float() - target).pow(2).mean(dim=-1)
+
+    def predictor_tokens(self, images: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Decoder input (B, 1 + N, Dd) of the fully visible image, or under ``mask`` (the
+        visible tokens and the mask token): what HPM's teacher scores."""
+        if mask is None:
+            return self.decoder_embed(self.forward_encoder(images, None))
+        visible_idx, _ = mask_indices(mask, self.num_masked)
+        return self.decoder_embed(self.forward_encoder(images, visible_idx), visible_idx)
+
+    def forward_per_patch(self, images: Tensor, mask: Tensor | None = None) -> PerPatch:
+        """The whole step up to per-patch losses. Returns loss (B, N_mask) at the masked
+        indices idx (B, N_mask), the mask (B, N), the decoder input tokens (B, 1 + N, Dd)
+        and the pixel predictions pred (B, N, P*P*C)."""
+        if mask is None:
+            mask = self.random_masking(images.shape[0], images.device)
+        visible_idx, masked_idx = mask_indices(mask, self.num_masked)  # (B, N_vis), (B, N_mask)
+        latent = self.forward_encoder(images, visible_idx)  # (B, 1 + N_vis, D)
+        tokens = self.decoder_embed(latent, visible_idx)  # (B, 1 + N, Dd)
+        pred = self.forward_decoder(tokens)
+        loss = self.forward_loss(images, pred, masked_idx)
+        return {"loss": loss, "idx": masked_idx, "mask": mask, "tokens": tokens, "pred": pred}
+
+    def per_image_metrics(self, out: PerPatch) -> dict[str, Tensor]:
+        """The reconstruction loss of the masked patches, per image."""
+        return {"rec_loss": out["loss"].mean(1)}
+
+    def forward(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        loss = self.forward_per_patch(images)["loss"].mean()
+        return loss, {"loss": loss.detach()}

@@ -1,0 +1,231 @@
+"""BERT-style masked patch prediction, the ViT paper's self-supervision (2010.11929 §4.6, App. B.1.2).
+
+Corrupt 50 % of the patch *embeddings*: of the corrupted, 80 % become one learnable [mask]
+embedding, 10 % the embedding of another patch of the same image, 10 % stay as they are.
+From each corrupted token's output predict its patch's 3-bit mean colour (512 classes);
+the loss is cross-entropy over the corrupted positions only.
+
+Other channel counts (grey, multispectral bands; docs/ARCHITECTURE.md): the colour is factorised,
+one ``bits``-bit class of each channel's mean (C heads of 2^bits classes, the loss their mean);
+RGB keeps the paper's joint 512-class target exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from mpp.masking import MaskGenerator, RandomMask, mask_indices
+from mpp.models.vit import VisionTransformer
+from mpp.objectives.base import PerPatch, PerPatchObjective
+from mpp.ops import IMAGENET_MEAN, IMAGENET_STD, gather_tokens, patchify, unnormalize
+
+MPP_TARGETS = ("mean_color", "downsampled", "pixel")
+
+
+def color_classes(rgb_means: Tensor, bits: int = 3) -> Tensor:
+    """(..., 3) channel means in [0, 1] -> class ids r*L^2 + g*L + b with L = 2**bits levels."""
+    levels = 2**bits
+    q = (rgb_means * levels).floor().clamp_(0, levels - 1).long()  # min(floor(mean * L), L - 1)
+    return (q[..., 0] * levels + q[..., 1]) * levels + q[..., 2]
+
+
+def channel_classes(means: Tensor, bits: int = 3) -> Tensor:
+    """(..., C) channel means in [0, 1] -> one class per channel (..., C) in [0, 2**bits)."""
+    levels = 2**bits
+    return (means * levels).floor().clamp_(0, levels - 1).long()
+
+
+def mean_color_targets(raw: Tensor, patch_size: int, bits: int = 3, cells: int = 1) -> Tensor:
+    """Raw images (B, C, H, W) in [0, 1] -> colour classes: RGB's joint class (B, N) for
+    cells=1, or (B, N, cells^2) for the 'downsampled' target (each patch cut into cells x cells,
+    one class per cell); another channel count one class per channel, (B, N, cells^2 * C)."""
+    if patch_size % cells:
+        raise ValueError(f"patch_size {patch_size} is not divisible by downsample cells {cells}")
+    means = F.avg_pool2d(raw, kernel_size=patch_size // cells)  # (B, C, gh*cells, gw*cells)
+    means = rearrange(means, "b c (h i) (w j) -> b (h w) (i j) c", i=cells, j=cells)
+    if raw.shape[1] != 3:  # factorised: (B, N, cells^2, C) -> (B, N, cells^2 * C)
+        return channel_classes(means, bits).flatten(2)
+    classes = color_classes(means, bits)  # (B, N, cells^2)
+    return classes[..., 0] if cells == 1 else classes
+
+
+class MPPPerPatch(PerPatch):
+    correct: Tensor  # (B, n): whether each prediction was right
+    kind: Tensor  # (B, N): what each patch became (mask token, random patch, kept)
+
+
+class MaskedPatchPrediction(PerPatchObjective):
+    """``forward(images) -> (loss, metrics)`` on normalised images (B, 3, H, W)."""
+
+    def __init__(
+        self,
+        encoder: VisionTransformer,
+        mask_generator: MaskGenerator | None = None,
+        mask_ratio: float = 0.5,
+        mask_token_prob: float = 0.8,
+        random_token_prob: float = 0.1,
+        keep_prob: float = 0.1,
+        target: str = "mean_color",
+        bits: int = 3,
+        downsample_cells: int = 4,
+        mean: tuple[float, ...] = IMAGENET_MEAN,
+        std: tuple[float, ...] = IMAGENET_STD,
+    ) -> None:
+        super().__init__()
+        if target not in MPP_TARGETS:
+            raise ValueError(f"unknown MPP target {target!r}; allowed: {MPP_TARGETS}")
+        probs = {
+            "mask_token_prob": mask_token_prob,
+            "random_token_prob": random_token_prob,
+            "keep_prob": keep_prob,
+        }
+        for key, p in {"mask_ratio": mask_ratio, **probs}.items():
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"{key} must be in [0, 1], got {p}")
+        if abs(sum(probs.values()) - 1.0) > 1e-6:
+            raise ValueError(
+                f"mask_token_prob + random_token_prob + keep_prob must sum to 1, got {probs}"
+            )
+        if not 1 <= bits <= 8:
+            raise ValueError(f"bits must be in [1, 8], got {bits}")
+        self.encoder = encoder
+        self.mask_generator = mask_generator or RandomMask(encoder.grid_size, mask_ratio)
+        if self.mask_generator.num_patches != encoder.num_patches:
+            raise ValueError(
+                f"mask generator covers {self.mask_generator.num_patches} patches, encoder has {encoder.num_patches}"
+            )
+        self.num_corrupt = self.mask_generator.num_masked
+        self.mask_token_prob, self.random_token_prob = mask_token_prob, random_token_prob
+        self.target, self.bits, self.cells = target, bits, downsample_cells
+        self.mean, self.std = tuple(mean), tuple(std)
+
+        dim, patch = encoder.embed_dim, encoder.patch_size
+        self.token_dim = dim  # what HPM's loss predictor reads: the encoder's output tokens
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, dim))  # [mask], in embedding space
+        nn.init.normal_(self.mask_token, std=0.02)
+        chans = encoder.patch_embed.in_chans
+        # RGB: one joint class of 2^(3 bits); C channels: C classes of 2^bits (factorised)
+        self.num_classes = 2 ** (3 * bits) if chans == 3 else 2**bits
+        groups = 1 if chans == 3 else chans  # classes predicted per patch (or cell)
+        out = {
+            "mean_color": groups * self.num_classes,
+            "downsampled": downsample_cells**2 * groups * self.num_classes,
+            "pixel": patch * patch * chans,
+        }[target]
+        if target == "downsampled" and patch % downsample_cells:
+            raise ValueError(
+                f"patch_size {patch} is not divisible by downsample_cells {downsample_cells}"
+            )
+        self.head = nn.Linear(dim, out)
+        nn.init.xavier_uniform_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def no_weight_decay(self) -> set[str]:
+        return {"mask_token"} | {f"encoder.{n}" for n in self.encoder.no_weight_decay()}
+
+    def set_pixel_stats(self, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+        self.mean, self.std = tuple(mean), tuple(std)
+
+    # ---- the algorithm, one step a method -------------------------------------------------
+
+    def corrupt(self, tokens: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """Patch embeddings (B, N, D) -> corrupted embeddings, and the kind of each token
+        (B, N) int8: 0 clean, 1 [mask], 2 another patch of the same image, 3 kept."""
+        B, N, _ = tokens.shape
+        u = torch.rand(B, N, device=tokens.device)
+        kind = torch.where(
+            u < self.mask_token_prob,
+            1,
+            torch.where(u < self.mask_token_prob + self.random_token_prob, 2, 3),
+        )
+        kind = torch.where(mask, kind, 0).to(torch.int8)
+        # a uniformly drawn *other* patch: offset by 1..N-1 so it can never be the token itself
+        other = (
+            torch.arange(N, device=tokens.device)
+            + torch.randint(1, max(N, 2), (B, N), device=tokens.device)
+        ) % N
+        swapped = gather_tokens(tokens, other)
+        out = torch.where((kind == 1).unsqueeze(-1), self.mask_token.to(tokens.dtype), tokens)
+        out = torch.where((kind == 2).unsqueeze(-1), swapped, out)
+        return out, kind
+
+    def targets(self, images: Tensor) -> Tensor:
+        """Per-patch targets on un-normalised pixels: RGB (B, N) classes or (B, N, 16) for
+        'downsampled', (B, N, groups) classes for other channel counts, or (B, N, P*P*C)."""
+        raw = unnormalize(images, self.mean, self.std)
+        if self.target == "pixel":
+            return patchify(raw, self.encoder.patch_size)
+        cells = 1 if self.target == "mean_color" else self.cells
+        return mean_color_targets(raw, self.encoder.patch_size, self.bits, cells)
+
+    def forward_loss(self, pred: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-patch loss (B, n) and per-patch accuracy (B, n) (zeros for the regression target)."""
+        if self.target == "pixel":
+            loss = (pred.float() - target).pow(2).mean(dim=-1)
+            return loss, torch.zeros_like(loss)
+        # (B, n, groups, classes): groups = cells^2 (RGB) or cells^2 * C (factorised), or 1
+        logits = pred.float().reshape(*target.shape[:2], -1, self.num_classes)
+        target = target.reshape(*target.shape[:2], -1)
+        ce = F.cross_entropy(logits.flatten(0, 2), target.flatten(), reduction="none").view_as(
+            target
+        )
+        correct = (logits.argmax(-1) == target).float()
+        return ce.mean(-1), correct.mean(-1)
+
+    def predictor_tokens(self, images: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Encoder tokens (B, 1 + N, D) of the clean image, or with ``mask``'s patches corrupted
+        (80/10/10, as in training): what HPM's teacher scores."""
+        if mask is None:
+            return self.encoder.forward_features(images)
+        return self.encoder.encode(self.corrupt(self.encoder.patch_embed(images), mask)[0])
+
+    def forward_per_patch(self, images: Tensor, mask: Tensor | None = None) -> MPPPerPatch:
+        """The whole step up to per-patch losses; HPM ranks these. Returns the corrupted
+        indices (B, n), their losses and accuracies (B, n), the kinds, the mask, the encoder
+        tokens (B, 1 + N, D) and the head's outputs pred (B, n, out)."""
+        B = images.shape[0]
+        if mask is None:
+            mask = self.mask_generator(B, images.device)  # (B, N), exactly num_corrupt True
+        _, corrupt_idx = mask_indices(mask, self.num_corrupt)  # (B, n)
+        tokens, kind = self.corrupt(self.encoder.patch_embed(images), mask)
+        latent = self.encoder.encode(tokens)  # (B, 1 + N, D)
+        pred = self.head(
+            gather_tokens(latent[:, self.encoder.num_prefix_tokens :], corrupt_idx)
+        )  # (B, n, out)
+        target = gather_tokens(self.targets(images), corrupt_idx)
+        loss, correct = self.forward_loss(pred, target)
+        return {
+            "loss": loss,
+            "correct": correct,
+            "idx": corrupt_idx,
+            "kind": kind,
+            "mask": mask,
+            "tokens": latent,
+            "pred": pred,
+        }
+
+    def per_image_metrics(self, out: MPPPerPatch) -> dict[str, Tensor]:
+        """Masked-patch accuracy (the ViT paper's pretraining metric) and cross-entropy per image."""
+        metrics = {"masked_loss": out["loss"].mean(1)}
+        if self.target != "pixel":
+            metrics["masked_acc"] = out["correct"].mean(1)
+        return metrics
+
+    def forward(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        out = self.forward_per_patch(images)
+        loss = out["loss"].mean()
+        kind = out["kind"]
+        n = float(self.num_corrupt * images.shape[0])
+        metrics = {
+            "loss": loss.detach(),
+            "corrupt_frac": (kind > 0).float().mean(),
+            "frac_mask_token": (kind == 1).sum() / n,
+            "frac_random_token": (kind == 2).sum() / n,
+            "frac_kept": (kind == 3).sum() / n,
+        }
+        if self.target != "pixel":
+            metrics["acc"] = out["correct"].mean().detach()
+        return loss, metrics

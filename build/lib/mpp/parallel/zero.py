@@ -1,0 +1,60 @@
+"""What the library needs to know about ZeRO-3's partitioned parameters, in one place: which
+tensors a rank holds of a parameter, and gathering whole parameters for a moment. Nothing
+outside this file (and the engine's checkpoint code) names a DeepSpeed parameter attribute."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+from torch import Tensor, nn
+
+
+def is_partitioned(p: nn.Parameter) -> bool:
+    """True for a parameter ZeRO-3 has split across ranks (it carries a ``ds_tensor`` shard)."""
+    return hasattr(p, "ds_tensor")
+
+
+def local_tensors(p: nn.Parameter) -> list[Tensor]:
+    """The tensors of ``p`` this rank holds and updates in place: the full data, or under ZeRO-3
+    its flat shard, never gathered. ZeRO-3 keeps small ("persistent") parameters whole on every
+    rank as well, and the forward reads that copy; it is refreshed from the shard only after the
+    *next* optimiser step, so it is returned too (measured: without it an EMA lags a step).
+    Two parameters of the same shape get the same partitioning, so their lists pair up. On one
+    rank the shard may be the full data itself: returned once (an EMA would otherwise apply twice)."""
+    if not is_partitioned(p):
+        return [p.data]
+    whole = p.data.numel() == p.ds_numel and p.data.data_ptr() != p.ds_tensor.data_ptr()
+    return [p.ds_tensor, p.data] if whole else [p.ds_tensor]
+
+
+@contextlib.contextmanager
+def gathered(params: Iterable[nn.Parameter], enabled: bool | None = None) -> Iterator[None]:
+    """Inside, every parameter is whole on every rank (a collective under ZeRO-3: every rank
+    must enter). ``enabled`` None: only when one of them is partitioned."""
+    params = list(params)
+    if enabled is None:
+        enabled = any(is_partitioned(p) for p in params)
+    if not enabled:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params):
+        yield
+
+
+def order_gathers_after_writes(optimizer: object) -> None:
+    """ZeRO-3 gathers parameters on its own CUDA stream (with ``overlap_comm``) and does not wait
+    for the default stream first; a shard written outside DeepSpeed's step (HPM's EMA teacher)
+    must be ordered before the next gather. A stream wait, no host sync; nothing off CUDA."""
+    import torch
+
+    offload = getattr(optimizer, "parameter_offload", None)
+    if offload is None or not torch.cuda.is_available():
+        return
+    stream = getattr(
+        offload.get_param_coordinator(), "_PartitionedParameterCoordinator__allgather_stream", None
+    )
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream())

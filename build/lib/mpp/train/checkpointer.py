@@ -1,0 +1,310 @@
+"""Loading a checkpoint into this run, whatever world size, micro batch or accumulation wrote it
+(the global batch stays: ``mpp.plan.check_resume``).
+
+- Weights and optimiser: a ZeRO-1/2/3 checkpoint written by another world size goes through
+  DeepSpeed's universal checkpoint (``ds_to_universal`` on rank 0, then a load with
+  ``load_universal``), which re-partitions the fp32 masters and Adam moments; a stage-0
+  checkpoint holds them whole and loads directly.
+- The data position: an epoch's order does not depend on the world size (``mpp.data.order``),
+  so the step in the epoch carries over; the micro-batch count is rescaled to this run's
+  accumulation.
+- RNG: per-rank streams cannot carry over to other ranks; they are re-derived from
+  (seed, rank, step), so a given layout resumes the same way every time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mpp.config import RunConfig, save_config
+from mpp.parallel.distributed import from_rank0
+from mpp.train import checkpoint as ckpt
+from mpp.train.nonfinite import NonFiniteLossError
+from mpp.train.plan import Plan, RunState
+from mpp.train.preemption import Preempted, StopRequest, write_marker
+from mpp.train.rng import rng_state, seed_everything, set_rng_state
+
+log = logging.getLogger("mpp.elastic")
+# the log names users grep stay those of the modules the code came from
+engine_log, nonfinite_log = logging.getLogger("mpp.engine"), logging.getLogger("mpp.nonfinite")
+UNIVERSAL = "universal"  # RUN/checkpoints/universal/TAG: a conversion, removed once loaded
+
+
+class Checkpointer:
+    """``RUN/checkpoints``: a complete checkpoint every ``train.ckpt_every`` steps and at the end
+    (``keep_last`` kept), on a stop signal, and the final encoder. Every rank calls every method."""
+
+    def __init__(self, engine: Any, run_dir: Path, cfg: RunConfig, plan: Plan) -> None:
+        self.engine, self.objective, self.run_dir, self.cfg, self.plan = (
+            engine,
+            engine.module,
+            run_dir,
+            cfg,
+            plan,
+        )
+        self.root = run_dir / "checkpoints"
+        self.keep_last, self.interval = cfg.train.keep_last, cfg.train.ckpt_every
+
+    def resume(self, spec: str | None) -> RunState:
+        """The run state to start from: ``spec`` (None, "auto" or a path) resolved on rank 0 to the
+        newest intact checkpoint, loaded for this layout; a fresh state when there is none."""
+        state = RunState()
+        found = from_rank0(resolve_on_rank0(spec, self.root))
+        if isinstance(found, str):
+            raise ckpt.CheckpointError(found)
+        if found:  # any world size, micro batch or accumulation
+            state = restore(
+                self.engine, self.objective, found[0], found[1], self.plan, self.cfg.train.seed
+            )
+            if dist.get_rank() == 0:
+                engine_log.info("resumed from %s/%s at step %d", found[0], found[1], state.step)
+        if dist.get_rank() == 0:
+            (self.run_dir / "preempted.json").unlink(missing_ok=True)  # this run is going again
+            ckpt.room(
+                self.engine, self.root, self.keep_last
+            )  # a warning now if keep_last + 1 do not fit
+        return state
+
+    def save(self, state: RunState) -> None:
+        """A complete checkpoint: DeepSpeed's files, the run state, every rank's RNG states and the
+        objective's per-rank state."""
+        rngs = [None] * dist.get_world_size()
+        dist.all_gather_object(rngs, rng_state())
+        client = {"state": asdict(state), "rng": rngs}
+        ckpt.save_checkpoint(
+            self.engine,
+            self.root,
+            state.step,
+            client,
+            self.keep_last,
+            rank_state=self.objective.rank_state(),
+        )
+
+    def maybe_save(self, state: RunState, stop: int, stop_request: StopRequest) -> None:
+        """After an optimiser step: a checkpoint when due (every ``interval`` steps, and at ``stop``);
+        when any rank got a stop signal, one here (unless just written) and ``Preempted``."""
+        due = state.step % self.interval == 0 or state.step == stop
+        if due:
+            self.save(state)
+        signum = stop_request.agreed()
+        if signum:
+            if not due:
+                self.save(state)
+            write_marker(self.run_dir, state.step, signum, stop_request.reason)
+            raise Preempted(state.step, signum, stop_request.reason)
+
+    def rollback(self, state: RunState, error: NonFiniteLossError) -> None:
+        """``train.on_nonfinite=rollback``: the last complete checkpoint's weights, optimiser, RNG
+        and step into ``state``, with the data stream past the window that failed and the lr
+        scale reduced. Raises ``error`` (naming every failed step) when ``train.max_rollbacks``
+        are used up or there is nothing to go back to."""
+        t = self.cfg.train
+        failed = [*state.rollback_steps, state.step + 1]
+        if t.on_nonfinite != "rollback" or len(state.rollback_steps) >= t.max_rollbacks:
+            if t.on_nonfinite == "rollback":
+                raise NonFiniteLossError(
+                    f"{error}; gave up after {len(state.rollback_steps)} rollback(s) "
+                    f"(train.max_rollbacks={t.max_rollbacks}) at steps {failed}"
+                ) from None
+            raise error
+        tag = from_rank0(_intact(self.root) if dist.get_rank() == 0 else None)
+        if tag is None:
+            raise NonFiniteLossError(f"{error}; no complete checkpoint to roll back to") from None
+        position = (
+            state.epoch,
+            state.batch_in_epoch,
+        )  # past the batch that failed (the caller advanced)
+        lr_scale = state.lr_scale * t.rollback_lr_scale
+        loaded = restore(
+            self.engine, self.objective, self.root, tag, self.plan, t.seed
+        )  # maybe a resume's layout
+        for key, value in asdict(loaded).items():
+            setattr(state, key, value)
+        state.epoch, state.batch_in_epoch = position
+        state.rollback_steps, state.lr_scale = failed, lr_scale
+        if dist.get_rank() == 0:
+            nonfinite_log.warning(
+                "non-finite losses at step %d: rolled back to %s, data moved past the window, lr x %g",
+                failed[-1],
+                tag,
+                lr_scale,
+            )
+
+    def export_encoder(self) -> None:
+        """fp32 ``encoder.safetensors`` for downstream: from the final checkpoint (ZeRO, bf16) or
+        the module itself (fp32, stage 0)."""
+        sd = ckpt.full_state_dict(self.engine, self.root, ckpt.latest_complete(self.root))
+        if dist.get_rank() == 0:
+            model = self.objective
+            prefix = (
+                next(n for n, m in model.named_modules() if m is model.encoder) + "."
+            )  # hpm: base.encoder.
+            out = self.run_dir / "encoder.safetensors"
+            ckpt.export_encoder(sd, encoder_kwargs(self.cfg, model.encoder), out, prefix=prefix)
+            save_config(self.cfg, self.run_dir / "encoder_config.json")
+        dist.barrier()
+
+
+def resolve_on_rank0(resume: str | None, ckpt_root: Path) -> tuple[str, str] | str | None:
+    """Rank 0: the checkpoint to resume from, (root, tag), None, or the problem as a line."""
+    if dist.get_rank() != 0:
+        return None
+    try:
+        return ckpt.resolve_resume(resume, ckpt_root)  # the newest intact checkpoint: files checked
+    except (
+        FileNotFoundError,
+        ckpt.CheckpointError,
+    ) as e:  # every rank must learn it, not wait in the broadcast
+        return str(e)
+
+
+def _intact(ckpt_root: Path) -> str | None:
+    try:
+        return ckpt.newest_intact(ckpt_root)
+    except ckpt.CheckpointError:  # none intact: nothing to go back to
+        return None
+
+
+def encoder_kwargs(cfg: RunConfig, encoder: torch.nn.Module) -> dict:
+    """The exported encoder's architecture: the config's variant and overrides, and a classifier's head."""
+    kwargs = {"name": cfg.model.name, **cfg.model.vit_kwargs()}
+    if encoder.num_classes > 0:
+        kwargs.update(num_classes=encoder.num_classes, global_pool=encoder.global_pool)
+    return kwargs
+
+
+def restore(
+    engine: Any, objective: torch.nn.Module, root: str | Path, tag: str, plan: Plan, seed: int
+) -> RunState:
+    """Every rank: the checkpoint's weights, optimiser, run state and RNG, for this run's layout."""
+    saved = ckpt.saved_layout(root, tag)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    same = saved.get("world_size", world) == world
+    if same or engine.zero_optimization_stage() == 0:
+        with ckpt.weights_only_loads():  # a checkpoint is untrusted input
+            _, client = engine.load_checkpoint(str(root), tag=tag)
+    else:
+        client = _load_universal(engine, Path(root), tag, saved["world_size"])
+    state = RunState(**client["state"])
+    accum = saved.get("grad_accum", plan.grad_accum)
+    if (
+        accum != plan.grad_accum or not same
+    ):  # the step in the epoch carries over, in this run's micro-batches
+        state.batch_in_epoch = math.ceil(state.batch_in_epoch / accum) * plan.grad_accum
+    if same:
+        set_rng_state(client["rng"][rank])
+    else:
+        seed_everything(seed + rank + 1_000_003 * state.step)
+    rank_state = ckpt.load_rank_state(
+        root, tag
+    )  # HPM's fp32 EMA under bf16: whole below ZeRO-3, a shard at 3
+    if not same and engine.zero_optimization_stage() == 3:
+        if rank_state and rank == 0:
+            log.warning(
+                "elastic resume: the per-rank state of %s/%s (HPM's fp32 EMA) is ZeRO-3 shards of another "
+                "world size: it restarts from the weights",
+                root,
+                tag,
+            )
+        rank_state = {}
+    objective.load_rank_state(rank_state)
+    if rank == 0 and not same:
+        log.info(
+            "elastic resume: %s/%s written by %d rank(s) (micro batch %s), now %d (micro batch %d); "
+            "the epoch continues at step %d",
+            root,
+            tag,
+            saved["world_size"],
+            saved.get("micro_batch"),
+            world,
+            plan.micro_batch,
+            state.step,
+        )
+    return state
+
+
+def _load_universal(engine: Any, root: Path, tag: str, saved_world: int) -> dict:
+    """Convert ``root/tag`` for another world size (rank 0), load it on every rank, remove the copy."""
+    out = root / UNIVERSAL
+    problem = _convert(root / tag, out / tag) if dist.get_rank() == 0 else None
+    problem = from_rank0(problem)
+    if problem:
+        raise RuntimeError(problem)
+    groups = [
+        {k: v for k, v in g.items() if k not in ("params", "step")}
+        for g in engine.optimizer.param_groups
+    ]
+    engine._config.load_universal_checkpoint = (
+        True  # this load only: a rollback later reads our own checkpoints
+    )
+    try:
+        with ckpt.weights_only_loads():
+            _, client = engine.load_checkpoint(str(out), tag=tag)
+    finally:
+        engine._config.load_universal_checkpoint = False
+    # DeepSpeed's ZeRO-3 universal load copies group 0's settings (weight decay, lr_scale) into
+    # every group (they come from the config: this run's own go back), and gives every sub-group
+    # one shared `step` tensor, which Adam would then advance once per sub-group
+    for group, settings in zip(engine.optimizer.param_groups, groups, strict=True):
+        group.update(settings)
+    for state in engine.optimizer.optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+    _restore_frozen(engine, root, tag)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(out, ignore_errors=True)
+    if client is None:
+        raise RuntimeError(f"{root}/{tag}: the universal checkpoint did not load")
+    return client
+
+
+def _restore_frozen(engine: Any, root: Path, tag: str) -> None:
+    """A universal load restores trained parameters only: frozen ones (HPM's EMA teacher, fixed
+    tables) come from the checkpoint's fp32 weights, read on rank 0 and written on every rank."""
+    import deepspeed
+
+    frozen = [(n, p) for n, p in engine.module.named_parameters() if not p.requires_grad]
+    if not frozen:
+        return
+    rank, stage3 = dist.get_rank(), engine.zero_optimization_stage() == 3
+    weights = ckpt.zero_to_fp32(root, tag) if rank == 0 else None
+    with (
+        deepspeed.zero.GatheredParameters([p for _, p in frozen], modifier_rank=0, enabled=stage3),
+        torch.no_grad(),
+    ):
+        for name, param in frozen:
+            if rank == 0 and name in weights:
+                param.data.copy_(weights[name].to(param.dtype))
+            if not stage3:
+                dist.broadcast(param.data, 0)
+
+
+def _convert(src: Path, dst: Path) -> str | None:
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    shutil.rmtree(dst, ignore_errors=True)
+    args = argparse.Namespace(
+        input_folder=str(src),
+        output_folder=str(dst),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
+    try:
+        with ckpt.weights_only_loads():
+            ds_to_universal(args)
+    except Exception as e:  # every rank must learn it, not wait in the broadcast
+        return f"cannot re-partition {src} for this world size (DeepSpeed's ds_to_universal): {e!r}"
+    return None

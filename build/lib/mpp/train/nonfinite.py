@@ -1,0 +1,55 @@
+"""What a NaN/Inf loss does (``train.on_nonfinite``): ``skip`` the step on every rank, up to
+``train.max_bad_steps``, then stop; ``stop`` at the first one; ``rollback``: past the limit,
+every rank reloads the last complete checkpoint, the data stream moves past the window that
+failed, the lr is scaled by ``train.rollback_lr_scale``, the event goes to metrics.jsonl, and
+training goes on, at most ``train.max_rollbacks`` times. Users of MAE, ConvMAE and GreenMIM
+restart month-long runs by hand after a NaN; this does it for them. The rollback itself is
+``mpp.train.checkpointer.Checkpointer.rollback``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mpp.train.plan import RunState
+
+log = logging.getLogger("mpp.nonfinite")
+# a fault-injection hook (README, NaN recovery): MPP_INJECT_NONFINITE_AT_STEP=k makes the check
+# report a non-finite loss when optimiser step k is first attempted, to try train.on_nonfinite
+INJECT_ENV = "MPP_INJECT_NONFINITE_AT_STEP"
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many steps with a NaN/Inf loss: the run stops, its last checkpoint untouched."""
+
+
+def all_finite(loss: torch.Tensor, state: RunState) -> bool:
+    """True when the loss is finite on every rank. One small all-reduce and host sync per
+    micro-step: the price of never applying a NaN update (``train.skip_nonfinite``)."""
+    bad = (~torch.isfinite(loss.detach())).float().reshape(1)
+    if state.step + 1 == int(os.environ.get(INJECT_ENV, 0)) and not state.rollback_steps:
+        bad.fill_(1.0)
+    dist.all_reduce(bad)
+    return bad.item() == 0.0
+
+
+def skip_bad_step(state: RunState, t: Any, rank: int) -> bool:
+    """Count a skipped micro-step (no backward, no optimiser step: returns False, "not stepped");
+    NonFiniteLossError at once under ``stop``, past ``train.max_bad_steps`` otherwise."""
+    state.bad_steps += 1
+    step, limit = state.step + 1, (0 if t.on_nonfinite == "stop" else t.max_bad_steps)
+    if rank == 0:
+        log.warning(
+            "non-finite loss at step %d: skipped (%d of at most %d)", step, state.bad_steps, limit
+        )
+    if state.bad_steps > limit:
+        raise NonFiniteLossError(
+            f"non-finite loss at step {step} ({state.bad_steps} such steps, train.max_bad_steps={limit}, "
+            f"train.on_nonfinite={t.on_nonfinite}); the last complete checkpoint is untouched (lower the lr, check the data)"
+        )
+    return False

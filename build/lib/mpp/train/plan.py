@@ -1,0 +1,307 @@
+"""The plan of a run, resolved before anything is created (data, batch, schedule, DeepSpeed's
+config; any problem a ConfigError naming the key), and the run's position in it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mpp.config import Config, ConfigError, RunConfig
+from mpp.data import StreamConfig, digits_shards, expand_shards
+from mpp.data.census import Census, census
+from mpp.data.labels import LabelledSubset, choose, from_key_file, label_index
+from mpp.data.stats import pixel_stats
+from mpp.data.transforms import PixelFormat, pixel_format
+
+log = logging.getLogger("mpp.plan")
+
+
+@dataclass
+class Plan:
+    train_shards: list[str]
+    samples_per_epoch: int
+    steps_per_epoch: int  # optimiser steps
+    total_steps: int
+    warmup_steps: int
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+    img_size: int
+    ds_config: dict
+    stream: StreamConfig  # the training stream's settings; the engine adds rank, epoch and position
+    missing_shards: int = 0
+    census: Census | None = None  # every shard's sample count and where it came from
+    subset: LabelledSubset | None = None  # few labels: the samples trained on (data.labels_*)
+
+    @property
+    def micro_per_epoch(self) -> int:  # micro-batches per rank per epoch
+        return self.steps_per_epoch * self.grad_accum
+
+    @property
+    def total_epochs(self) -> float:
+        return self.total_steps / self.steps_per_epoch
+
+
+def plan_run(
+    cfg: RunConfig, world_size: int, dev_type: str, img_size: int, num_classes: int | None = None
+) -> Plan:
+    """Resolve data, batch and schedule; any problem is a ConfigError naming the key.
+    ``num_classes`` (supervised runs): the stream yields labels, and drops those outside it."""
+    fail = _failer(cfg)
+    try:
+        micro, accum = cfg.micro_batch(world_size)
+    except ValueError as e:
+        raise fail("train.batch_size", str(e)) from None
+    try:
+        ds_config = cfg.deepspeed_config(world_size, dev_type)
+    except ValueError as e:
+        raise fail("train.precision", str(e)) from None
+    shards, missing = train_shards(cfg, img_size)
+    measure_pixels(cfg, shards)
+    subset = labelled_subset(cfg, shards, num_classes) if num_classes is not None else None
+    if subset is not None:  # few labels: the epoch is the subset, read from the shards holding it
+        counted, shards, sizes = None, subset.shards, subset.sizes
+        samples = subset.total
+    else:
+        counted = count_data(cfg, shards)
+        samples, sizes = counted.total, counted.sizes
+    steps_per_epoch = samples // cfg.train.batch_size
+    if steps_per_epoch < 1:
+        raise fail(
+            "train.batch_size", f"{cfg.train.batch_size} exceeds the {samples} samples of an epoch"
+        )
+    t, o = cfg.train, cfg.optim
+    total = t.max_steps if t.max_steps is not None else math.ceil(t.epochs * steps_per_epoch)
+    warmup = (
+        o.warmup_steps
+        if o.warmup_steps is not None
+        else round((o.warmup_epochs or 0.0) * steps_per_epoch)
+    )
+    if t.on_nonfinite == "rollback" and accum > 1:
+        log.warning(
+            "train.on_nonfinite=rollback with %d micro-batches per step: a rollback at a step's later "
+            "micro-batch keeps the gradients of its earlier ones in DeepSpeed's buffers",
+            accum,
+        )
+    stream = StreamConfig(
+        batch_size=micro,
+        img_size=img_size,
+        world_size=world_size,
+        num_batches=steps_per_epoch * accum,
+        with_labels=num_classes is not None,
+        num_classes=num_classes,
+        seed=t.seed,
+        global_batch=t.batch_size,
+        shard_sizes=tuple(sizes),
+        shard_keys=subset.keys if subset is not None else None,
+        pixels=pixel_format(cfg.data),
+        **cfg.stream_settings(),
+    )
+    return Plan(
+        shards,
+        samples,
+        steps_per_epoch,
+        total,
+        warmup,
+        micro,
+        accum,
+        world_size,
+        img_size,
+        ds_config,
+        stream,
+        len(missing),
+        counted,
+        subset,
+    )
+
+
+def measure_pixels(cfg: RunConfig, shards: list[str]) -> None:
+    """``data.mean`` / ``std`` / ``value_range`` "auto": measured on the training shards
+    (``mpp.data.stats``; a collective, cached) and written into the config, so the run's
+    config.json, its exports and every later step use the values. ConfigError names the key."""
+    import torch.distributed as dist
+
+    d = cfg.data
+    if not d.auto_stats:
+        return
+    vr = None if d.value_range == "auto" else d.value_range
+    fmt = PixelFormat(d.channels, d.layout, tuple(vr) if vr else None)
+    run_dir = Path(_output_dir(cfg))
+    try:
+        stats, source = pixel_stats(shards, fmt, d.stats_samples, run_dir, d.allow_pipe)
+    except ValueError as e:
+        auto = [k for k in ("mean", "std", "value_range") if getattr(d, k) == "auto"]
+        raise _failer(cfg)(f"data.{auto[0]}", f'"auto": {e}') from None
+    d.mean = stats.mean if d.mean == "auto" else d.mean
+    d.std = stats.std if d.std == "auto" else d.std
+    d.value_range = stats.value_range if d.value_range == "auto" else d.value_range
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        values = lambda v: "[" + ", ".join(f"{x:.4g}" for x in v) + "]"  # noqa: E731
+        log.info(
+            "data: mean %s, std %s of [0, 1] pixels, range %s -> [0, 1] (%s)",
+            values(d.mean),
+            values(d.std),
+            values(d.value_range),
+            source,
+        )
+
+
+def labelled_subset(
+    cfg: RunConfig, shards: list[str], num_classes: int | None = None
+) -> LabelledSubset | None:
+    """``data.labels_per_class`` / ``label_fraction`` / ``label_keys``: the labelled subset of
+    ``shards`` (``mpp.data.labels``; a collective under a process group), logged once with a
+    warning for each class short of K; None when none is asked for. Labels outside
+    ``[0, num_classes)`` are left out (the stream would skip them). ConfigError names the key."""
+    import torch.distributed as dist
+
+    d, fail = cfg.data, _failer(cfg)
+    key = d.label_subset_key
+    if key is None:
+        return None
+    index = label_index(shards, d.allow_pipe)
+    if num_classes is not None:
+        index = type(index)(
+            index.shards, [[(k, c) for k, c in s if 0 <= c < num_classes] for s in index.samples]
+        )
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    try:
+        if key == "label_keys":
+            subset = from_key_file(index, d.label_keys)
+        else:
+            subset, short = choose(index, d.labels_per_class, d.label_fraction, d.label_seed)
+            for line in short if rank0 else []:
+                log.warning("data.%s: %s", key, line)
+    except OSError as e:
+        raise fail(f"data.{key}", f"cannot read {d.label_keys}: {e.strerror or e}") from None
+    except KeyError as e:
+        raise fail(f"data.{key}", e.args[0]) from None
+    except ValueError as e:
+        raise fail(f"data.{key}", str(e)) from None
+    if rank0:
+        log.info("data: %s", subset.summary())
+    return subset
+
+
+def count_data(cfg: RunConfig, shards: list[str]) -> Census:
+    """Every training shard's sample count (``mpp.data.census``; a collective under a process
+    group), logged once; ``data.num_samples``, when set, must agree with it."""
+    import torch.distributed as dist
+
+    d, fail = cfg.data, _failer(cfg)
+    counted = census(shards, d.allow_pipe, run_dir=Path(_output_dir(cfg)))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.info("data: %s", counted.summary())
+    if d.num_samples is not None and d.num_samples != counted.total:
+        raise fail(
+            "data.num_samples",
+            f"{d.num_samples}, but the shards hold {counted.total} samples with an image "
+            f"({counted.summary()}): remove the key, or correct it",
+        )
+    return counted
+
+
+def _output_dir(cfg) -> str:
+    template = cfg.train.output_dir if hasattr(cfg, "train") else cfg.output_dir
+    return template.format(name=cfg.name)
+
+
+def check_resume(cfg: RunConfig, resume: str | None) -> None:
+    """Before anything runs: a resume must keep the global batch (another world size, micro batch
+    or accumulation is fine: ``mpp.train.checkpointer`` re-partitions the checkpoint). ConfigError otherwise."""
+    from mpp.train.checkpoint import resolve_resume, saved_layout
+
+    try:
+        found = resolve_resume(
+            resume, Path(_output_dir(cfg)) / "checkpoints", verified=False
+        )  # the engine verifies
+    except FileNotFoundError:
+        return  # said by the engine on every rank
+    saved = saved_layout(*found) if found else {}
+    if saved.get("batch_size", cfg.train.batch_size) != cfg.train.batch_size:
+        raise _failer(cfg)(
+            "train.batch_size",
+            f"{cfg.train.batch_size}, but the checkpoint {found[0]}/{found[1]} was "
+            f"trained with {saved['batch_size']}: a resume keeps the global batch (the world size, "
+            f"micro batch and accumulation may change)",
+        )
+
+
+def train_shards(cfg: RunConfig, img_size: int) -> tuple[list[str], list[str]]:
+    """(the training shards that exist, the local ones that do not); ConfigError when none is left."""
+    fail, d = _failer(cfg), cfg.data
+    if d.train_shards is None:
+        spec, key = digits_shards(img_size)["train"], "data.builtin"
+    else:
+        spec, key = d.train_shards, "data.train_shards"
+    try:
+        shards = expand_shards(spec)
+    except ValueError as e:
+        raise fail(key, str(e)) from None
+    try:
+        missing = [s for s in shards if not shard_exists(s)]
+    except Exception as e:  # noqa: BLE001  a bad bucket, credential or endpoint: one line
+        raise fail(key, f"cannot list {shards[0]}: {type(e).__name__}: {e}") from None
+    if len(missing) == len(shards):
+        raise fail(key, f"{len(missing)} shard(s) not found, first: {missing[0]}")
+    if missing:  # a lost shard costs its samples, not the run; named once, counted in metrics
+        log.warning(
+            "%d of %d shards not found, training without them: %s",
+            len(missing),
+            len(shards),
+            ", ".join(missing[:10]),
+        )
+        shards = [s for s in shards if s not in set(missing)]
+    if any(s.startswith("pipe:") for s in shards) and not d.allow_pipe:
+        raise fail(key, "pipe: shards run shell commands; set data.allow_pipe=true to allow them")
+    return shards, missing
+
+
+def shard_exists(url: str) -> bool:
+    """A local shard's file, an object in storage (asked through fsspec); URLs and pipes are
+    taken as given (their reader names them if they fail)."""
+    from mpp.data.sources import OBJECT_SCHEMES, _scheme, object_exists
+
+    if _scheme(url) in OBJECT_SCHEMES:
+        return object_exists(url)
+    return "://" in url or url.startswith("pipe:") or Path(url).is_file()
+
+
+def _failer(cfg: RunConfig):
+    src = getattr(cfg, "_source", "<config>")
+    return lambda key, msg: ConfigError(f"{src}: {key}: {msg}")
+
+
+@dataclass
+class RunState:
+    step: int = 0  # optimiser steps done
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches this rank consumed in the current epoch
+    samples: int = 0  # images seen, all ranks
+    bad_steps: int = 0
+    overflow_steps: int = 0  # fp16 steps DeepSpeed skipped on a gradient overflow
+    rollback_steps: list[int] = field(
+        default_factory=list
+    )  # steps whose non-finite losses were rolled back
+    lr_scale: float = 1.0  # train.rollback_lr_scale per rollback
+
+
+# a stand-in for the shards a shipped *_b16 config leaves to the user: the planner needs the
+# model and the batch, not the data (steps per epoch are then unknown)
+PLACEHOLDER_SHARDS = "planned-without-data-{000000..000000}.tar"
+
+
+def load_plan_config(config: str, overrides: list[str]) -> tuple[Config, bool]:
+    """(the validated config, whether its data is known) for planning: a config without
+    ``data.train_shards`` (the shipped ``*_b16``) is planned with a stand-in. ConfigError as
+    ``load_config``."""
+    from mpp.config import apply_overrides, load_config, resolve_config_path
+
+    raw = apply_overrides(json.loads(resolve_config_path(config).read_text()), overrides)
+    data = raw.get("data") or {}
+    known = data.get("train_shards") is not None or data.get("builtin") is not None
+    extra = [] if known else [f"data.train_shards={PLACEHOLDER_SHARDS}"]
+    return load_config(config, [*overrides, *extra]), known

@@ -1,0 +1,295 @@
+"""The trainer: DeepSpeed's engine and the step loop over it. ``Trainer.train`` reads on one
+screen: a batch, ``train_step``, ``on_step_end`` (which ends in ``checkpointer.maybe_save``).
+
+The trainer knows nothing objective-specific: it calls ``objective(*objective.inputs(batch))
+-> (loss, metrics)`` and the hooks of ``mpp.objectives.base.Objective``. It owns the run's
+state (``RunState``: step, epoch, position, counters) and everything that moves it: the lr
+``Schedule`` (``mpp.train.optim``), the ``Checkpointer`` (save, resume, rollback, the final
+encoder), the ``MetricLog`` (metrics.jsonl, TensorBoard, W&B), the loader, the preview and the
+stop request. One name per object: ``engine`` is DeepSpeed's, ``objective`` the module it wraps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mpp.config import RunConfig
+from mpp.data import make_train_loader
+from mpp.ops import normalize
+from mpp.parallel import zero
+from mpp.train.checkpointer import Checkpointer
+from mpp.train.metrics import MetricLog
+from mpp.train.monitor import build_monitor
+from mpp.train.nonfinite import NonFiniteLossError, all_finite, skip_bad_step
+from mpp.train.optim import Schedule, build_optimizer
+from mpp.train.plan import Plan, RunState
+from mpp.train.preemption import StopRequest
+from mpp.train.preview import build_preview
+from mpp.train.rng import seed_everything
+
+log = logging.getLogger("mpp.engine")
+
+EvalHook = Callable[[Any, RunState], "dict | None"]  # (DeepSpeed engine, state) -> values to log
+
+
+class Trainer:
+    """Train ``objective`` under DeepSpeed for ``plan.total_steps`` optimiser steps, resuming from
+    ``resume`` (None, "auto" or a checkpoint path). ``evaluate(engine, state)`` (fine-tuning's
+    evaluation) runs on every rank after each epoch, or every ``evaluate_every`` optimiser steps
+    when given (few labels: an epoch of a small subset is a few steps), and at the end."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        objective: torch.nn.Module,
+        plan: Plan,
+        run_dir: Path,
+        device: torch.device,
+        resume: str | None = None,
+        evaluate: EvalHook | None = None,
+        evaluate_every: int | None = None,
+    ) -> None:
+        from tqdm import tqdm
+
+        self.cfg, self.plan, self.run_dir, self.device = cfg, plan, run_dir, device
+        self.evaluate, self.evaluate_every = evaluate, evaluate_every
+        self.rank = dist.get_rank()
+        seed_everything(
+            cfg.train.seed + self.rank
+        )  # ranks draw different masks; data has its own seeds
+        self.stop = min(plan.total_steps, cfg.train.stop_at_step or plan.total_steps)
+        self.engine, self.optimizer = start_engine(cfg, objective, plan)
+        self.objective = self.engine.module
+        self.checkpointer = Checkpointer(self.engine, run_dir, cfg, plan)
+        self.state = self.checkpointer.resume(resume)
+        self.schedule = Schedule.of(cfg, plan)
+        self.lr = self.schedule.apply(self.optimizer, self.state)
+        self.metrics = MetricLog(
+            run_dir, self.rank, self.state, cfg.train.report_to, cfg.model_dump(mode="json")
+        )
+        self.preview = build_preview(cfg, plan.img_size, self.objective, device, self.rank)
+        # the k-NN and the objective's held-out signal every train.monitor_every steps
+        self.monitor = build_monitor(cfg, plan, self.objective, device, run_dir)
+        self.bar = tqdm(
+            total=plan.total_steps,
+            initial=self.state.step,
+            disable=self.rank != 0,
+            dynamic_ncols=True,
+            desc=cfg.name,
+        )
+        # SIGTERM / SIGUSR1: finish the step, checkpoint, exit (installed before the workers fork)
+        self.stop_request = StopRequest()
+        # one loader, its workers kept across epochs (MAE's 1600 epochs would restart them 1600 times)
+        self.loader = train_loader(cfg, plan, self.rank, run_dir)
+        self.skipped_before = 0  # bad samples this rank skipped in finished epochs
+        self.skipped, self.data_wait = 0, 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.state.step >= self.stop
+
+    def train(self) -> RunState:
+        """The loop (``Preempted`` on a stop signal); then the final encoder, exported."""
+        try:
+            if self.state.step == 0:  # the monitor's baseline: the encoder as initialised
+                values = self.monitor(self.objective, 0)
+                self.metrics.write(self.state, self.plan, values, section="monitor")
+            while not self.done:
+                try:
+                    for batch in self.batches():
+                        stepped = self.train_step(batch)
+                        epoch_done = advance(self.state, self.plan, self.cfg, stepped)
+                        self.on_step_end(stepped, epoch_done)
+                        if self.done:
+                            break
+                except (
+                    NonFiniteLossError
+                ) as error:  # train.on_nonfinite: roll back and go on, or stop
+                    self.recover(error)
+        finally:  # a stopped run still leaves a closed log, no workers and a clean terminal
+            self.close()
+        self.checkpointer.export_encoder()
+        return self.state
+
+    def batches(self) -> Iterator[dict]:
+        """This rank's micro-batches from the run's position on, epoch after epoch; the time
+        waited for each (``data_wait``) and the bad samples skipped so far (``skipped``)."""
+        while not self.done:
+            self.loader.set_epoch(self.state.epoch, self.state.batch_in_epoch)
+            t_wait = time.perf_counter()
+            for batch in self.loader:
+                self.data_wait = time.perf_counter() - t_wait
+                self.skipped = self.skipped_before + batch["skipped"]
+                yield batch
+                t_wait = time.perf_counter()
+            self.skipped_before += self.loader.skipped
+
+    def train_step(self, batch: dict) -> bool:
+        """One micro-batch: forward, backward and DeepSpeed's step, which takes an optimiser step
+        at the accumulation boundary. True when an optimiser step was taken and applied."""
+        self.objective.set_progress(
+            self.state.epoch + self.state.batch_in_epoch / self.plan.micro_per_epoch,
+            self.plan.total_epochs,
+        )
+        batch = to_device(batch, self.device, self.cfg.data.mean, self.cfg.data.std)
+        out = micro_step(self.engine, batch, self.state, self.cfg.train.skip_nonfinite)
+        if out is None:  # a non-finite loss on some rank: every rank skips it
+            return skip_bad_step(self.state, self.cfg.train, self.rank)
+        loss, metrics, boundary = out
+        self.metrics.add({"loss": loss, **metrics}, self.data_wait)
+        return boundary and step_applied(self.engine, self.state)
+
+    def on_step_end(self, stepped: bool, epoch_done: bool) -> None:
+        """After an optimiser step: HPM's teacher, the next lr, the bar, a metrics record at log
+        steps, a preview; the evaluation when due; a checkpoint when due (or ``Preempted``)."""
+        t = self.cfg.train
+        if stepped:
+            after_optimizer_step(self.engine)
+            lr_done, self.lr = self.lr, self.schedule.apply(self.optimizer, self.state)
+            self.bar.update(1)
+            if self.metrics.count and (
+                self.state.step % t.log_every == 0 or self.state.step == self.stop
+            ):
+                record = self.metrics.flush(self.state, self.plan, lr_done, self.skipped)
+                self.bar.set_postfix(
+                    loss=f"{record['loss']:.4f}", ips=f"{record['imgs_per_sec']:.1f}"
+                )
+            # every train.preview_every steps
+            self.preview(self.objective, self.state.step, self.metrics.reporters)
+            last = self.state.step == self.stop
+            values = self.monitor(self.objective, self.state.step, last)
+            self.metrics.write(self.state, self.plan, values, section="monitor")
+        if self.evaluate is not None and self.evaluation_due(stepped, epoch_done):
+            self.metrics.write(self.state, self.plan, self.evaluate(self.engine, self.state))
+        if stepped:
+            self.checkpointer.maybe_save(self.state, self.stop, self.stop_request)
+
+    def evaluation_due(self, stepped: bool, epoch_done: bool) -> bool:
+        """Every epoch (or ``evaluate_every`` optimiser steps), and after the last step."""
+        if stepped and self.state.step == self.stop:
+            return True
+        if self.evaluate_every is None:
+            return epoch_done
+        return stepped and self.state.step % self.evaluate_every == 0
+
+    def recover(self, error: NonFiniteLossError) -> None:
+        """``train.on_nonfinite=rollback``: back to the last complete checkpoint with the data past
+        the batch that failed (``Checkpointer.rollback``), metrics.jsonl rewound to that step with
+        the event recorded; re-raises otherwise."""
+        advance(
+            self.state, self.plan, self.cfg, stepped=False
+        )  # the batch that failed is behind us
+        self.checkpointer.rollback(self.state, error)
+        self.lr = self.schedule.apply(self.optimizer, self.state)
+        self.metrics.rewind(self.state)
+        event = {
+            "event": "rollback",
+            "failed_step": self.state.rollback_steps[-1],
+            "to_step": self.state.step,
+            "lr_scale": self.state.lr_scale,
+        }
+        self.metrics.write(self.state, self.plan, event)
+        self.bar.n = self.state.step
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.stop_request.restore()
+        self.loader.close()
+        self.bar.close()
+        self.metrics.close()
+
+
+# ---- the pieces the trainer (and the GPU step benchmark) share ---------------------------------
+
+
+def start_engine(
+    cfg: RunConfig, objective: torch.nn.Module, plan: Plan
+) -> tuple[Any, torch.optim.Optimizer]:
+    """``deepspeed.initialize`` with our optimiser; compiled when ``model.compile``."""
+    import deepspeed
+
+    optimizer = build_optimizer(cfg, objective)
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=objective, optimizer=optimizer, config=plan.ds_config
+    )
+    if cfg.model.compile:  # the training forward has no graph break (tests/test_compile.py)
+        engine.compile()
+    return engine, optimizer
+
+
+def micro_step(
+    engine: Any, batch: dict, state: RunState, skip_nonfinite: bool
+) -> tuple[Any, dict, bool] | None:
+    """One micro-batch through DeepSpeed: forward; under ``train.skip_nonfinite`` the all-ranks
+    finiteness check (None: non-finite somewhere, nothing applied); backward and ``engine.step()``.
+    (loss, metrics, whether this was an accumulation boundary)."""
+    objective = engine.module
+    loss, metrics = engine(*objective.inputs(batch))
+    if skip_nonfinite and not all_finite(loss, state):
+        return None
+    engine.backward(loss)
+    boundary = engine.is_gradient_accumulation_boundary()
+    engine.step()
+    return loss, metrics, boundary
+
+
+def after_optimizer_step(engine: Any) -> None:
+    """The objective's hook (HPM's EMA teacher), then ZeRO-3's gathers ordered after its writes."""
+    engine.module.after_optimizer_step()
+    zero.order_gathers_after_writes(
+        engine.optimizer
+    )  # HPM's EMA wrote ZeRO-3 shards outside DeepSpeed
+
+
+def train_loader(cfg: RunConfig, plan: Plan, rank: int, run_dir: Path) -> Any:
+    """This rank's loader, its workers kept across epochs; data.log_keys: RUN/keys/rankN.jsonl."""
+    if rank == 0 and plan.census is not None:  # shard counts no shard folder could keep
+        plan.census.write_run_cache(run_dir)
+    key_log = run_dir / "keys" / f"rank{rank}.jsonl" if cfg.data.log_keys else None
+    return make_train_loader(
+        plan.train_shards,
+        plan.stream,
+        rank=rank,
+        num_workers=cfg.data.num_workers,
+        persistent=True,
+        key_log=key_log,
+    )
+
+
+def to_device(batch: dict, device: torch.device, mean, std) -> dict:
+    """The loader's uint8 images normalised on the device, in fp32 whatever the precision (the
+    model casts them at its patch embedding; targets come from the exact pixels); tensors moved."""
+    out = {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        for k, v in batch.items()
+    }
+    out["image"] = normalize(out["image"], mean, std)
+    return out
+
+
+def step_applied(engine: Any, state: RunState) -> bool:
+    """False when fp16's loss scaler found an overflow and DeepSpeed skipped the update: then the
+    step, the lr and the EMA teacher do not advance either (counted as ``overflow_steps``)."""
+    if engine.was_step_applied():
+        return True
+    state.overflow_steps += 1
+    return False
+
+
+def advance(state: RunState, plan: Plan, cfg: RunConfig, stepped: bool) -> bool:
+    """One micro-batch consumed (and an optimiser step taken when ``stepped``); True at an epoch's end."""
+    state.batch_in_epoch += 1
+    epoch_done = state.batch_in_epoch >= plan.micro_per_epoch
+    if epoch_done:
+        state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+    if stepped:
+        state.step += 1
+        state.samples += cfg.train.batch_size
+    return epoch_done

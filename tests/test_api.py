@@ -1,0 +1,190 @@
+"""One front door (issue 32 §1): the public names of ``import mpp`` stay put, README's snippet runs
+as written, the ``mpp`` command lists its tools, and a wheel installed into a fresh environment
+works from an empty directory (its configs, ``mpp doctor --quick``, a two-rank launcher run)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, cli_env, free_port
+
+import mpp
+
+PUBLIC = {
+    "create_model": ["name", "pretrained", "overrides"],
+    "load_encoder": ["source"],
+    "create_objective": ["name", "encoder", "mask_generator", "mean", "std", "kwargs"],
+    "load_config": ["path", "overrides", "cls"],
+    "pretrain": ["config", "output_dir", "resume", "overrides", "sections"],
+    "finetune": ["config", "init", "output_dir", "resume", "overrides", "sections"],
+}
+
+
+def test_the_public_names_and_their_parameters_stay_put():
+    assert set(mpp.__all__) == {*PUBLIC, "__version__"}
+    for name, params in PUBLIC.items():
+        assert list(inspect.signature(getattr(mpp, name)).parameters) == params, name
+    with pytest.raises(AttributeError, match="has no attribute 'pretrained'"):
+        mpp.pretrained  # noqa: B018  an old module path is not a name of the API
+
+
+def test_the_readmes_snippet_runs_as_written(tmp_path, monkeypatch):
+    text = (REPO / "README.md").read_text()
+    snippet = re.search(r"```python\n(import mpp\n.*?)```", text, re.S)[1]
+    monkeypatch.chdir(tmp_path)  # its runs/ lands here
+    out: list[str] = []
+    exec(compile(snippet, "README.md", "exec"), {"print": lambda *a: out.append(a)})
+    ((top1, ratio),) = out
+    assert 0 <= top1 <= 100 and ratio == 0.75
+    assert (tmp_path / "runs" / "api-mpp" / "encoder.safetensors").is_file()
+    assert json.loads((tmp_path / "runs" / "api-ft" / "results.json").read_text())["top1"] == top1
+
+
+def test_mpp_lists_its_commands_and_each_is_the_tools_own():
+    from mpp.commands import COMMANDS
+
+    r = subprocess.run(
+        [sys.executable, "-m", "mpp", "--help"],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+    )
+    assert r.returncode == 0
+    listed = re.findall(r"^  (\w+)  ", r.stdout, re.M)
+    assert listed == list(COMMANDS) and {
+        "pretrain",
+        "finetune",
+        "probe",
+        "knn",
+        "ablate",
+        "export",
+        "plan",
+        "doctor",
+        "shards",
+        "viz",
+        "bench",
+        "demo",
+    } <= set(listed)
+    r = subprocess.run(
+        [sys.executable, "-m", "mpp", "probe", "--help"],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+    )
+    assert (
+        r.returncode == 0 and r.stdout.startswith("usage: mpp probe") and "--protocol" in r.stdout
+    )
+
+
+def test_a_wheel_works_from_an_empty_directory(tmp_path):
+    """Built, installed without its dependencies into a fresh environment that borrows this
+    one's (not this clone's mpp), then run from an empty directory."""
+    wheels = tmp_path / "wheels"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheels),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    env_dir = tmp_path / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True)
+    site = next((env_dir / "lib").glob("python*/site-packages"))
+    ours = next(
+        Path(p)
+        for p in sys.path
+        if p.endswith("site-packages") and (Path(p) / "deepspeed").is_dir()
+    )
+    (site / "borrowed.pth").write_text(f"{ours}\n")  # dependencies only: no .pth of ours runs
+    python = env_dir / "bin" / "python"
+    wheel = next(wheels.glob("mpp-*.whl"))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(site),
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    (env_dir / "bin" / "mpp").write_text(
+        f"#!{python}\nimport sys\nfrom mpp.commands import main\nsys.exit(main())\n"
+    )
+    (env_dir / "bin" / "deepspeed").write_text(
+        f"#!{python}\nfrom deepspeed.launcher.runner import main\nmain()\n"
+    )
+    for script in ("mpp", "deepspeed"):
+        (env_dir / "bin" / script).chmod(0o755)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = {**cli_env(), "PATH": f"{env_dir / 'bin'}{os.pathsep}{cli_env()['PATH']}"}
+
+    def run(*cmd: str, timeout: int = 300) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            list(cmd), cwd=empty, env=env, capture_output=True, text=True, timeout=timeout
+        )
+
+    r = run(
+        str(python),
+        "-c",
+        "import mpp.config as c, mpp; print(mpp.__file__); print(c.resolve_config_path('mae_b16'))",
+    )
+    assert r.returncode == 0 and str(site) in r.stdout and "mae_b16.json" in r.stdout, (
+        r.stdout + r.stderr
+    )
+    assert run("mpp", "--help").stdout.startswith("usage: mpp COMMAND")
+    r = run("mpp", "doctor", "--quick", "--out", "doctor")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    rows = json.loads((empty / "doctor" / "doctor.json").read_text())["rows"]
+    assert [row["verdict"] for row in rows if row["check"].startswith("launcher")] in (["pass"], [])
+    assert not any(row["verdict"] == "fail" for row in rows)
+    cmd = [
+        "deepspeed",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "--module",
+        "mpp.commands.pretrain",
+    ]
+    r = run(
+        *cmd,
+        "--config",
+        "mae_demo",
+        "--set",
+        "train.max_steps=3",
+        "--set",
+        "train.monitor_every=0",
+        "--output-dir",
+        "run",
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    metrics = [
+        json.loads(line) for line in (empty / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [m["step"] for m in metrics if "loss" in m][-1] == 3
+    assert json.loads((empty / "run" / "config.json").read_text())["name"] == "mae_demo"
