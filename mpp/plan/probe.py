@@ -27,13 +27,20 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def build_on_meta(cfg: Any) -> torch.nn.Module:
-    """The config's objective, built on the meta device (no init cost, no memory), in training
-    mode at the end of its schedule (HPM: the teacher runs at its final hard-patch share);
-    ``model.grad_checkpointing`` is honoured by the builder."""
+    """The config's objective (fine-tuning's: the classifier, mixup and all), built on the meta
+    device (no init cost, no memory), in training mode at the end of its schedule (HPM: the
+    teacher runs at its final hard-patch share); ``model.grad_checkpointing`` is honoured by the
+    builder."""
     from mpp.build import build_objective
+    from mpp.config import FinetuneConfig
 
     with torch.device("meta"):
-        objective = build_objective(cfg)
+        if isinstance(cfg, FinetuneConfig):
+            from mpp.downstream.finetune import build_classifier
+
+            objective = build_classifier(cfg)
+        else:
+            objective = build_objective(cfg)
     if hasattr(objective, "set_progress"):
         objective.set_progress(1.0, 1.0)
     return objective.train()
@@ -45,10 +52,34 @@ def fake_images(micro: int, img_size: int, chans: int = 3) -> torch.Tensor:
 
 
 def step(objective: torch.nn.Module, images: torch.Tensor) -> None:
-    loss, _metrics = objective(images)
+    """Forward and backward as the engine runs them (a classifier takes labels too)."""
+    batch = {"image": images, "label": torch.zeros(images.shape[0], dtype=torch.int64)}
+    with steady_mixup():
+        loss, _metrics = objective(*objective.inputs(batch))
     loss.backward()
     for p in objective.parameters():
         p.grad = None
+
+
+@contextlib.contextmanager
+def steady_mixup() -> Iterator[None]:
+    """Fine-tuning's mixup with its coin flips made on the host in Python (mixup, lam 0.5): the
+    tensors a mixed step makes, without the host-side draws (``.item()``) a fake tensor cannot
+    answer."""
+    from mpp.objectives import classifier
+
+    real = classifier.mixup_cutmix
+
+    def mixed(images, targets, mixup, cutmix, *args, **kwargs):
+        if mixup <= 0 and cutmix <= 0:
+            return images, targets, 1.0
+        return images * 0.5 + images.flip(0) * 0.5, targets * 0.5 + targets.flip(0) * 0.5, 0.5
+
+    classifier.mixup_cutmix = mixed
+    try:
+        yield
+    finally:
+        classifier.mixup_cutmix = real
 
 
 def activation_peak(objective: torch.nn.Module, micro: int, img_size: int) -> int:

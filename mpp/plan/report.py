@@ -58,7 +58,7 @@ def memory_plan(
         ranks,
         ds,
         precision,
-        ema=cfg.objective.name == "hpm",
+        ema=getattr(getattr(cfg, "objective", None), "name", None) == "hpm",
     )
     per_image, fixed = activation_fit(probe_out["steps"])
     peak = peak_bytes(fixed + per_image * micro, states)

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpp.config import Config, ConfigError, RunConfig
+from mpp.config import ConfigError, RunConfig
 from mpp.data import StreamConfig, digits_shards, expand_shards
 from mpp.data.census import Census, census
 from mpp.data.labels import LabelledSubset, choose, from_key_file, label_index
@@ -294,14 +294,32 @@ class RunState:
 PLACEHOLDER_SHARDS = "planned-without-data-{000000..000000}.tar"
 
 
-def load_plan_config(config: str, overrides: list[str]) -> tuple[Config, bool]:
-    """(the validated config, whether its data is known) for planning: a config without
-    ``data.train_shards`` (the shipped ``*_b16``) is planned with a stand-in. ConfigError as
-    ``load_config``."""
-    from mpp.config import apply_overrides, load_config, resolve_config_path
+# the classes a fine-tuning config is planned with when neither it nor its data says (ImageNet's)
+PLACEHOLDER_CLASSES = 1000
 
-    raw = apply_overrides(json.loads(resolve_config_path(config).read_text()), overrides)
+
+def load_plan_config(config: str, overrides: list[str]) -> tuple[RunConfig, bool]:
+    """(the validated config, whether its data is known) for planning a pretraining or a
+    fine-tuning config: one without ``data.train_shards`` (the shipped ``*_b16``) is planned with
+    a stand-in, a fine-tuning one from scratch (the step is the same whatever the weights) and
+    with ImageNet's 1000 classes unless it says. A probe config is refused, named as such: it
+    trains no DeepSpeed step. ConfigError as ``load_config``."""
+    from mpp.config import FinetuneConfig, apply_overrides, load_config, resolve_config_path
+
+    path = resolve_config_path(config)
+    raw = apply_overrides(json.loads(path.read_text()), overrides)
+    if "probe" in raw:
+        raise ConfigError(
+            f"{path}: a probe config: the planner plans training steps under DeepSpeed "
+            "(pretraining and fine-tuning); a probe extracts features once and trains a head on them"
+        )
     data = raw.get("data") or {}
     known = data.get("train_shards") is not None or data.get("builtin") is not None
     extra = [] if known else [f"data.train_shards={PLACEHOLDER_SHARDS}"]
-    return load_config(config, [*overrides, *extra]), known
+    if "finetune" not in raw:
+        return load_config(config, [*overrides, *extra]), known
+    finetune = raw.get("finetune") or {}
+    if not (finetune.get("num_classes") or data.get("num_classes")) and not known:
+        extra.append(f"finetune.num_classes={PLACEHOLDER_CLASSES}")
+    extra.append("init=scratch")
+    return load_config(config, [*overrides, *extra], cls=FinetuneConfig), known
