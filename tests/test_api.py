@@ -8,6 +8,7 @@ import inspect
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -86,7 +87,11 @@ def test_mpp_lists_its_commands_and_each_is_the_tools_own():
 def test_a_wheel_works_from_an_empty_directory(tmp_path):
     """Built, installed without its dependencies into a fresh environment that borrows this
     one's (not this clone's mpp), then run from an empty directory."""
-    wheels = tmp_path / "wheels"
+    wheels, src = tmp_path / "wheels", tmp_path / "src"
+    # built from a copy: a build in the clone would leave build/ behind
+    shutil.copytree(REPO / "mpp", src / "mpp", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
     r = subprocess.run(
         [
             sys.executable,
@@ -98,7 +103,7 @@ def test_a_wheel_works_from_an_empty_directory(tmp_path):
             "-q",
             "-w",
             str(wheels),
-            str(REPO),
+            str(src),
         ],
         capture_output=True,
         text=True,

@@ -1,2 +1,0 @@
-"""Evaluation of a pretrained encoder: fine-tuning (finetune, evaluate), linear probes and k-NN
-(probe, probe_protocols, lars, probe_report, probe_cli)."""
