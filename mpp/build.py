@@ -83,9 +83,8 @@ def build_objective(cfg: Config) -> Objective:
             init_objective(objective, cfg.model.init, cfg.model.init_chans_policy)
         except (FileNotFoundError, ValueError, CheckpointError) as e:
             raise ConfigError(f"{source}: model.init: {e}") from None
-    set_grad_checkpointing(
-        objective, cfg.model.grad_checkpointing
-    )  # the decoders too (HPM's teacher runs no-grad)
+    # the decoders too (HPM's teacher runs no-grad)
+    set_grad_checkpointing(objective, cfg.model.grad_checkpointing)
     return objective
 
 

@@ -77,9 +77,8 @@ class ModelConfig(_Section):
     # activation checkpointing per block (timm's name), encoder and decoders: recompute each
     # block's activations in the backward instead of keeping them; not architecture
     grad_checkpointing: bool = False
-    compile: bool = (
-        False  # torch.compile through DeepSpeed's engine.compile(); off until a GPU measures it
-    )
+    # torch.compile through DeepSpeed's engine.compile(); off until a GPU measures it
+    compile: bool = False
     # pretraining only: continue from published weights (an encoder file, a Hugging Face ViT
     # folder, MAE's / HPM's release .pth whose decoder also initialises an MAE decoder, a run)
     init: str | None = None
@@ -100,9 +99,8 @@ class DataConfig(_Section):
     num_samples: int | None = Field(None, gt=0)  # for shards without sizes.json
     num_classes: int | None = Field(None, gt=0)
     num_workers: int = Field(2, ge=0)
-    shuffle_buffer: int = Field(
-        16, ge=1
-    )  # samples shuffled together in each stream of the global batch (mpp.data.order)
+    # samples shuffled together in each stream of the global batch (mpp.data.order)
+    shuffle_buffer: int = Field(16, ge=1)
     crop_scale: tuple[float, float] = (0.2, 1.0)
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
     hflip: float = Field(0.5, ge=0.0, le=1.0)
@@ -127,9 +125,8 @@ class DataConfig(_Section):
     label_fraction: float | None = Field(None, gt=0.0, le=1.0)
     label_keys: str | None = None
     label_seed: int = 0
-    log_keys: bool = (
-        False  # RUN/keys/rankN.jsonl: every trained sample's key, by (epoch, micro-batch)
-    )
+    # RUN/keys/rankN.jsonl: every trained sample's key, by (epoch, micro-batch)
+    log_keys: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
@@ -179,23 +176,20 @@ class DataConfig(_Section):
 
 
 class OptimConfig(_Section):
-    name: Literal["adam", "adamw"] | None = (
-        None  # None: the objective's paper (Adam for mpp, AdamW otherwise)
-    )
+    # None: the objective's paper (Adam for mpp, AdamW otherwise)
+    name: Literal["adam", "adamw"] | None = None
     lr: float | None = Field(None, gt=0.0)  # absolute peak lr; else blr * batch_size / 256
     blr: float | None = Field(None, gt=0.0)
-    betas: tuple[float, float] | None = (
-        None  # None: the paper's (0.9, 0.999) for Adam, (0.9, 0.95) for AdamW
-    )
+    # None: the paper's (0.9, 0.999) for Adam, (0.9, 0.95) for AdamW
+    betas: tuple[float, float] | None = None
     eps: float = Field(1e-8, gt=0.0)
     weight_decay: float = Field(0.05, ge=0.0)
     warmup_steps: int | None = Field(None, ge=0)
     warmup_epochs: float | None = Field(None, ge=0.0)
     min_lr: float = Field(0.0, ge=0.0)
     grad_clip: float | None = Field(None, gt=0.0)
-    layer_decay: float = Field(
-        1.0, gt=0.0, le=1.0
-    )  # lr x decay^(depth - layer): fine-tuning's 0.65 / 0.8
+    # lr x decay^(depth - layer): fine-tuning's 0.65 / 0.8
+    layer_decay: float = Field(1.0, gt=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _check(self) -> OptimConfig:
@@ -217,32 +211,27 @@ class TrainConfig(_Section):
     # world size, so one config runs on 8 and on 64 GPUs (4096 = 8 x 2 x 256 = 64 x 1 x 64)
     max_micro_batch_size: int | None = Field(None, gt=0)
     epochs: float | None = Field(None, gt=0.0)
-    max_steps: int | None = Field(
-        None, gt=0
-    )  # optimiser steps; overrides epochs (sets the schedule)
-    stop_at_step: int | None = Field(
-        None, gt=0
-    )  # stop early, schedule unchanged (time-limited jobs)
+    # optimiser steps; overrides epochs (sets the schedule)
+    max_steps: int | None = Field(None, gt=0)
+    # stop early, schedule unchanged (time-limited jobs)
+    stop_at_step: int | None = Field(None, gt=0)
     output_dir: str = "runs/{name}"
     log_every: int = Field(10, gt=0)
     ckpt_every: int = Field(1000, gt=0)
     keep_last: int = Field(2, gt=0)
     seed: int = 0
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
-    max_bad_steps: int = Field(
-        10, ge=0
-    )  # non-finite losses skipped before the run stops (or rolls back)
+    # non-finite losses skipped before the run stops (or rolls back)
+    max_bad_steps: int = Field(10, ge=0)
     on_nonfinite: Literal["skip", "rollback", "stop"] = (
         "skip"  # past max_bad_steps: stop, or roll back
     )
     rollback_lr_scale: float = Field(1.0, gt=0.0, le=1.0)  # lr x this after each rollback
     max_rollbacks: int = Field(3, ge=0)
-    skip_nonfinite: bool = (
-        True  # check every micro-step's loss (one host sync) and skip NaN/Inf steps
-    )
-    preview_every: int = Field(
-        1000, ge=0
-    )  # pictures of the objective on fixed val images (mpp.train.preview); 0: none
+    # check every micro-step's loss (one host sync) and skip NaN/Inf steps
+    skip_nonfinite: bool = True
+    # pictures of the objective on fixed val images (mpp.train.preview); 0: none
+    preview_every: int = Field(1000, ge=0)
     # the monitor (mpp.train.monitor, the monitor section): every this many optimiser steps and
     # after the last, a k-NN top-1 of the encoder and the objective's held-out signal; 0: never
     monitor_every: int = Field(200, ge=0)
@@ -435,9 +424,8 @@ class Config(RunConfig):
 class FinetuneSection(_Section):
     """The supervised recipe (MAE/BEiT fine-tuning, DESIGN.md §4.6)."""
 
-    num_classes: int | None = Field(
-        None, gt=0
-    )  # None: from the shards' class list / data.num_classes
+    # None: from the shards' class list / data.num_classes
+    num_classes: int | None = Field(None, gt=0)
     global_pool: Literal["avg", "token"] = "avg"
     label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
     mixup: float = Field(0.8, ge=0.0)  # Beta(alpha, alpha); 0 disables
@@ -490,9 +478,8 @@ class ProbeSection(_Section):
     layers: Literal["last", "all"] = (
         "last"  # all: every block's features, probed in one feature pass
     )
-    holdout: float = Field(
-        0.1, gt=0.0, lt=1.0
-    )  # dinov2: the share of train that picks the grid's best head
+    # dinov2: the share of train that picks the grid's best head
+    holdout: float = Field(0.1, gt=0.0, lt=1.0)
 
 
 class ProbeConfig(_Section):

@@ -164,9 +164,8 @@ class BlockMask(MaskGenerator):
             if not bool(active.any()):  # one host sync per round; <= num_masked rounds
                 break
             budget = (self.num_masked - count).clamp(max=self.max_num_patches)[:, None]  # (B, 1)
-            top, left, h, w, area, aspect = tries = self._draw_blocks(
-                budget, generator
-            )  # (B, T) each
+            # (B, T) each
+            top, left, h, w, area, aspect = tries = self._draw_blocks(budget, generator)
             new = h * w - _rect_sums(mask, top, left, h, w)  # (B, T) patches a block would add
             ok = (h < H) & (w < W) & (new > 0) & (new <= budget) & active[:, None]
             accepted = ok.any(1)  # (B,)

@@ -27,9 +27,8 @@ from mpp.cli import add_submit_arguments, run_dir_of
 from mpp.parallel.launch import DIST_VARS
 from mpp.train.preemption import PREEMPTED_EXIT, StopRequest
 
-LOCAL_TIME_LIMIT_MIN = (
-    7 * 24 * 60
-)  # --submit local without --time: the local executor needs some limit
+# --submit local without --time: the local executor needs some limit
+LOCAL_TIME_LIMIT_MIN = 7 * 24 * 60
 # how many times a job may reach its time limit and requeue (submitit's default, 3, would end a
 # 300-hour run in 72-hour jobs after four of them); preemptions before the limit do not count
 MAX_TIMEOUTS = 100
@@ -161,9 +160,8 @@ def submit(command: str, argv: list[str] | None, cfg: Any, resumable: bool = Tru
     except SubmitError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (
-        RuntimeError
-    ) as e:  # submitit's: no srun here, or sbatch refused the job (its own words above)
+    # submitit's: no srun here, or sbatch refused the job (its own words above)
+    except RuntimeError as e:
         print(
             f"error: --submit {sub.submit}: {str(e).strip() or type(e).__name__}", file=sys.stderr
         )
@@ -249,8 +247,7 @@ def join_job_process_group() -> None:
     sees the node's GPUs and takes cuda:LOCAL_RANK, as under the deepspeed launcher."""
     from submitit.helpers import TorchDistributedEnvironment
 
-    for (
-        var
-    ) in DIST_VARS:  # a MASTER_PORT inherited by the local executor would be taken as the job's
+    # a MASTER_PORT inherited by the local executor would be taken as the job's
+    for var in DIST_VARS:
         os.environ.pop(var, None)
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)

@@ -255,9 +255,8 @@ def measure(setting: dict) -> dict[str, Any]:
     steps = {n: make_step(n, m, images, make_optimizer(m, n)) for n, m in models.items()}
     mm, mm_best, mm_flops = matmul_roofline(setting["matmul_n"], device)
     times = interleaved_times({"matmul": mm, **steps}, setting["rounds"], setting["warmup"])
-    times["matmul"] = mm_best[
-        -setting["rounds"] :
-    ]  # each round's fastest matmul, not the k together
+    # each round's fastest matmul, not the k together
+    times["matmul"] = mm_best[-setting["rounds"] :]
     peak = mm_flops / median(times["matmul"])
     # best-of as well as median: on a shared machine the fastest round is the least disturbed
     peak_best = mm_flops / min(times["matmul"])

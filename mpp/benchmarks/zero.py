@@ -120,9 +120,8 @@ def run_stage(config: Path, stage: int, work: Path, timeout: int = 600) -> dict[
             f"zero stage {stage} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
         )
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    timed = (
-        records[1:] or records
-    )  # the first interval holds the warm-up (allocations, first all-reduce)
+    # the first interval holds the warm-up (allocations, first all-reduce)
+    timed = records[1:] or records
     ips = median([m["imgs_per_sec"] for m in timed])
     ranks = [json.loads((rss_dir / f"rank{i}.json").read_text()) for i in range(WORLD)]
     return {

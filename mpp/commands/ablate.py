@@ -157,9 +157,8 @@ def cli_values(args: argparse.Namespace) -> dict:
                 raise ConfigError(f"--grid {item!r}: expected key=value1,value2,...")
             key, values = item.split("=", 1)
             grid[key.strip()] = split_values(values)
-    if (
-        args.launcher_args is not None and len(args.launcher_args) == 1
-    ):  # quoted: --launcher-args "--num_gpus 2"
+    # quoted: --launcher-args "--num_gpus 2"
+    if args.launcher_args is not None and len(args.launcher_args) == 1:
         args.launcher_args = shlex.split(args.launcher_args[0])
     baselines = (
         None

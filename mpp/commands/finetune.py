@@ -37,9 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if (
-        args.submit
-    ):  # checked here, run there: each task runs this command without --submit (mpp.submit)
+    # checked here, run there: each task runs this command without --submit (mpp.submit)
+    if args.submit:
         return submit("mpp.commands.finetune", argv, cfg)
     device = init_distributed()
     try:  # the shards' samples counted by the ranks together (mpp.data.census); rank 0's plan on every rank

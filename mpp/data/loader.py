@@ -141,12 +141,10 @@ class StreamConfig:
     hflip: float = 0.5
     randaug: tuple[int, int] | None = None
     shuffle_buffer: int = 16  # samples shuffled together in each stream (mpp.data.order)
-    global_batch: int = (
-        0  # the streams of a step: batch_size x world_size x accumulation (0: no accumulation)
-    )
-    shard_sizes: tuple[int, ...] | None = (
-        None  # samples per shard (mpp.data.census); None: counted by the loader
-    )
+    # the streams of a step: batch_size x world_size x accumulation (0: no accumulation)
+    global_batch: int = 0
+    # samples per shard (mpp.data.census); None: counted by the loader
+    shard_sizes: tuple[int, ...] | None = None
     # per shard, the only sample keys read (a labelled subset, mpp.data.labels); None: all of them
     shard_keys: tuple[frozenset[str], ...] | None = None
     # what every sample holds: channels, layout, value range (mpp.data.transforms)
@@ -296,9 +294,8 @@ class Loader:
         key_log: Path | None = None,
     ):
         self.dataset, self.num_workers, self.num_batches = dataset, num_workers, num_batches
-        self.key_log = (
-            key_log  # a training stream's sample keys, a line per micro-batch (data.log_keys)
-        )
+        # a training stream's sample keys, a line per micro-batch (data.log_keys)
+        self.key_log = key_log
         self.persistent = persistent and num_workers > 0
         # a training micro-batch arrives in one part per worker, in worker order
         self.parts = max(1, num_workers) if isinstance(dataset, _TrainStream) else 1
@@ -353,9 +350,8 @@ class Loader:
         self._skipped = {}
         count, parts = 0, []
         items = iter(loader)
-        _WORKERS.update(
-            getattr(items, "_workers", ())
-        )  # DataLoader's worker processes (none in-process)
+        # DataLoader's worker processes (none in-process)
+        _WORKERS.update(getattr(items, "_workers", ()))
         try:
             for item in items:
                 self._skipped[item.pop("_worker")] = item.pop("_skipped")
@@ -370,9 +366,8 @@ class Loader:
                     self._log_keys(batch["key"], count)
                 count += 1
                 yield batch
-        except (
-            Exception
-        ):  # a worker's error (bad data): its workers stop now, not at interpreter exit
+        # a worker's error (bad data): its workers stop now, not at interpreter exit
+        except Exception:
             if hasattr(items, "_shutdown_workers"):
                 items._shutdown_workers()
             self._loader = None
@@ -395,9 +390,8 @@ def _join(parts: list[dict]) -> dict:
     parts = [p for p in parts if p]  # workers without a stream in this micro-batch
     images = [p["image"] for p in parts]
     shape = (sum(len(x) for x in images), *images[0].shape[1:])
-    out = torch.empty(
-        shape, dtype=images[0].dtype, pin_memory=torch.cuda.is_available()
-    )  # one copy, pinned
+    # one copy, pinned
+    out = torch.empty(shape, dtype=images[0].dtype, pin_memory=torch.cuda.is_available())
     batch = {"image": torch.cat(images, out=out)}
     if "label" in parts[0]:
         batch["label"] = torch.cat([p["label"] for p in parts])

@@ -24,9 +24,8 @@ import torch
 from PIL import Image
 
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp", "npy", "tif", "tiff")
-EVAL_CROP_PCT = (
-    0.875  # resize the short side to img_size / 0.875, then center crop (timm's default)
-)
+# resize the short side to img_size / 0.875, then center crop (timm's default)
+EVAL_CROP_PCT = 0.875
 
 Box = tuple[float, float, float, float]  # (left, upper, right, lower) in source pixels
 _NPY_MAGIC, _TIFF_MAGIC = b"\x93NUMPY", (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")

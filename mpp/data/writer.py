@@ -238,9 +238,8 @@ def write_shards(
         tqdm(samples, desc=f"{prefix} shards", unit="img", disable=not o.progress)
     ):
         data, ext = encode_image(image, encoding)
-        members = [
-            (f"{index:09d}.{ext}", data)
-        ]  # the image first: a cut inside it loses one sample only
+        # the image first: a cut inside it loses one sample only
+        members = [(f"{index:09d}.{ext}", data)]
         if label is not None:
             members.append((f"{index:09d}.cls", str(int(label)).encode()))
         needed = sum(_member_bytes(d) for _, d in members)

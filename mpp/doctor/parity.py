@@ -66,9 +66,8 @@ def xformers_kernel(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None) -> Ten
     if xops is None:
         raise NoKernel(f"xformers cannot be imported ({why})")
     bias = None
-    if (
-        keep is not None
-    ):  # an additive (B, H, N, N) bias, its rows 8-aligned in memory as xformers asks
+    # an additive (B, H, N, N) bias, its rows 8-aligned in memory as xformers asks
+    if keep is not None:
         B, N, H, _ = q.shape
         pad = -(-N // 8) * 8
         bias = torch.zeros(B, H, N, pad, dtype=q.dtype, device=q.device)[..., :N]

@@ -24,9 +24,8 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, mean, std) ->
     """Top-1 / top-5 / loss over an exact single pass, summed over ranks."""
     was_training = model.training
     model.eval()
-    stats = torch.zeros(
-        4, device=device, dtype=torch.float64
-    )  # correct1, correct5, loss sum, count
+    # correct1, correct5, loss sum, count
+    stats = torch.zeros(4, device=device, dtype=torch.float64)
     for batch in in_step(loader, device):
         if batch is None:  # this rank's shards are done, another rank's are not: a forward to match
             pe = model.encoder.patch_embed

@@ -45,9 +45,8 @@ class LARS(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 update = p.grad
-                if (
-                    p.ndim > 1
-                ):  # not a bias or a norm's gamma/beta: weight decay and the trust ratio
+                # not a bias or a norm's gamma/beta: weight decay and the trust ratio
+                if p.ndim > 1:
                     update = update.add(p, alpha=group["weight_decay"])
                     update = update.mul(trust_ratio(p, update, group["trust_coefficient"]))
                 state = self.state[p]

@@ -158,9 +158,8 @@ def write_hf(sd: dict, kwargs: dict, info: dict, folder: Path) -> None:
         if info["class_names"] and len(info["class_names"]) == num_classes
         else None
     )
-    config = hf_config(
-        kwargs, dict(enumerate(names)) if names else None
-    )  # refuses what HF cannot express
+    # refuses what HF cannot express
+    config = hf_config(kwargs, dict(enumerate(names)) if names else None)
     folder.mkdir(parents=True, exist_ok=True)
     save_weights(
         to_hf(sd, full["depth"], classifier=num_classes > 0),

@@ -327,9 +327,8 @@ def load_into(
     architecture fact or a shape that differs is an error naming it. Returns the keys left at
     their initialisation (e.g. head, fc_norm)."""
     sd, kwargs = load_pretrained(init)
-    check_pooling(
-        model, sd, init
-    )  # first: its fc_norm would read as "not a parameter of the model"
+    # first: its fc_norm would read as "not a parameter of the model"
+    check_pooling(model, sd, init)
     if "pos_embed" in sd and sd["pos_embed"].shape != model.pos_embed.shape:
         sd["pos_embed"] = resample_abs_pos_embed(
             sd["pos_embed"], model.grid_size, num_prefix_tokens=model.num_prefix_tokens
@@ -347,9 +346,8 @@ def load_into(
     facts_sd = sd  # the file's own keys, before the head and the final norm are set aside
     sd = {k: v for k, v in sd.items() if not k.startswith("head.")}
     if model.global_pool == "avg":
-        sd = {
-            k: v for k, v in sd.items() if not k.startswith("norm.")
-        }  # MAE: pooled features get a fresh fc_norm
+        # MAE: pooled features get a fresh fc_norm
+        sd = {k: v for k, v in sd.items() if not k.startswith("norm.")}
     check_stated_facts(model, facts_sd, kwargs, init)
     missing = check_shapes(model, sd, init)
     model.load_state_dict(sd, strict=False)

@@ -69,9 +69,8 @@ def resolve_backend(requested: str, device: torch.device) -> str:
             resolved = "sdpa"
     else:
         resolved, why = requested, ""
-    if (
-        not torch.compiler.is_compiling()
-    ):  # a logger call would break torch.compile's graph at every block
+    # a logger call would break torch.compile's graph at every block
+    if not torch.compiler.is_compiling():
         _log_once(requested, resolved, dev, why)
     return resolved
 
@@ -147,9 +146,8 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         B, N, C = x.shape
-        q, k, v = (
-            self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).unbind(2)
-        )  # (B, N, H, hd)
+        # (B, N, H, hd)
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).unbind(2)
         backend = resolve_backend(self.attn_backend, x.device)
         x = attention(
             q, k, v, backend, self.attn_drop if self.training else 0.0, self.attn_backend == "auto"

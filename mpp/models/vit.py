@@ -235,9 +235,8 @@ class VisionTransformer(nn.Module):
             torch.zeros(1, self.num_prefix_tokens + self.patch_embed.num_patches, embed_dim),
             requires_grad=pos_embed == "learned",
         )
-        dpr = [
-            drop_path_rate * i / max(depth - 1, 1) for i in range(depth)
-        ]  # stochastic depth, linear 0 -> rate
+        # stochastic depth, linear 0 -> rate
+        dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
         self.blocks = nn.Sequential(
             *[
                 Block(embed_dim, num_heads, mlp_ratio, qkv_bias, dpr[i], attn_backend, norm_eps)
@@ -287,9 +286,8 @@ class VisionTransformer(nn.Module):
         ``visible_idx`` (B, N_vis) selects which patch tokens the blocks see."""
         x = patch_tokens + self.pos_embed[:, self.num_prefix_tokens :]
         if visible_idx is not None:
-            x = torch.gather(
-                x, 1, visible_idx.unsqueeze(-1).expand(-1, -1, x.shape[-1])
-            )  # (B, N_vis, D)
+            # (B, N_vis, D)
+            x = torch.gather(x, 1, visible_idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         cls = (self.cls_token + self.pos_embed[:, : self.num_prefix_tokens]).expand(
             x.shape[0], -1, -1
         )

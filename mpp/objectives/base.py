@@ -89,14 +89,12 @@ class PerPatchObjective(Objective):
 
     token_dim: int
 
-    def predictor_tokens(
-        self, images: Tensor, mask: Tensor | None = None
-    ) -> Tensor:  # pragma: no cover
+    # pragma: no cover
+    def predictor_tokens(self, images: Tensor, mask: Tensor | None = None) -> Tensor:
         raise NotImplementedError
 
-    def forward_per_patch(
-        self, images: Tensor, mask: Tensor | None = None
-    ) -> PerPatch:  # pragma: no cover
+    # pragma: no cover
+    def forward_per_patch(self, images: Tensor, mask: Tensor | None = None) -> PerPatch:
         raise NotImplementedError
 
     def per_image_metrics(self, out: PerPatch) -> dict[str, Tensor]:

@@ -192,9 +192,8 @@ class MaskedPatchPrediction(PerPatchObjective):
         _, corrupt_idx = mask_indices(mask, self.num_corrupt)  # (B, n)
         tokens, kind = self.corrupt(self.encoder.patch_embed(images), mask)
         latent = self.encoder.encode(tokens)  # (B, 1 + N, D)
-        pred = self.head(
-            gather_tokens(latent[:, self.encoder.num_prefix_tokens :], corrupt_idx)
-        )  # (B, n, out)
+        # (B, n, out)
+        pred = self.head(gather_tokens(latent[:, self.encoder.num_prefix_tokens :], corrupt_idx))
         target = gather_tokens(self.targets(images), corrupt_idx)
         loss, correct = self.forward_loss(pred, target)
         return {

@@ -75,9 +75,8 @@ class OpCosts(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet, written = func.overloadpacket, _nbytes(out)
-        if (
-            func.is_view or packet in NO_TRAFFIC or not written
-        ):  # not written: metadata (prim.device)
+        # not written: metadata (prim.device)
+        if func.is_view or packet in NO_TRAFFIC or not written:
             return out
         flops = (
             FLOP_FORMULAS[packet](*args, **kwargs, out_val=out) if packet in FLOP_FORMULAS else 0

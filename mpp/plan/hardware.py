@@ -12,9 +12,8 @@ class GPU:
     name: str
     bf16_flops: float  # FLOP/s, dense
     hbm_bytes_per_s: float
-    memory_bytes: (
-        float  # the spec sheet's GB (decimal): below what the device reports, so a plan errs low
-    )
+    # the spec sheet's GB (decimal): below what the device reports, so a plan errs low
+    memory_bytes: float
     nvlink_bytes_per_s: float  # within a node, per direction
     network_bytes_per_s: float  # between nodes, the GPU's own NIC, per direction
     gpus_per_node: int

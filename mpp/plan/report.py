@@ -14,9 +14,8 @@ from mpp.plan.memory import FIXED_MARGIN_BYTES, FRAGMENTATION, model_states, pea
 from mpp.plan.recipe import recipe
 
 GIB = 2**30
-Probe = Callable[
-    [list[str], list[int]], dict[str, Any]
-]  # (overrides, micro sizes) -> probe.run's dict
+# (overrides, micro sizes) -> probe.run's dict
+Probe = Callable[[list[str], list[int]], dict[str, Any]]
 
 
 def batch_split(cfg: Config, ranks: int) -> tuple[int, int]:

@@ -351,9 +351,8 @@ def check_cells(spec: AblationSpec, cells: list[Cell]) -> dict[Cell | None, list
     model_sets, bad = {}, []
     seed = spec.seed_list[0]
     for cell in [*cells, None]:
-        if cell is None and (
-            bad or not spec.baseline_names
-        ):  # the baselines' after good cells only
+        # the baselines' after good cells only
+        if cell is None and (bad or not spec.baseline_names):
             break
         try:
             cfg = load_config(spec.base, pretrain_overrides(spec, cell or Cell(()), seed))

@@ -93,9 +93,8 @@ def job_state(backend: str, folder: Path, job_id: str) -> str:
             return SLURM_STATES[state]
         if state not in ("UNKNOWN", "COMPLETED", "FAILED"):
             return state.lower()
-    result = (
-        folder / f"{job_id}_0_result.pkl"
-    )  # submitit's: ("success", value) or ("error", traceback)
+    # submitit's: ("success", value) or ("error", traceback)
+    result = folder / f"{job_id}_0_result.pkl"
     if not result.is_file():
         return "killed" if backend == "local" else "unknown"
     with open(result, "rb") as f:

@@ -227,9 +227,8 @@ def plot(
             font=small,
             anchor="mt",
         )
-        for j, ((name, k), (mean, _, n)) in enumerate(
-            scratch.items()
-        ):  # the baselines: dashed lines
+        # the baselines: dashed lines
+        for j, ((name, k), (mean, _, n)) in enumerate(scratch.items()):
             if k == kind and n:
                 dashed_line(
                     d, left, width - 20, y_of(mean), BASELINES[name][0], small, below=j % 2 == 1

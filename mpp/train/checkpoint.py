@@ -148,9 +148,8 @@ def save_checkpoint(
     )
     problem = from_rank0(problem)  # every rank learns it (and waits for the marker)
     if problem:
-        raise (DiskFullError if "filled up" in problem else CheckpointError)(
-            problem
-        )  # rank 0's kind
+        # rank 0's kind
+        raise (DiskFullError if "filled up" in problem else CheckpointError)(problem)
     return tag
 
 

@@ -69,9 +69,8 @@ class Checkpointer:
                 engine_log.info("resumed from %s/%s at step %d", found[0], found[1], state.step)
         if dist.get_rank() == 0:
             (self.run_dir / "preempted.json").unlink(missing_ok=True)  # this run is going again
-            ckpt.room(
-                self.engine, self.root, self.keep_last
-            )  # a warning now if keep_last + 1 do not fit
+            # a warning now if keep_last + 1 do not fit
+            ckpt.room(self.engine, self.root, self.keep_last)
         return state
 
     def save(self, state: RunState) -> None:
@@ -124,9 +123,8 @@ class Checkpointer:
             state.batch_in_epoch,
         )  # past the batch that failed (the caller advanced)
         lr_scale = state.lr_scale * t.rollback_lr_scale
-        loaded = restore(
-            self.engine, self.objective, self.root, tag, self.plan, t.seed
-        )  # maybe a resume's layout
+        # maybe a resume's layout
+        loaded = restore(self.engine, self.objective, self.root, tag, self.plan, t.seed)
         for key, value in asdict(loaded).items():
             setattr(state, key, value)
         state.epoch, state.batch_in_epoch = position
@@ -145,9 +143,8 @@ class Checkpointer:
         sd = ckpt.full_state_dict(self.engine, self.root, ckpt.latest_complete(self.root))
         if dist.get_rank() == 0:
             model = self.objective
-            prefix = (
-                next(n for n, m in model.named_modules() if m is model.encoder) + "."
-            )  # hpm: base.encoder.
+            # hpm: base.encoder.
+            prefix = next(n for n, m in model.named_modules() if m is model.encoder) + "."
             out = self.run_dir / "encoder.safetensors"
             ckpt.export_encoder(sd, encoder_kwargs(self.cfg, model.encoder), out, prefix=prefix)
             save_config(self.cfg, self.run_dir / "encoder_config.json")
@@ -196,17 +193,15 @@ def restore(
         client = _load_universal(engine, Path(root), tag, saved["world_size"])
     state = RunState(**client["state"])
     accum = saved.get("grad_accum", plan.grad_accum)
-    if (
-        accum != plan.grad_accum or not same
-    ):  # the step in the epoch carries over, in this run's micro-batches
+    # the step in the epoch carries over, in this run's micro-batches
+    if accum != plan.grad_accum or not same:
         state.batch_in_epoch = math.ceil(state.batch_in_epoch / accum) * plan.grad_accum
     if same:
         set_rng_state(client["rng"][rank])
     else:
         seed_everything(seed + rank + 1_000_003 * state.step)
-    rank_state = ckpt.load_rank_state(
-        root, tag
-    )  # HPM's fp32 EMA under bf16: whole below ZeRO-3, a shard at 3
+    # HPM's fp32 EMA under bf16: whole below ZeRO-3, a shard at 3
+    rank_state = ckpt.load_rank_state(root, tag)
     if not same and engine.zero_optimization_stage() == 3:
         if rank_state and rank == 0:
             log.warning(
@@ -243,9 +238,8 @@ def _load_universal(engine: Any, root: Path, tag: str, saved_world: int) -> dict
         {k: v for k, v in g.items() if k not in ("params", "step")}
         for g in engine.optimizer.param_groups
     ]
-    engine._config.load_universal_checkpoint = (
-        True  # this load only: a rollback later reads our own checkpoints
-    )
+    # this load only: a rollback later reads our own checkpoints
+    engine._config.load_universal_checkpoint = True
     try:
         with ckpt.weights_only_loads():
             _, client = engine.load_checkpoint(str(out), tag=tag)

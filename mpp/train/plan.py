@@ -215,9 +215,8 @@ def check_resume(cfg: RunConfig, resume: str | None) -> None:
     from mpp.train.checkpoint import resolve_resume, saved_layout
 
     try:
-        found = resolve_resume(
-            resume, Path(_output_dir(cfg)) / "checkpoints", verified=False
-        )  # the engine verifies
+        # the engine verifies
+        found = resolve_resume(resume, Path(_output_dir(cfg)) / "checkpoints", verified=False)
     except FileNotFoundError:
         return  # said by the engine on every rank
     saved = saved_layout(*found) if found else {}
@@ -283,9 +282,8 @@ class RunState:
     samples: int = 0  # images seen, all ranks
     bad_steps: int = 0
     overflow_steps: int = 0  # fp16 steps DeepSpeed skipped on a gradient overflow
-    rollback_steps: list[int] = field(
-        default_factory=list
-    )  # steps whose non-finite losses were rolled back
+    # steps whose non-finite losses were rolled back
+    rollback_steps: list[int] = field(default_factory=list)
     lr_scale: float = 1.0  # train.rollback_lr_scale per rollback
 
 

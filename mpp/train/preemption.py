@@ -56,9 +56,8 @@ class StopRequest:
     """Installs the handlers (every rank, before the data workers start: they inherit them and
     only set their own copy of the flag, so they keep serving until the rank stops)."""
 
-    last_agreed = (
-        0  # the signal this process's last stop was agreed on: mpp.submit requeues on its own only
-    )
+    # the signal this process's last stop was agreed on: mpp.submit requeues on its own only
+    last_agreed = 0
 
     def __init__(self) -> None:
         self.signum, self.reason = 0, None
@@ -87,9 +86,8 @@ class StopRequest:
         flag = torch.tensor([self.signum], dtype=torch.int64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            if (
-                flag.item()
-            ):  # once, at the stop; the watchers tick apart: rank 0's may not have seen it yet
+            # once, at the stop; the watchers tick apart: rank 0's may not have seen it yet
+            if flag.item():
                 reasons = [None] * dist.get_world_size()
                 dist.all_gather_object(reasons, self.reason, group=self.group)
                 self.reason = next((r for r in reasons if r), None)

@@ -61,9 +61,8 @@ class Trainer:
         self.cfg, self.plan, self.run_dir, self.device = cfg, plan, run_dir, device
         self.evaluate, self.evaluate_every = evaluate, evaluate_every
         self.rank = dist.get_rank()
-        seed_everything(
-            cfg.train.seed + self.rank
-        )  # ranks draw different masks; data has its own seeds
+        # ranks draw different masks; data has its own seeds
+        seed_everything(cfg.train.seed + self.rank)
         self.stop = min(plan.total_steps, cfg.train.stop_at_step or plan.total_steps)
         self.engine, self.optimizer = start_engine(cfg, objective, plan)
         self.objective = self.engine.module
@@ -109,9 +108,8 @@ class Trainer:
                         self.on_step_end(stepped, epoch_done)
                         if self.done:
                             break
-                except (
-                    NonFiniteLossError
-                ) as error:  # train.on_nonfinite: roll back and go on, or stop
+                # train.on_nonfinite: roll back and go on, or stop
+                except NonFiniteLossError as error:
                     self.recover(error)
         finally:  # a stopped run still leaves a closed log, no workers and a clean terminal
             self.close()
@@ -183,9 +181,8 @@ class Trainer:
         """``train.on_nonfinite=rollback``: back to the last complete checkpoint with the data past
         the batch that failed (``Checkpointer.rollback``), metrics.jsonl rewound to that step with
         the event recorded; re-raises otherwise."""
-        advance(
-            self.state, self.plan, self.cfg, stepped=False
-        )  # the batch that failed is behind us
+        # the batch that failed is behind us
+        advance(self.state, self.plan, self.cfg, stepped=False)
         self.checkpointer.rollback(self.state, error)
         self.lr = self.schedule.apply(self.optimizer, self.state)
         self.metrics.rewind(self.state)
@@ -243,9 +240,8 @@ def micro_step(
 def after_optimizer_step(engine: Any) -> None:
     """The objective's hook (HPM's EMA teacher), then ZeRO-3's gathers ordered after its writes."""
     engine.module.after_optimizer_step()
-    zero.order_gathers_after_writes(
-        engine.optimizer
-    )  # HPM's EMA wrote ZeRO-3 shards outside DeepSpeed
+    # HPM's EMA wrote ZeRO-3 shards outside DeepSpeed
+    zero.order_gathers_after_writes(engine.optimizer)
 
 
 def train_loader(cfg: RunConfig, plan: Plan, rank: int, run_dir: Path) -> Any:
