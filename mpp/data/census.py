@@ -35,7 +35,7 @@ from .sources import _local_path, _read_json, _scheme, _sizes_url, open_shard
 from .tario import tar_samples
 from .transforms import IMAGE_KEYS
 
-log = logging.getLogger("mpp.data")
+log = logging.getLogger(__name__)
 CACHE_FILE = ".mpp_counts.json"  # beside the shards
 RUN_CACHE_FILE = "shard_counts.json"  # in the run directory, when the shards' folder is read-only
 

@@ -9,7 +9,7 @@ import logging
 import time
 from collections import deque
 
-log = logging.getLogger("mpp.data")
+log = logging.getLogger(__name__)
 
 
 class DataError(RuntimeError):

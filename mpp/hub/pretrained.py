@@ -24,7 +24,7 @@ from mpp.train.checkpoint import (
 )
 from mpp.train.storage import CheckpointError
 
-log = logging.getLogger("mpp.pretrained")
+log = logging.getLogger(__name__)
 
 # the encoder's keys in timm's (and MAE's, and our) naming
 ENCODER_KEYS = ("cls_token", "pos_embed", "patch_embed.", "blocks.", "norm.", "fc_norm.", "head.")

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-log = logging.getLogger("mpp.attention")
+log = logging.getLogger(__name__)
 
 ATTN_BACKENDS = ("auto", "xformers", "sdpa", "math")
 

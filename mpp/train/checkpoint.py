@@ -27,7 +27,7 @@ from mpp.parallel.distributed import from_rank0
 from mpp.train import storage
 from mpp.train.storage import CheckpointError, DiskFullError
 
-log = logging.getLogger("mpp.checkpoint")
+log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
 TAG_PREFIX = "step"

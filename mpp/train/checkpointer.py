@@ -33,9 +33,7 @@ from mpp.train.plan import Plan, RunState
 from mpp.train.preemption import Preempted, StopRequest, write_marker
 from mpp.train.rng import rng_state, seed_everything, set_rng_state
 
-log = logging.getLogger("mpp.elastic")
-# the log names users grep stay those of the modules the code came from
-engine_log, nonfinite_log = logging.getLogger("mpp.engine"), logging.getLogger("mpp.nonfinite")
+log = logging.getLogger(__name__)
 UNIVERSAL = "universal"  # RUN/checkpoints/universal/TAG: a conversion, removed once loaded
 
 
@@ -66,7 +64,7 @@ class Checkpointer:
                 self.engine, self.objective, found[0], found[1], self.plan, self.cfg.train.seed
             )
             if dist.get_rank() == 0:
-                engine_log.info("resumed from %s/%s at step %d", found[0], found[1], state.step)
+                log.info("resumed from %s/%s at step %d", found[0], found[1], state.step)
         if dist.get_rank() == 0:
             (self.run_dir / "preempted.json").unlink(missing_ok=True)  # this run is going again
             # a warning now if keep_last + 1 do not fit
@@ -130,7 +128,7 @@ class Checkpointer:
         state.epoch, state.batch_in_epoch = position
         state.rollback_steps, state.lr_scale = failed, lr_scale
         if dist.get_rank() == 0:
-            nonfinite_log.warning(
+            log.warning(
                 "non-finite losses at step %d: rolled back to %s, data moved past the window, lr x %g",
                 failed[-1],
                 tag,

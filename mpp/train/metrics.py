@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from mpp.train.plan import Plan, RunState
 
-log = logging.getLogger("mpp.metrics")
+log = logging.getLogger(__name__)
 
 
 def drop_records_after(path: Path, step: int) -> None:

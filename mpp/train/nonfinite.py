@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from mpp.train.plan import RunState
 
-log = logging.getLogger("mpp.nonfinite")
+log = logging.getLogger(__name__)
 # a fault-injection hook (README, NaN recovery): MPP_INJECT_NONFINITE_AT_STEP=k makes the check
 # report a non-finite loss when optimiser step k is first attempted, to try train.on_nonfinite
 INJECT_ENV = "MPP_INJECT_NONFINITE_AT_STEP"

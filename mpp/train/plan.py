@@ -16,7 +16,7 @@ from mpp.data.labels import LabelledSubset, choose, from_key_file, label_index
 from mpp.data.stats import pixel_stats
 from mpp.data.transforms import PixelFormat, pixel_format
 
-log = logging.getLogger("mpp.plan")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -30,7 +30,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger("mpp.preemption")
+log = logging.getLogger(__name__)
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: try again (a requeue wrapper tests for it)
 # SIGUSR2 is submitit's preemption/timeout signal (its sbatch asks SLURM for --signal=USR2@90, and

@@ -25,7 +25,7 @@ import psutil
 
 from mpp.config import ConfigError
 
-log = logging.getLogger("mpp.runlock")
+log = logging.getLogger(__name__)
 
 LOCK = "job.lock"
 HEARTBEAT_S = 15.0

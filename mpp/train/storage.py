@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger("mpp.storage")
+log = logging.getLogger(__name__)
 CHUNK = 8 << 20
 _warned_room: dict[str, int] = {}  # checkpoint root -> the room last warned about
 

@@ -34,7 +34,7 @@ from mpp.train.preemption import StopRequest
 from mpp.train.preview import build_preview
 from mpp.train.rng import seed_everything
 
-log = logging.getLogger("mpp.engine")
+log = logging.getLogger(__name__)
 
 EvalHook = Callable[[Any, RunState], "dict | None"]  # (DeepSpeed engine, state) -> values to log
 
