@@ -105,7 +105,7 @@ def test_auto_falls_back_to_sdpa_where_xformers_has_no_kernel(monkeypatch, caplo
     q, k, v = _qkv(2, 50, 2, 8)
     with pytest.raises(NotImplementedError):
         attention(q, k, v, "xformers")
-    with caplog.at_level("WARNING", logger="mpp.attention"):
+    with caplog.at_level("WARNING", logger="mpp.models.attention"):
         for _ in range(2):
             torch.testing.assert_close(
                 attention(q, k, v, "xformers", fallback=True), attention(q, k, v, "sdpa")
