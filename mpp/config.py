@@ -56,35 +56,52 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
 
 
 class ModelConfig(_Section):
     name: str = "vit_base_patch16_224"
+    """The ViT variant (timm's names: vit_base_patch16_224, vit_tiny_patch4_32, ...); the keys below
+    override its size."""
     img_size: int | None = Field(None, gt=0)
+    """The input side in pixels; None: the variant's. A new size resamples pretrained position
+    embeddings."""
     patch_size: int | None = Field(None, gt=0)
-    in_chans: int | None = Field(None, gt=0)  # None: data.channels
+    """The patch side in pixels; None: the variant's."""
+    in_chans: int | None = Field(None, gt=0)
+    """None: data.channels."""
     embed_dim: int | None = Field(None, gt=0)
+    """The token width; None: the variant's."""
     depth: int | None = Field(None, gt=0)
+    """The number of blocks; None: the variant's."""
     num_heads: int | None = Field(None, gt=0)
+    """Attention heads per block; None: the variant's."""
     pos_embed: Literal["learned", "sincos"] = "learned"
+    """Learned 1-D position embeddings (ViT) or the fixed 2-D sin-cos table (MAE, HPM)."""
     attn_backend: Literal["auto", "xformers", "sdpa", "math"] = "auto"
+    """auto: xformers' memory-efficient attention on CUDA when importable, else PyTorch SDPA; or one
+    of them, or math (the explicit reference)."""
     drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
-    # None: what the init weights state (a Hugging Face folder's layer_norm_eps, 1e-12 in Google's
-    # checkpoints), else the ViT's own 1e-6 / True; a value here that contradicts the file is an error
+    """Stochastic depth, linear from 0 to this over the blocks (fine-tuning's 0.1)."""
     norm_eps: float | None = Field(None, gt=0.0)
+    """None: what the init weights state (a Hugging Face folder's layer_norm_eps, 1e-12 in Google's
+    checkpoints), else the ViT's own 1e-6 / True; a value here that contradicts the file is an
+    error."""
     qkv_bias: bool | None = None
-    # activation checkpointing per block (timm's name), encoder and decoders: recompute each
-    # block's activations in the backward instead of keeping them; not architecture
+    """Bias on the qkv projection; None: what the init weights state, else True."""
     grad_checkpointing: bool = False
-    # torch.compile through DeepSpeed's engine.compile(); off until a GPU measures it
+    """Activation checkpointing per block (timm's name), encoder and decoders: recompute each
+    block's activations in the backward instead of keeping them; not architecture."""
     compile: bool = False
-    # pretraining only: continue from published weights (an encoder file, a Hugging Face ViT
-    # folder, MAE's / HPM's release .pth whose decoder also initialises an MAE decoder, a run)
+    """torch.compile through DeepSpeed's engine.compile(); off until a GPU measures it."""
     init: str | None = None
-    # weights in with another channel count (RGB weights on data.channels=C): "adapt" as timm's
-    # adapt_input_conv (1 channel: summed; C > 3: tiled, scaled by 3 / C), or "error"
+    """Pretraining only: continue from published weights (an encoder file, a Hugging Face ViT
+    folder, MAE's / HPM's release .pth whose decoder also initialises an MAE decoder, a run)"""
     init_chans_policy: Literal["adapt", "error"] = "adapt"
+    """Weights in with another channel count (RGB weights on data.channels=C): "adapt" as timm's
+    adapt_input_conv (1 channel: summed; C > 3: tiled, scaled by 3 / C), or "error"."""
 
     def vit_kwargs(self) -> dict[str, Any]:
         """Overrides for ``create_vit(self.name, **overrides)``: only what was set."""
@@ -93,40 +110,60 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    train_shards: str | list[str] | None = None  # brace patterns, paths or http(s) URLs
+    train_shards: str | list[str] | None = None
+    """Brace patterns, paths or http(s) URLs."""
     val_shards: str | list[str] | None = None
-    builtin: Literal["digits"] | None = None  # used when train_shards is not given
-    num_samples: int | None = Field(None, gt=0)  # for shards without sizes.json
+    """The validation shards (fine-tuning's evaluation, the probes, the monitor's held-out images);
+    the same forms."""
+    builtin: Literal["digits"] | None = None
+    """Used when train_shards is not given."""
+    num_samples: int | None = Field(None, gt=0)
+    """For shards without sizes.json."""
     num_classes: int | None = Field(None, gt=0)
+    """The label count; None: from the shards' class list (sizes.json)."""
     num_workers: int = Field(2, ge=0)
-    # samples shuffled together in each stream of the global batch (mpp.data.order)
+    """DataLoader workers per rank (each decodes and augments its share of every micro-batch)."""
     shuffle_buffer: int = Field(16, ge=1)
+    """Samples shuffled together in each stream of the global batch (mpp.data.order)"""
     crop_scale: tuple[float, float] = (0.2, 1.0)
+    """RandomResizedCrop's range of the image area kept."""
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    """RandomResizedCrop's range of aspect ratios."""
     hflip: float = Field(0.5, ge=0.0, le=1.0)
-    # what every sample holds (mpp.data.transforms): its channels; the layout of arrays whose
-    # shape cannot say; for data that is not 8-bit, the values that map to [0, 1] ("auto": the
-    # observed range); never an implicit 255
+    """The probability of a horizontal flip."""
     channels: int = Field(3, gt=0)
+    """What every sample holds (mpp.data.transforms): its channels; the layout of arrays whose shape
+    cannot say; for data that is not 8-bit, the values that map to [0, 1] ("auto": the observed
+    range); never an implicit 255."""
     layout: Literal["HWC", "CHW"] | None = None
+    """HWC or CHW, for arrays whose shape cannot say (a 4 x 16 x 4 array); None: read from the
+    shape."""
     value_range: tuple[float, float] | Literal["auto"] | None = None
-    # per channel, of [0, 1] pixels; "auto": measured on stats_samples training images
-    # (mpp.data.stats, cached beside the shard counts), then saved in RUN/config.json
+    """For data that is not 8-bit: the [low, high] that maps to [0, 1] (clipped), or "auto" for the
+    observed range; never an implicit 255."""
     mean: tuple[float, ...] | Literal["auto"] = IMAGENET_MEAN
+    """Per channel, of [0, 1] pixels; "auto": measured on stats_samples training images
+    (mpp.data.stats, cached beside the shard counts), then saved in RUN/config.json."""
     std: tuple[float, ...] | Literal["auto"] = IMAGENET_STD
+    """Per channel, of [0, 1] pixels; "auto": measured with the mean."""
     stats_samples: int = Field(1024, gt=0)
-    # which channels the previews and pictures show (3, or 1 as grey); None: the first three
+    """How many training images "auto" statistics are measured on."""
     display_channels: tuple[int, ...] | None = None
-    allow_pipe: bool = False  # `pipe:` URLs run shell commands: only when asked for
-    # few labels (fine-tuning, the linear probe and k-NN; mpp.data.labels): K labelled samples
-    # per class, a fraction p of them (K = round(p N / C) per class) or a file of keys, chosen
-    # from the training shards with label_seed; the validation shards always stay whole
+    """Which channels the previews and pictures show (3, or 1 as grey); None: the first three."""
+    allow_pipe: bool = False
+    """`pipe:` URLs run shell commands: only when asked for."""
     labels_per_class: int | None = Field(None, gt=0)
+    """Few labels (fine-tuning, the linear probe and k-NN; mpp.data.labels): K labelled samples per
+    class, a fraction p of them (K = round(p N / C) per class) or a file of keys, chosen from the
+    training shards with label_seed; the validation shards always stay whole."""
     label_fraction: float | None = Field(None, gt=0.0, le=1.0)
+    """Few labels: a fraction p of the labelled samples, as K = round(p N / C) per class (balanced)."""
     label_keys: str | None = None
+    """Few labels: a file of sample keys, one per line (RUN/label_keys.txt, or a published list)."""
     label_seed: int = 0
-    # RUN/keys/rankN.jsonl: every trained sample's key, by (epoch, micro-batch)
+    """The seed that chooses the labelled subset (the same subset on every rank and world size)."""
     log_keys: bool = False
+    """RUN/keys/rankN.jsonl: every trained sample's key, by (epoch, micro-batch)"""
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
@@ -176,20 +213,29 @@ class DataConfig(_Section):
 
 
 class OptimConfig(_Section):
-    # None: the objective's paper (Adam for mpp, AdamW otherwise)
     name: Literal["adam", "adamw"] | None = None
-    lr: float | None = Field(None, gt=0.0)  # absolute peak lr; else blr * batch_size / 256
+    """None: the objective's paper (Adam for mpp, AdamW otherwise)"""
+    lr: float | None = Field(None, gt=0.0)
+    """Absolute peak lr; else blr * batch_size / 256."""
     blr: float | None = Field(None, gt=0.0)
-    # None: the paper's (0.9, 0.999) for Adam, (0.9, 0.95) for AdamW
+    """Base lr: the peak is blr x batch_size / 256 (MAE's rule); set lr or blr."""
     betas: tuple[float, float] | None = None
+    """None: the paper's (0.9, 0.999) for Adam, (0.9, 0.95) for AdamW."""
     eps: float = Field(1e-8, gt=0.0)
+    """Adam's epsilon."""
     weight_decay: float = Field(0.05, ge=0.0)
+    """Decoupled weight decay (AdamW) or L2 (Adam); none on biases, norms, position embeddings and
+    tokens."""
     warmup_steps: int | None = Field(None, ge=0)
+    """Linear warm-up from 0, in optimiser steps; or warmup_epochs."""
     warmup_epochs: float | None = Field(None, ge=0.0)
+    """Linear warm-up from 0, in epochs (fractions allowed); or warmup_steps."""
     min_lr: float = Field(0.0, ge=0.0)
+    """The cosine decay's floor."""
     grad_clip: float | None = Field(None, gt=0.0)
-    # lr x decay^(depth - layer): fine-tuning's 0.65 / 0.8
+    """Clip the global gradient norm to this; None: no clipping."""
     layer_decay: float = Field(1.0, gt=0.0, le=1.0)
+    """Lr x decay^(depth - layer): fine-tuning's 0.65 / 0.8."""
 
     @model_validator(mode="after")
     def _check(self) -> OptimConfig:
@@ -205,39 +251,53 @@ class OptimConfig(_Section):
 
 
 class TrainConfig(_Section):
-    batch_size: int = Field(256, gt=0)  # global: micro_batch_size x grad accumulation x world size
-    micro_batch_size: int | None = Field(None, gt=0)  # per rank, exactly; None: derived (below)
-    # the most one rank holds at once (its memory): micro batch and accumulation follow from the
-    # world size, so one config runs on 8 and on 64 GPUs (4096 = 8 x 2 x 256 = 64 x 1 x 64)
+    batch_size: int = Field(256, gt=0)
+    """Global: micro_batch_size x grad accumulation x world size."""
+    micro_batch_size: int | None = Field(None, gt=0)
+    """Per rank, exactly; None: derived (below)"""
     max_micro_batch_size: int | None = Field(None, gt=0)
+    """The most one rank holds at once (its memory): micro batch and accumulation follow from the
+    world size, so one config runs on 8 and on 64 GPUs (4096 = 8 x 2 x 256 = 64 x 1 x 64)"""
     epochs: float | None = Field(None, gt=0.0)
-    # optimiser steps; overrides epochs (sets the schedule)
+    """How long the schedule is, in epochs (fractions allowed); or max_steps."""
     max_steps: int | None = Field(None, gt=0)
-    # stop early, schedule unchanged (time-limited jobs)
+    """Optimiser steps; overrides epochs (sets the schedule)"""
     stop_at_step: int | None = Field(None, gt=0)
+    """Stop early, schedule unchanged (time-limited jobs)"""
     output_dir: str = "runs/{name}"
+    """The run directory; {name} is the config's name. --output-dir replaces it."""
     log_every: int = Field(10, gt=0)
+    """A metrics.jsonl record (averaged over ranks) every this many optimiser steps."""
     ckpt_every: int = Field(1000, gt=0)
+    """A checkpoint every this many optimiser steps, and one at the end."""
     keep_last: int = Field(2, gt=0)
+    """Complete checkpoints kept; older ones are removed once a newer one is complete."""
     seed: int = 0
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
-    # non-finite losses skipped before the run stops (or rolls back)
+    """Initial weights, masks and augmentation: the same seed gives the same run."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Auto: bf16 on CUDA, fp32 on CPU."""
     max_bad_steps: int = Field(10, ge=0)
+    """Non-finite losses skipped before the run stops (or rolls back)"""
     on_nonfinite: Literal["skip", "rollback", "stop"] = (
         "skip"  # past max_bad_steps: stop, or roll back
     )
-    rollback_lr_scale: float = Field(1.0, gt=0.0, le=1.0)  # lr x this after each rollback
+    """Past max_bad_steps non-finite losses: stop, or roll back to the last checkpoint and go on
+    (skip: only skip)."""
+    rollback_lr_scale: float = Field(1.0, gt=0.0, le=1.0)
+    """Lr x this after each rollback."""
     max_rollbacks: int = Field(3, ge=0)
-    # check every micro-step's loss (one host sync) and skip NaN/Inf steps
+    """Rollbacks before the run stops (on_nonfinite=rollback)."""
     skip_nonfinite: bool = True
-    # pictures of the objective on fixed val images (mpp.train.preview); 0: none
+    """Check every micro-step's loss (one host sync) and skip NaN/Inf steps."""
     preview_every: int = Field(1000, ge=0)
-    # the monitor (mpp.train.monitor, the monitor section): every this many optimiser steps and
-    # after the last, a k-NN top-1 of the encoder and the objective's held-out signal; 0: never
+    """Pictures of the objective on fixed val images (mpp.train.preview); 0: none."""
     monitor_every: int = Field(200, ge=0)
+    """The monitor (mpp.train.monitor, the monitor section): every this many optimiser steps and
+    after the last, a k-NN top-1 of the encoder and the objective's held-out signal; 0: never."""
     report_to: list[Literal["tensorboard", "wandb"]] = [
         "tensorboard"
     ]  # besides metrics.jsonl; wandb is optional
+    """Where metrics go besides metrics.jsonl: TensorBoard (RUN/tb) and/or W&B."""
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -367,12 +427,17 @@ class MonitorSection(_Section):
     whole of ``val_shards``, and the objective's own signal on those held-out images."""
 
     bank_per_class: int = Field(20, gt=0)
-    # None: data.val_shards, else the built-in dataset's validation split
+    """The k-NN bank: this many labelled training images per class."""
     val_shards: str | list[str] | None = None
+    """None: data.val_shards, else the built-in dataset's validation split."""
     seed: int = 0
+    """The seed that chooses the bank."""
     pool: Literal["token", "avg"] = "token"
+    """The feature: the last block's cls token or mean patch token (knn.py's probe.pool)."""
     k: int = Field(KNN_K, gt=0)
+    """Neighbours that vote."""
     temperature: float = Field(KNN_TEMPERATURE, gt=0.0)
+    """Each neighbour votes exp(similarity / T)."""
 
 
 class Config(RunConfig):
@@ -424,24 +489,35 @@ class Config(RunConfig):
 class FinetuneSection(_Section):
     """The supervised recipe (MAE/BEiT fine-tuning, DESIGN.md §4.6)."""
 
-    # None: from the shards' class list / data.num_classes
     num_classes: int | None = Field(None, gt=0)
+    """None: from the shards' class list / data.num_classes."""
     global_pool: Literal["avg", "token"] = "avg"
+    """avg: the mean of the patch tokens through fc_norm (MAE's fine-tuning); token: the cls token
+    after the final norm."""
     label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
-    mixup: float = Field(0.8, ge=0.0)  # Beta(alpha, alpha); 0 disables
+    """Label smoothing of the soft targets."""
+    mixup: float = Field(0.8, ge=0.0)
+    """Beta(alpha, alpha); 0 disables."""
     cutmix: float = Field(1.0, ge=0.0)
+    """CutMix's Beta(a, a); 0 disables."""
     mixup_prob: float = Field(1.0, ge=0.0, le=1.0)
+    """The probability a batch is mixed at all."""
     mixup_switch_prob: float = Field(0.5, ge=0.0, le=1.0)
-    randaug_n: int = Field(2, ge=0)  # RandAugment(n ops, magnitude m / 10); n=0 disables
+    """With both on, the probability of CutMix rather than mixup."""
+    randaug_n: int = Field(2, ge=0)
+    """RandAugment(n ops, magnitude m / 10); n=0 disables."""
     randaug_m: int = Field(9, ge=0, le=30)
-    reprob: float = Field(0.25, ge=0.0, le=1.0)  # random erasing
+    """RandAugment's magnitude (of 30; timm's m9)."""
+    reprob: float = Field(0.25, ge=0.0, le=1.0)
+    """Random erasing."""
     eval_batch_size: int | None = Field(None, gt=0)
-    # evaluate every this many optimiser steps (and at the end); None: every epoch. With few
-    # labels an epoch is a few steps: evaluate on a schedule of steps instead
+    """The evaluation's batch per rank; None: the micro-batch."""
     eval_every: int | None = Field(None, gt=0)
-    # the fresh head's init: MAE's fine-tuning (2e-5, so the first steps do not push large random
-    # gradients into pretrained blocks); timm's supervised recipe from scratch uses 0.02
+    """Evaluate every this many optimiser steps (and at the end); None: every epoch. With few labels
+    an epoch is a few steps: evaluate on a schedule of steps instead."""
     head_init_std: float = Field(2e-5, gt=0.0)
+    """The fresh head's init: MAE's fine-tuning (2e-5, so the first steps do not push large random
+    gradients into pretrained blocks); timm's supervised recipe from scratch uses 0.02."""
 
 
 class FinetuneConfig(RunConfig):
@@ -464,22 +540,32 @@ class ProbeSection(_Section):
     pool: Literal["token", "avg"] = (
         "token"  # cls token (MAE's linear probe) or mean of patch tokens
     )
+    """The feature: the cls token (MAE's linear probe) or the mean of the patch tokens."""
     batch_size: int = Field(256, gt=0)
+    """The head's batch (the mae protocol: the global step, across ranks)."""
     epochs: int = Field(90, gt=0)
-    blr: float = Field(0.1, gt=0.0)  # SGD lr = blr x batch / 256 (MAE: 0.1)
+    """Passes over the training features."""
+    blr: float = Field(0.1, gt=0.0)
+    """SGD lr = blr x batch / 256 (MAE: 0.1)"""
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    """SGD's (or LARS') momentum."""
     weight_decay: float = Field(0.0, ge=0.0)
+    """The head's weight decay (MAE's: 0)."""
     warmup_epochs: int = Field(10, ge=0)
+    """Linear warm-up of the head's lr, in epochs."""
     k: int = Field(KNN_K, gt=0)
+    """k-NN: neighbours that vote."""
     temperature: float = Field(KNN_TEMPERATURE, gt=0.0)
-    # the linear probe's recipe (README "Probe protocols"): cached features + SGD, MAE's
-    # (BatchNorm + LARS, augmented images through the frozen encoder), DINOv2's (a grid in one pass)
+    """k-NN: each neighbour votes exp(similarity / T)."""
     protocol: Literal["fast", "mae", "dinov2"] = "fast"
+    """The linear probe's recipe (README "Probe protocols"): cached features + SGD, MAE's (BatchNorm
+    + LARS, augmented images through the frozen encoder), DINOv2's (a grid in one pass)"""
     layers: Literal["last", "all"] = (
         "last"  # all: every block's features, probed in one feature pass
     )
-    # dinov2: the share of train that picks the grid's best head
+    """last: the last block's feature; all: every block's, in one feature pass (a table per block)."""
     holdout: float = Field(0.1, gt=0.0, lt=1.0)
+    """Dinov2: the share of train that picks the grid's best head."""
 
 
 class ProbeConfig(_Section):

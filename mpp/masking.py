@@ -99,13 +99,16 @@ def _rect_sums(mask: Tensor, top: Tensor, left: Tensor, h: Tensor, w: Tensor) ->
 class Blocks(NamedTuple):
     """The blocks a ``BlockMask`` call accepted, one row each (all 1-D tensors)."""
 
-    sample: Tensor  # which sample of the batch
+    sample: Tensor
+    """Which sample of the batch."""
     top: Tensor
     left: Tensor
     height: Tensor
     width: Tensor
-    area: Tensor  # the drawn target area
-    aspect: Tensor  # the drawn aspect ratio r = h/w before rounding
+    area: Tensor
+    """The drawn target area."""
+    aspect: Tensor
+    """The drawn aspect ratio r = h/w before rounding."""
 
 
 class BlockMask(MaskGenerator):
@@ -328,7 +331,9 @@ class _Strategy(BaseModel):
     """A strategy's own parameters (its constructor's, same defaults; tests/test_masking.py
     holds them equal); the ratio comes from the objective and the grid from the encoder."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
     generator: ClassVar[type[MaskGenerator]]
 
     def build(self, grid_size: tuple[int, int], mask_ratio: float) -> MaskGenerator:
@@ -338,34 +343,47 @@ class _Strategy(BaseModel):
 class RandomMasking(_Strategy):
     generator = RandomMask
     strategy: Literal["random"] = "random"
+    """random: uniform, an exact count per image (MAE)."""
 
 
 class BlockMasking(_Strategy):
     generator = BlockMask
     strategy: Literal["block"] = "block"
+    """block: BEiT's blockwise masking, made exact by ranking."""
     min_num_patches: int = 16
+    """The smallest block, in patches."""
     max_num_patches: int | None = None
+    """The largest block, in patches; None: what is left of the budget."""
     min_aspect: float = 0.3
+    """The blocks' aspect ratios, log-uniform in [min_aspect, max_aspect]."""
     max_aspect: float | None = None
+    """None: 1 / min_aspect."""
     max_tries: int = 10
+    """Draws per block before another is tried."""
 
 
 class GridMasking(_Strategy):
     generator = GridMask
     strategy: Literal["grid"] = "grid"
-    offset: str = "fixed"  # GridMask.OFFSETS; checked (and named) by the constructor
+    """grid: one patch of every 2 x 2 kept (ratio 0.75)."""
+    offset: str = "fixed"
+    """GridMask.OFFSETS; checked (and named) by the constructor."""
 
 
 class CenterMasking(_Strategy):
     generator = CenterMask
     strategy: Literal["center"] = "center"
+    """center: one central block of the ratio's area."""
     jitter: float = 0.0
+    """How far the block's centre moves, as a share of the grid."""
 
 
 class UnitMasking(_Strategy):
     generator = UnitMask
     strategy: Literal["units"] = "units"
+    """units: SimMIM-style random masking of coarse units."""
     unit_size: int | tuple[int, int] = 2
+    """The unit's side in patches (an int or a pair); it must divide the grid."""
 
 
 MASKING_CONFIGS: dict[str, type[_Strategy]] = {

@@ -193,3 +193,14 @@ def test_a_wheel_works_from_an_empty_directory(tmp_path):
     ]
     assert [m["step"] for m in metrics if "loss" in m][-1] == 3
     assert json.loads((empty / "run" / "config.json").read_text())["name"] == "mae_demo"
+
+
+def test_a_config_key_explains_itself_from_its_docstring():
+    from mpp.commands.config import explain, main
+
+    (text,) = explain("data.value_range")
+    assert "[pretrain, finetune, probe]" in text and "never an implicit 255" in text
+    (hpm,) = explain("objective.teacher_view")
+    assert "(HPMConfig)" in hpm and 'default: "visible"' in hpm
+    assert explain("objective.base.bits") and explain("masking.min_aspect")
+    assert main(["--explain", "data.nope"]) == 2

@@ -27,6 +27,10 @@ COMMANDS = {
         "a grid of pretraining settings x seeds, evaluated and tabulated; --submit, --status",
     ),
     "export": ("mpp.hub.export", "weights out: safetensors, timm, Hugging Face"),
+    "config": (
+        "mpp.commands.config",
+        "what a config key means (--explain KEY), or a config resolved",
+    ),
     "plan": (
         "mpp.plan.__main__",
         "plan a run on N GPUs on this machine: memory, FLOPs, step time, recipe",

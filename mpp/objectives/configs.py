@@ -25,7 +25,7 @@ Pixels = tuple[tuple[float, ...], tuple[float, ...]]  # the data's (mean, std)
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     def kwargs(self) -> dict[str, Any]:
         """The constructor's arguments this section sets (all but ``name``)."""
@@ -33,26 +33,42 @@ class _Section(BaseModel):
 
 
 class _Decoder(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
     """A decoder's size: MAE's pixel decoder, HPM's loss predictor (and its MAE base's decoder)."""
 
     decoder_dim: int = Field(512, gt=0)
+    """The decoder's width (MAE: 512)."""
     decoder_depth: int = Field(8, gt=0)
+    """The decoder's blocks (MAE: 8)."""
     decoder_heads: int = Field(16, gt=0)
+    """The decoder's attention heads (MAE: 16)."""
     mlp_ratio: float = Field(4.0, gt=0)
+    """The decoder blocks' MLP width over their token width."""
     attn_backend: Literal["auto", "xformers", "sdpa", "math"] = "auto"
+    """The decoder's attention backend (as model.attn_backend)."""
 
 
 class MPPConfig(_Section):
     """The ViT paper's masked patch prediction (mpp.objectives.mpp)."""
 
     name: Literal["mpp"] = "mpp"
+    """The objective: mpp."""
     mask_ratio: float = Field(0.5, ge=0.0, le=1.0)
+    """The share of patch embeddings corrupted (the ViT paper: 50 %)."""
     mask_token_prob: float = Field(0.8, ge=0.0, le=1.0)
+    """Of the corrupted: the share replaced by the learned [mask] embedding (80 %)."""
     random_token_prob: float = Field(0.1, ge=0.0, le=1.0)
+    """Of the corrupted: the share replaced by another patch of the same image (10 %)."""
     keep_prob: float = Field(0.1, ge=0.0, le=1.0)
+    """Of the corrupted: the share kept as it is (10 %); the three sum to 1."""
     target: Literal[MPP_TARGETS] = "mean_color"
+    """mean_color: each corrupted patch's mean colour class (the paper's); downsampled: a class per
+    cell of the patch; pixel: L2 regression of its pixels."""
     bits: int = Field(3, ge=1)
+    """Bits per channel of the colour classes (3: 512 RGB classes)."""
     downsample_cells: int = Field(4, ge=1)
+    """The downsampled target's cells per side."""
 
     def build(
         self, encoder: VisionTransformer, mask: MaskGenerator | None, pixels: Pixels
@@ -70,8 +86,12 @@ class MAEBase(_Section):
     """MAE beside its decoder's size: what HPM nests as its base."""
 
     name: Literal["mae"] = "mae"
-    mask_ratio: float = Field(0.75, gt=0.0, lt=1.0)  # MAE needs visible and masked patches
+    """The objective: mae."""
+    mask_ratio: float = Field(0.75, gt=0.0, lt=1.0)
+    """MAE needs visible and masked patches."""
     norm_pix_loss: bool = True
+    """Standardise each target patch by its own mean and variance (MAE's recommended setting; HPM's
+    released scripts train without)."""
 
     def build_base(
         self, encoder: VisionTransformer, decoder: _Decoder, pixels: Pixels
@@ -98,15 +118,29 @@ class HPMConfig(_Section, _Decoder):
     """HPM (mpp.objectives.hpm) around ``base``; it chooses its masks itself (its teacher)."""
 
     name: Literal["hpm"] = "hpm"
+    """The objective: hpm."""
     base: Annotated[MAEBase | MPPConfig, Field(discriminator="name")] = MAEBase()
+    """The objective HPM wraps, with its keys: mae (the paper's) or mpp."""
     hard_ratio: float = Field(0.5, ge=0.0, le=1.0)
+    """alpha_T: the share of the mask chosen as the teacher's hardest patches at the end of training
+    (0.5)."""
     schedule: Literal[SCHEDULES] = "easy_to_hard"
+    """How that share grows: easy_to_hard (the paper's, alpha_T (e+1)/T per epoch), hard_only,
+    hard_to_easy, random."""
     pred_loss: Literal[PRED_LOSSES] = "ranking"
+    """The loss predictor's objective: ranking (the paper's pairwise BCE) or mse (against the per-
+    image z-scored loss)."""
     pred_weight: float = Field(1.0, ge=0.0)
+    """The loss predictor's weight in the total loss."""
     momentum_start: float = Field(0.999, ge=0.0, le=1.0)
+    """The teacher's EMA momentum at the start."""
     momentum_end: float = Field(0.9999, ge=0.0, le=1.0)
+    """The teacher's EMA momentum after momentum_epochs (set once per epoch)."""
     momentum_epochs: float = 100.0
+    """Epochs over which the momentum rises linearly."""
     teacher_view: Literal[TEACHER_VIEWS] = "visible"
+    """What the teacher scores to choose the hard patches: the fully visible image (the paper's)
+    or views that mask each patch as training does (masked; RESULTS.md compares them)."""
 
     @model_validator(mode="before")
     @classmethod
