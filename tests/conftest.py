@@ -87,8 +87,10 @@ def restamp(tag_dir: Path) -> None:
     marker.write_text(json.dumps(record) + "\n")
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def read_metrics(run_dir: Path, kind: str = "all") -> list[dict]:
+    from mpp.train.metrics import read_records
+
+    return read_records(run_dir, kind)
 
 
 @pytest.fixture(scope="session")

@@ -351,7 +351,7 @@ def test_set_reaches_every_pretraining_before_the_grid_and_its_model_keys_the_ev
 
     def fake_launch(cmd, log):
         commands.append(cmd)
-        if cmd[1].endswith("knn.py"):
+        if "mpp.commands.knn" in cmd:
             run = Path(cmd[cmd.index("--output-dir") + 1])
             run.mkdir(parents=True)
             (run / "results.json").write_text(json.dumps({"top1": 50.0, "top5": 90.0}))
@@ -384,8 +384,8 @@ def test_set_reaches_every_pretraining_before_the_grid_and_its_model_keys_the_ev
         ]
     )
     assert code == 0, capsys.readouterr().err
-    pretrains = [c for c in commands if any(a.endswith("pretrain/run.py") for a in c)]
-    knns = [c for c in commands if c[1].endswith("knn.py")]
+    pretrains = [c for c in commands if "mpp.commands.pretrain" in c]
+    knns = [c for c in commands if "mpp.commands.knn" in c]
     assert len(pretrains) == len(knns) == 4
     for cmd, (strategy, seed) in zip(
         pretrains, [(s, n) for s in ("random", "block") for n in (0, 1)], strict=True

@@ -4,6 +4,7 @@ engine that holds them."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,12 @@ import torch
 from mpp.config import Config, FinetuneConfig, load_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-TRAINING = {p.stem: p for p in sorted(CONFIGS.glob("*.json")) if not p.stem.startswith("linear")}
+# the training configs: not the probes' (linear_*) nor the ablation specs (a "grid")
+TRAINING = {
+    p.stem: p
+    for p in sorted(CONFIGS.glob("*.json"))
+    if not p.stem.startswith("linear") and "grid" not in json.loads(p.read_text())
+}
 
 
 def shipped(name: str):

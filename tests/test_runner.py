@@ -249,5 +249,5 @@ def test_demo_config_learns(tmp_path, digits16):
         env={"MPP_CACHE": str(tmp_path / "cache")},
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    losses = [m["loss"] for m in read_metrics(out)]
+    losses = [m["loss"] for m in read_metrics(out, "train")]
     assert losses[-1] < 0.8 * losses[0], losses

@@ -163,7 +163,7 @@ def test_submit_slurm_writes_the_sbatch_file_a_cluster_needs(tmp_path, digits16)
         assert f"#SBATCH {line}\n" in script, line
     assert script.count("--cpus-per-task") == 1  # replaced, not a second line
     job = submitit.helpers.DelayedSubmission.load(out / "submitit" / "4242_submitted.pkl").function
-    assert job.script == str(REPO / "pretrain" / "run.py")
+    assert job.script == "mpp.commands.pretrain"  # a module: it runs from any install
     assert job.argv == [
         "--config",
         str(path),

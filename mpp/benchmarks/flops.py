@@ -15,7 +15,7 @@ from torch import nn
 
 from mpp.models.decoder import Decoder, DecoderEmbed
 from mpp.models.vit import VisionTransformer
-from mpp.objectives.hpm import HardPatchesMining
+from mpp.objectives.hpm import HardPatchesMining, num_views
 from mpp.objectives.mae import MaskedAutoencoder
 from mpp.objectives.mpp import MaskedPatchPrediction
 
@@ -85,6 +85,22 @@ def _decoder_embed(emb: DecoderEmbed, visible: int) -> int:
     return _linear(emb.num_prefix_tokens + visible, emb.proj)
 
 
+def _teacher(model: HardPatchesMining, predictor: int) -> int:
+    """The teacher's no-grad forward per image: one fully visible image (``teacher_view=
+    "visible"``), or ``masked_views``' V views, each the base's encoder on its visible tokens
+    (an MPP base: all N, the masked ones as mask tokens) [+ decoder_embed] + the predictor."""
+    enc, n = model.encoder, model.encoder.num_patches
+    mae = isinstance(model.base, MaskedAutoencoder)
+    if model.teacher_view == "visible":
+        views, visible = 1, n
+    else:
+        visible, views = n - model.num_masked, num_views(n, model.num_masked)
+    per_view = _encoder(enc, visible if mae else n) + predictor
+    if mae:
+        per_view += _decoder_embed(model.base.decoder_embed, visible)
+    return views * per_view
+
+
 def step_flops(model: nn.Module) -> StepFlops:
     """Model FLOPs per image of one training step of ``model``: a plain classifier
     (``VisionTransformer`` with a head), MPP, MAE or HPM (MAE or MPP base).
@@ -96,7 +112,8 @@ def step_flops(model: nn.Module) -> StepFlops:
       pixel head on 1 + N tokens.
     - HPM: its base + the loss-predictor decoder on 1 + N tokens, all trained; the teacher
       (no grad, only when it runs: k > 0) = the base's encoder on all 1 + N tokens
-      [+ decoder_embed] + the predictor decoder. The teacher's pixel decoder never runs.
+      [+ decoder_embed] + the predictor decoder, once per view (``_teacher``: V masked views
+      with ``teacher_view="masked"``). The teacher's pixel decoder never runs.
     """
     if isinstance(model, VisionTransformer):
         enc = _encoder(model, model.num_patches)
@@ -121,9 +138,7 @@ def step_flops(model: nn.Module) -> StepFlops:
         predictor = _decoder(model.predictor, tokens)
         teacher = 0
         if model.num_hard > 0:  # k = 0 skips the teacher (plain random masking)
-            teacher = _encoder(enc, enc.num_patches) + predictor
-            if isinstance(model.base, MaskedAutoencoder):
-                teacher += _decoder_embed(model.base.decoder_embed, enc.num_patches)
+            teacher = _teacher(model, predictor)
         parts = {**base.parts, "predictor": predictor, "teacher": teacher}
         return StepFlops(base.trained + predictor, teacher, parts)
     raise TypeError(f"no FLOP formula for {type(model).__name__}")

@@ -21,6 +21,7 @@ from typing import Any
 
 from mpp.benchmarks.common import format_table, median
 from mpp.parallel.launch import deepspeed_cmd, job_env
+from mpp.train.metrics import read_records
 
 WORLD = 2
 SETTINGS = {
@@ -119,7 +120,7 @@ def run_stage(config: Path, stage: int, work: Path, timeout: int = 600) -> dict[
         raise RuntimeError(
             f"zero stage {stage} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
         )
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(out, "train")
     # the first interval holds the warm-up (allocations, first all-reduce)
     timed = records[1:] or records
     ips = median([m["imgs_per_sec"] for m in timed])

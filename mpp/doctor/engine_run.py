@@ -23,6 +23,7 @@ from PIL import Image
 from mpp.config import apply_overrides, resolve_config_path, validate
 from mpp.data.writer import ImageEncoding, WriterOptions, from_arrays, shard_spec, write_shards
 from mpp.doctor import FAIL, PASS, WARN, Row, needs_gpu
+from mpp.train.metrics import read_records
 from mpp.parallel.launch import deepspeed_cmd, job_env
 
 SECTION = "engine"
@@ -115,9 +116,7 @@ def launcher_run(
 def read_train_records(run_dir: Path) -> list[dict[str, Any]]:
     """metrics.jsonl's training records (those with img/s), the first one dropped as warm-up when
     there are more (it holds the allocations, the first all-reduce, the workers' start)."""
-    path = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    train = [r for r in records if "imgs_per_sec" in r]
+    train = read_records(run_dir, "train")
     return train[1:] if len(train) > 1 else train
 
 

@@ -49,13 +49,19 @@ def momentum_at(
     return start + (end - start) * min(max(epoch, 0.0) / ramp_epochs, 1.0)
 
 
+def num_views(num_patches: int, num_masked: int) -> int:
+    """How many ``masked_views`` cover every patch as masked at least once."""
+    n_vis = num_patches - num_masked
+    return -(-num_patches // n_vis) + (num_patches % n_vis > 0)
+
+
 def masked_views(batch: int, num_patches: int, num_masked: int, device) -> Tensor:
     """Masks (V, B, N), each with exactly ``num_masked`` True, whose visible sets run along a
     random permutation of the patches, wrapping around: V = N / N_vis views when N_vis divides N
     (each patch masked in V - 1 of them; MAE's 75 %: 4 views, which together cost the encoder
     one fully visible image), one more otherwise, so that every patch is masked in one at least."""
     n_vis = num_patches - num_masked
-    views = -(-num_patches // n_vis) + (num_patches % n_vis > 0)
+    views = num_views(num_patches, num_masked)
     order = torch.rand(batch, num_patches, device=device).argsort(dim=1)  # (B, N)
     order = torch.cat([order, order], dim=1)  # the last view wraps around
     masks = torch.ones(views, batch, num_patches, dtype=torch.bool, device=device)
@@ -276,8 +282,8 @@ class HardPatchesMining(Objective):
     def held_out_metrics(self, images: Tensor) -> dict[str, Tensor]:
         """Whether the loss predictor learns: Spearman's rank correlation between the student's
         predicted and the true per-patch loss over each image's masked patches (random masks, so
-        it does not depend on the teacher); the same for the teacher's scores of the fully
-        visible image, the ones that choose the hard patches (``teacher_rank_corr``); and the
+        it does not depend on the teacher); the same for the teacher's scores (of its
+        ``teacher_view``), the ones that choose the hard patches (``teacher_rank_corr``); and the
         base's own signal under those masks."""
         out = self.base.forward_per_patch(images)
         pred = gather_tokens(self.predict_loss(out["tokens"], self.predictor), out["idx"])

@@ -18,6 +18,24 @@ from mpp.train.plan import Plan, RunState
 log = logging.getLogger(__name__)
 
 
+def read_records(run_dir: Path, kind: str = "train") -> list[dict]:
+    """``RUN/metrics.jsonl``'s records of one kind: ``"train"`` (a logging interval's loss, lr and
+    img/s), ``"monitor"`` (the monitor's ``monitor/...`` values) or ``"all"``. A missing file is no
+    records; a last line cut short by a kill is dropped."""
+    path = Path(run_dir) / "metrics.jsonl"
+    records = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    if kind == "train":
+        return [r for r in records if "imgs_per_sec" in r]
+    if kind == "monitor":
+        return [r for r in records if any(k.startswith("monitor/") for k in r)]
+    return records
+
+
 def drop_records_after(path: Path, step: int) -> None:
     """Rewrite ``path`` (atomically) without the records past ``step``, and without a last line
     cut short by a kill."""
