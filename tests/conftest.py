@@ -269,7 +269,7 @@ def zero3_finetune(tmp_path_factory, two_rank_runs, digits16):
     cluster run meets): 3 ranks under ZeRO-3, one epoch of 96 training images of which a quarter
     are labelled 99 in a 10-class task, and 2 val shards of 5 and 40 images: rank 0 reads 5 (a
     full batch of 4 and a short one), rank 1 40 (10 batches), rank 2 no shard at all.
-    {"run", "config", "init", "stdout", "stderr"}."""
+    {"run", "config", "init"}."""
     tmp = tmp_path_factory.mktemp("finetune")
     train = random_shards(
         tmp / "train", [24, 24, 24, 24], "t", lambda i: 99 if i % 4 == 0 else i % 10
@@ -297,7 +297,7 @@ def zero3_finetune(tmp_path_factory, two_rank_runs, digits16):
     out = tmp / "ft"
     r = run_cli(launch_cmd(3, path, out, script="downstream/finetune.py"), timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return {"run": out, "config": raw, "init": pre_dir, "stdout": r.stdout, "stderr": r.stderr}
+    return {"run": out, "config": raw, "init": pre_dir}
 
 
 @pytest.fixture(scope="session")
