@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpp.parallel.launch import free_port, job_env  # noqa: F401  (free_port: for the tests)
+from mpp.parallel.launch import free_port, job_env
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -17,6 +17,11 @@ os.environ["PATH"] = f"{BIN}:{os.environ['PATH']}"
 # in-process tests use tiny models: one thread each. With two threads on a shared 2-core
 # machine a small training loop was measured 10-60x slower (thread oversubscription)
 torch.set_num_threads(1)
+# ... and every process the tests start (CLIs, the launchers' ranks) one intra-op thread too: 2
+# ranks and their data workers on 2 shared cores ran a 16-step run 2-3x slower with torch's
+# default of a thread per core (measured 67 s -> 30 s, one process 41 s -> 18 s); a value set
+# outside is kept
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +30,17 @@ def digits16(tmp_path_factory):
     from mpp.data import digits_shards
 
     return digits_shards(img_size=16, cache_dir=str(tmp_path_factory.mktemp("digits")))
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory) -> dict:
+    """The shipped demo configs' data (the built-in digits at 32 px), built once per session:
+    ``env`` for a CLI run of a demo config ($MPP_CACHE, not the user's ~/.cache/mpp)."""
+    from mpp.data import digits_shards
+
+    cache = tmp_path_factory.mktemp("mpp_cache")
+    digits_shards(32, cache_dir=str(cache))
+    return {"MPP_CACHE": str(cache)}
 
 
 def tiny_config(digits, **sections) -> dict:
@@ -102,6 +118,26 @@ def dist_group():
     yield
 
 
+def launch_cmd(
+    ranks: int, cfg_path, out, *extra: str, script: str = "pretrain/run.py"
+) -> list[str]:
+    """``deepspeed --num_gpus RANKS --master_port <free> SCRIPT --config CFG --output-dir OUT
+    EXTRA``."""
+    return [
+        "deepspeed",
+        "--num_gpus",
+        str(ranks),
+        "--master_port",
+        str(free_port()),
+        script,
+        "--config",
+        str(cfg_path),
+        "--output-dir",
+        str(out),
+        *extra,
+    ]
+
+
 @pytest.fixture(scope="session")
 def two_rank_runs(tmp_path_factory, digits16):
     """ZeRO-2 and ZeRO-3 runs of the same config on 2 ranks: computed once, checked by several tests."""
@@ -116,21 +152,179 @@ def two_rank_runs(tmp_path_factory, digits16):
         )
         path = write_config(tmp / f"z{stage}.json", cfg)
         out = tmp / f"z{stage}"
-        runs["ports"].append(port := free_port())
-        r = run_cli(
-            [
-                "deepspeed",
-                "--num_gpus",
-                "2",
-                "--master_port",
-                str(port),
-                "pretrain/run.py",
-                "--config",
-                str(path),
-                "--output-dir",
-                str(out),
-            ]
-        )
+        cmd = launch_cmd(2, path, out)
+        runs["ports"].append(int(cmd[cmd.index("--master_port") + 1]))
+        r = run_cli(cmd)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         runs[stage] = (out, path)
     return runs
+
+
+# The straight 16-step 2-rank runs (straight_runs): a global batch of 12 in micro batches of 2
+# (accumulation 3 on 2 ranks, 2 on 3 ranks, 6 on 1: the elastic resumes), 16 of the epoch's 124
+# steps, a checkpoint every 4 steps, all kept
+BATCH, MICRO, STEPS = 12, 2, 16
+
+
+def straight_config(digits, stage: int, **train) -> dict:
+    """The config of straight_runs(stage); ``train`` overrides (e.g. ckpt_every) give a run that
+    trains the same batches with the same updates."""
+    return tiny_config(
+        digits,
+        train={
+            "batch_size": BATCH,
+            "micro_batch_size": MICRO,
+            "max_steps": STEPS,
+            "ckpt_every": 4,
+            "keep_last": 5,
+            **train,
+        },
+        # 2 data workers: a resume starts mid-epoch with each worker's stream part-read;
+        # data.log_keys: each rank's keys per micro-batch (RUN/keys/rankN.jsonl)
+        data={"num_workers": 2, "log_keys": True, "shuffle_buffer": 4},
+        deepspeed={"zero_optimization": zero(stage)},
+    )
+
+
+@pytest.fixture(scope="session")
+def straight_runs(tmp_path_factory, digits16):
+    """``straight_runs(stage)``: (run dir, config path) of straight_config(stage) on 2 ranks
+    through the launcher, run once for the suite at the first test that asks for that stage: the
+    uninterrupted runs the elastic (ZeRO-0, -2, -3), killed and preempted (ZeRO-0) runs are held
+    to. A test that changes a run works on a copy (shutil.copytree)."""
+    tmp = tmp_path_factory.mktemp("straight")
+    runs: dict[int, tuple[Path, Path]] = {}
+
+    def get(stage: int) -> tuple[Path, Path]:
+        if stage not in runs:
+            path = write_config(tmp / f"z{stage}.json", straight_config(digits16, stage))
+            out = tmp / f"z{stage}"
+            r = run_cli(launch_cmd(2, path, out))
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+            runs[stage] = (out, path)
+        return runs[stage]
+
+    return get
+
+
+def listing(root: Path) -> set[str]:
+    """Every path under ``root`` (bytecode caches aside)."""
+    return {
+        str(p)
+        for p in root.rglob("*")
+        if "__pycache__" not in p.parts and ".pytest_cache" not in p.parts
+    }
+
+
+@pytest.fixture(scope="session")
+def one_rank_run(tmp_path_factory, digits16):
+    """``python pretrain/run.py`` (one process, 2 data workers) for 8 steps with a checkpoint
+    every 2, the last 3 kept (steps 4, 6, 8): run once for the suite; the tests that damage its
+    checkpoints or resume it with other settings work on a copy (shutil.copytree). Also what it
+    wrote outside its run directory (under the repository and beside the shards): "outside"."""
+    tmp = tmp_path_factory.mktemp("one_rank")
+    cfg = tiny_config(
+        digits16,
+        train={"max_steps": 8, "ckpt_every": 2, "keep_last": 3},
+        data={"num_workers": 2},
+    )
+    path = write_config(tmp / "c.json", cfg)
+    out = tmp / "run"
+    watched = [REPO, Path(digits16["train"]).parent]
+    before = {w: listing(w) for w in watched}
+    r = run_cli(
+        [sys.executable, "pretrain/run.py", "--config", str(path), "--output-dir", str(out)]
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    outside = sorted(p for w in watched for p in listing(w) - before[w])
+    return {"run": out, "config": path, "cfg": cfg, "outside": outside}
+
+
+def random_shards(out, sizes, prefix, label_of=lambda i: i % 10) -> list[str]:
+    """One shard per entry of ``sizes``, random 16-px images, labels from ``label_of(index)``."""
+    import numpy as np
+
+    from mpp.data import WriterOptions, write_shards
+
+    rng = np.random.default_rng(len(sizes))
+    paths, start = [], 0
+    for k, n in enumerate(sizes):
+        samples = [
+            (rng.integers(0, 256, (16, 16, 3), dtype=np.uint8), label_of(start + i))
+            for i in range(n)
+        ]
+        paths += write_shards(
+            samples,
+            out,
+            f"{prefix}{k}",
+            options=WriterOptions(max_count=n, seed=None, progress=False),
+            class_names=[str(c) for c in range(10)],
+        )
+        start += n
+    return paths
+
+
+@pytest.fixture(scope="session")
+def zero3_finetune(tmp_path_factory, two_rank_runs, digits16):
+    """One fine-tuning run through the launcher, checked by test_downstream (the CLI from a ZeRO-2
+    pretraining run, its augmentations, results and weights) and test_scale (what a first
+    cluster run meets): 3 ranks under ZeRO-3, one epoch of 96 training images of which a quarter
+    are labelled 99 in a 10-class task, and 2 val shards of 5 and 40 images: rank 0 reads 5 (a
+    full batch of 4 and a short one), rank 1 40 (10 batches), rank 2 no shard at all.
+    {"run", "config", "init"}."""
+    tmp = tmp_path_factory.mktemp("finetune")
+    train = random_shards(
+        tmp / "train", [24, 24, 24, 24], "t", lambda i: 99 if i % 4 == 0 else i % 10
+    )
+    val = random_shards(tmp / "val", [5, 40], "v")
+    pre_dir, _ = two_rank_runs[2]
+    raw = tiny_config(
+        digits16,
+        train={"batch_size": 12, "epochs": 1, "max_steps": None, "ckpt_every": 100},
+        deepspeed={"zero_optimization": zero(3)},
+        optim={"lr": 1e-3, "layer_decay": 0.75},
+    )
+    raw.pop("objective"), raw.pop("masking")
+    raw["data"].update(train_shards=train, val_shards=val, num_workers=1)
+    raw["finetune"] = {
+        "mixup": 0.8,
+        "cutmix": 1.0,
+        "randaug_n": 2,
+        "randaug_m": 9,
+        "reprob": 0.25,
+        "eval_batch_size": 4,
+    }
+    raw["init"] = str(pre_dir)
+    path = write_config(tmp / "ft.json", raw)
+    out = tmp / "ft"
+    r = run_cli(launch_cmd(3, path, out, script="downstream/finetune.py"), timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return {"run": out, "config": raw, "init": pre_dir}
+
+
+@pytest.fixture(scope="session")
+def one_rank_probes(tmp_path_factory, two_rank_runs, digits16):
+    """k-NN and the linear probe of the ZeRO-2 pretraining run (two_rank_runs[2]) in one process
+    each: {"config": probe config path, "knn": results, "linear_probe": results}; test_scale
+    runs the same on 2 ranks."""
+    tmp = tmp_path_factory.mktemp("probes")
+    probe = {
+        "name": "p",
+        "init": str(two_rank_runs[2][0]),
+        "model": {"name": "vit_tiny_patch4_16", "depth": 2, "embed_dim": 32, "num_heads": 2},
+        "data": {
+            "train_shards": digits16["train"],
+            "val_shards": digits16["val"],
+            "num_workers": 1,
+        },
+        "probe": {"epochs": 3, "batch_size": 128},
+    }
+    path = write_config(tmp / "probe.json", probe)
+    results = {"config": path}
+    for tool in ("knn", "linear_probe"):
+        out = tmp / tool
+        cmd = [sys.executable, f"downstream/{tool}.py", "--config", str(path), "--output-dir"]
+        r = run_cli([*cmd, str(out)])
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        results[tool] = json.loads((out / "results.json").read_text())
+    return results

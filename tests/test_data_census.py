@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import webdataset as wds
-from conftest import free_port, run_cli, tiny_config, write_config
+from conftest import free_port, read_metrics, run_cli, tiny_config, write_config
 from test_data_loader import collect, encode, write_tar
 
 from mpp.data import make_eval_loader
@@ -125,11 +125,22 @@ def trained_keys(run: Path) -> dict[int, list[str]]:
 @pytest.mark.parametrize("ranks", [1, 3])
 def test_every_sample_of_unequal_shards_once_per_epoch(ranks, shards, digits16, tmp_path):
     """Before the census, the shards were taken as equal (data.num_samples split evenly): some
-    samples were trained twice an epoch and others never."""
+    samples were trained twice an epoch and others never. On 3 ranks x 3 data workers the 6
+    shards (5 with samples) are fewer than the 9 workers: the training stream is resampled (every
+    worker draws from every shard), so the run needs no shard per worker and runs, every rank in
+    step (this held test_scale's former 4-rank run on seven shards)."""
     expected = set(read_keys(shards))
+    workers = 3 if ranks == 3 else 1
+    if ranks > 1:
+        assert ranks * workers > len(shards)
     cfg = tiny_config(
         digits16,
-        data={"train_shards": shards, "num_samples": 120, "log_keys": True, "num_workers": 1},
+        data={
+            "train_shards": shards,
+            "num_samples": 120,
+            "log_keys": True,
+            "num_workers": workers,
+        },
         train={
             "batch_size": BATCH,
             "micro_batch_size": 2 if ranks == 3 else 12,
@@ -153,6 +164,8 @@ def test_every_sample_of_unequal_shards_once_per_epoch(ranks, shards, digits16, 
     assert sorted(per_epoch) == [0, 1]
     for keys in per_epoch.values():
         assert len(keys) == len(set(keys)) == 120 and set(keys) == expected
+    last = read_metrics(tmp_path / "run")[-1]
+    assert last["step"] == 20 and last["samples"] == 2 * 120  # 10 steps an epoch, 2 epochs
     if (
         ranks == 1
     ):  # data.num_samples is a cross-check now: a wrong one stops the run before it starts

@@ -17,6 +17,7 @@ from conftest import free_port, read_metrics, run_cli
 from PIL import Image
 from safetensors.torch import load_file
 
+from mpp.downstream.probe_cli import run_probe
 from mpp.hub import export
 from mpp.hub.pretrained import load_pretrained
 from mpp.models import create_vit
@@ -30,18 +31,20 @@ PRETRAIN = ("mpp", "mae", "hpm")
 TWO_STEPS = ["--set", "train.max_steps=2"]
 
 
+@pytest.fixture(autouse=True)
+def _demo_data(demo_cache, monkeypatch):
+    """Every CLI run here reads the session's built-in digits ($MPP_CACHE), not $HOME's."""
+    monkeypatch.setenv("MPP_CACHE", demo_cache["MPP_CACHE"])
+
+
 @pytest.fixture(scope="module")
-def demo_runs(tmp_path_factory):
+def demo_runs(tmp_path_factory, demo_cache):
     """{kind: run directory}: the demo's pretraining through the launcher on 2 ranks (as
     ``make demo``), MAE and HPM on one process, a fine-tune and a k-NN run from the MPP run."""
-    from mpp.data import digits_shards
-
     tmp = tmp_path_factory.mktemp("demo")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(
-            "MPP_CACHE", str(tmp / "cache")
-        )  # the builtin digits, built once here, not in $HOME
-        digits_shards(32)
+        # the builtin digits, built once for the session, not in $HOME
+        mp.setenv("MPP_CACHE", demo_cache["MPP_CACHE"])
         runs = {kind: tmp / kind for kind in (*PRETRAIN, "finetune", "knn")}
         commands = {
             "mpp": [
@@ -211,21 +214,7 @@ def test_hpm_run_fine_tunes_with_a_token_head_into_a_transformers_classifier(dem
 def test_probes_read_the_run_and_its_exports_alike(demo_runs, tmp_path):
     knn = json.loads((demo_runs["knn"] / "results.json").read_text())
     assert 0 <= knn["top1"] <= 100 and knn["num_train"] == 1497 and knn["num_val"] == 300
-    probe = ["--config", "linear_demo", "--set", "probe.epochs=2", "--set", "probe.warmup_epochs=1"]
-    r = run_cli(
-        [
-            "python",
-            "downstream/linear_probe.py",
-            *probe,
-            "--set",
-            f"init={demo_runs['mpp']}",
-            "--output-dir",
-            str(tmp_path / "lin"),
-        ]
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    linear = json.loads((tmp_path / "lin" / "results.json").read_text())
-    assert linear["eval"] == "linear" and 0 <= linear["top1"] <= 100
+    # (the linear probe reads this run in test_probe_protocols_and_per_block_tables_on_the_demo_run)
     for fmt in ("timm", "hf"):  # the same weights from another folder: the same votes
         folder = export.export(demo_runs["mpp"], fmt, tmp_path / fmt)
         r = run_cli(
@@ -247,7 +236,7 @@ def test_probes_read_the_run_and_its_exports_alike(demo_runs, tmp_path):
         )
 
 
-def test_probe_protocols_and_per_block_tables_on_the_demo_run(demo_runs, tmp_path):
+def test_probe_protocols_and_per_block_tables_on_the_demo_run(demo_runs, tmp_path, capsys):
     """--protocol mae and dinov2, --layers all for the linear probe and k-NN, on the MPP demo
     run (4 blocks): each writes what its protocol promises; the per-block k-NN's last block is
     the plain k-NN run's vote (the hooks' features are forward_features')."""
@@ -303,20 +292,15 @@ def test_probe_protocols_and_per_block_tables_on_the_demo_run(demo_runs, tmp_pat
         with Image.open(tmp_path / name / "per_block.png") as pic:
             assert pic.format == "PNG" and pic.width > 200
     assert res["knn_all"]["per_block"][-1]["top1"] == knn_last["top1"]
-    r = run_cli(
-        [
-            "python",
-            "downstream/linear_probe.py",
-            *probe,
-            "--protocol",
-            "dinov2",
-            "--layers",
-            "all",
-            "--output-dir",
-            str(tmp_path / "refused"),
-        ]
+    # the refusal from the linear probe's main in this process (the CLIs' whole stderr is one line:
+    # test_a_tool_that_cannot_serve_a_run_says_so_in_one_line)
+    capsys.readouterr()
+    refused = ["--protocol", "dinov2", "--layers", "all", "--output-dir", str(tmp_path / "refused")]
+    rc = run_probe("linear", [*probe, *refused])
+    assert "probe.layers: 'all' with probe.protocol 'dinov2'" in the_error(
+        rc, capsys.readouterr().err
     )
-    assert "probe.layers: 'all' with probe.protocol 'dinov2'" in the_error(r.returncode, r.stderr)
+    assert not (tmp_path / "refused").exists()
 
 
 @pytest.mark.parametrize("objective", PRETRAIN)
@@ -381,22 +365,15 @@ def test_a_tool_that_cannot_serve_a_run_says_so_in_one_line(demo_runs, tmp_path,
     for call, reason in refusals:
         capsys.readouterr()
         assert reason in the_error(call(), capsys.readouterr().err)
+    knn = ["--config", "linear_demo", "--output-dir", str(tmp_path / "never")]
+    # the CLI once (its whole stderr is the one line), then its main in this process
+    r = run_cli(["python", "downstream/knn.py", *knn, "--set", f"init={runs['finetune']}"])
+    assert "its weights pool global_pool='avg'" in the_error(r.returncode, r.stderr)
     for init, reason in (
-        (runs["finetune"], "its weights pool global_pool='avg'"),
         (runs["knn"], "keeps no weights"),
         (runs["mae"], "patch_size 4, the model's 8"),
     ):
-        r = run_cli(
-            [
-                "python",
-                "downstream/knn.py",
-                "--config",
-                "linear_demo",
-                "--set",
-                f"init={init}",
-                "--output-dir",
-                str(tmp_path / "never"),
-            ]
-        )
-        assert reason in the_error(r.returncode, r.stderr)
+        capsys.readouterr()
+        rc = run_probe("knn", [*knn, "--set", f"init={init}"])
+        assert reason in the_error(rc, capsys.readouterr().err)
     assert not (tmp_path / "never").exists() and not (tmp_path / "f.png").exists()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, restamp, run_cli, tiny_config, write_config, zero
+from conftest import restamp, run_cli, tiny_config
 from test_vit import timm_vit_keys
 
 from mpp.config import ConfigError, FinetuneConfig, validate
@@ -198,75 +198,29 @@ def test_timm_export_has_timms_layout(two_rank_runs, tmp_path):
     )
 
 
-def test_finetune_and_probes_through_the_clis(two_rank_runs, digits16, tmp_path):
-    """2-rank ZeRO-3 fine-tune from a ZeRO-2 pretrain run; then k-NN and linear probe."""
-    pre_dir, _ = two_rank_runs[2]
-    raw = tiny_config(
-        digits16,
-        train={"batch_size": 32, "epochs": 1, "max_steps": None, "ckpt_every": 100},
-        deepspeed={"zero_optimization": zero(3)},
-        optim={"lr": 1e-3, "layer_decay": 0.75},
-    )
-    raw.pop("objective"), raw.pop("masking")
-    raw["data"]["val_shards"] = digits16["val"]
-    raw["finetune"] = {"mixup": 0.8, "cutmix": 1.0, "randaug_n": 2, "randaug_m": 9, "reprob": 0.25}
-    raw["init"] = str(pre_dir)
-    path = write_config(tmp_path / "ft.json", raw)
-    out = tmp_path / "ft"
-    r = run_cli(
-        [
-            "deepspeed",
-            "--num_gpus",
-            "2",
-            "--master_port",
-            str(free_port()),
-            "downstream/finetune.py",
-            "--config",
-            str(path),
-            "--output-dir",
-            str(out),
-        ]
-    )
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+def test_finetune_and_probes_through_the_clis(zero3_finetune, one_rank_probes, tmp_path):
+    """A ZeRO-3 fine-tune through the launcher from a ZeRO-2 pretraining run, with mixup, cutmix,
+    RandAugment and random erasing (conftest.zero3_finetune: 3 ranks, one epoch); then k-NN and
+    the linear probe of the pretraining run (conftest.one_rank_probes)."""
+    out, pre_dir = zero3_finetune["run"], zero3_finetune["init"]
     res = json.loads((out / "results.json").read_text())
     assert {"top1", "top5", "epoch", "init"} <= res.keys() and res["init"] == str(pre_dir)
-    assert res["last"]["num_val"] == 300  # both ranks' shares, every val sample once
+    assert res["last"]["num_val"] == 45  # every rank's share, every val sample once
     assert 0.0 <= res["top1"] <= 100.0 and res["top5"] >= res["top1"]
     assert (out / "model_best.safetensors").is_file() and (out / "model_last.safetensors").is_file()
     assert any("val_top1" in line for line in (out / "metrics.jsonl").read_text().splitlines())
 
-    probe = {
-        "name": "p",
-        "init": str(pre_dir),
-        "model": raw["model"],
-        "data": {
-            "train_shards": digits16["train"],
-            "val_shards": digits16["val"],
-            "num_workers": 1,
-        },
-        "probe": {"epochs": 5, "batch_size": 128},
-    }
-    ppath = write_config(tmp_path / "probe.json", probe)
     for tool in ("knn", "linear_probe"):
-        r = run_cli(
-            [
-                "python",
-                f"downstream/{tool}.py",
-                "--config",
-                str(ppath),
-                "--output-dir",
-                str(tmp_path / tool),
-            ]
-        )
-        assert r.returncode == 0, r.stderr[-2000:]
-        res = json.loads((tmp_path / tool / "results.json").read_text())
+        res = one_rank_probes[tool]
         assert res["num_train"] == 1497 and res["num_val"] == 300 and 0 <= res["top1"] <= 100
+        assert res["eval"] == {"knn": "knn", "linear_probe": "linear"}[tool]
+        assert res["init"] == str(pre_dir)
     r = run_cli(
         [
             "python",
             "downstream/knn.py",
             "--config",
-            str(ppath),
+            str(one_rank_probes["config"]),
             "--set",
             "init=/missing",
             "--output-dir",

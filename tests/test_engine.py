@@ -87,13 +87,11 @@ def test_per_group_lr_follows_schedule_times_lr_scale_on_the_engine_optimizer(st
         engine.step()
 
 
-def test_exact_resume_equals_straight_run(tmp_path, digits16):
-    """8 steps straight == 4 steps, then --resume auto for 4 more: same per-step losses."""
-    cfg = tiny_config(digits16, train={"max_steps": 8, "ckpt_every": 4}, data={"num_workers": 2})
-    path = write_config(tmp_path / "c.json", cfg)
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    r = run_cli(["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(straight)])
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_exact_resume_equals_straight_run(tmp_path, one_rank_run):
+    """8 steps straight == 4 steps, then --resume auto for 4 more: same per-step losses. The
+    straight run is the suite's one-process run (conftest.one_rank_run: 2 data workers)."""
+    straight, path = one_rank_run["run"], one_rank_run["config"]
+    split = tmp_path / "split"
     r = run_cli(
         [
             "python",

@@ -4,6 +4,7 @@ through the real CLI, and the multi-rank ones through the real DeepSpeed launche
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tarfile
@@ -14,9 +15,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import (
+    BATCH,
     REPO,
+    STEPS,
     cli_env,
-    free_port,
+    launch_cmd,
     read_metrics,
     restamp,
     run_cli,
@@ -33,30 +36,14 @@ def last_per_step(metrics: list[dict]) -> dict[int, dict]:
 
 
 def launch(cfg_path, out, extra=()) -> list[str]:
-    return [
-        "deepspeed",
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(free_port()),
-        "pretrain/run.py",
-        "--config",
-        str(cfg_path),
-        "--output-dir",
-        str(out),
-        *extra,
-    ]
+    return launch_cmd(2, cfg_path, out, *extra)
 
 
-def test_sigkill_mid_epoch_then_resume_auto_equals_an_uninterrupted_run(tmp_path, digits16):
-    cfg = tiny_config(
-        digits16, train={"max_steps": 16, "ckpt_every": 4, "keep_last": 5}, data={"num_workers": 2}
-    )
-    path = write_config(tmp_path / "c.json", cfg)
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    r = run_cli(launch(path, straight))
-    assert r.returncode == 0, r.stderr[-3000:]
-
+def test_sigkill_mid_epoch_then_resume_auto_equals_an_uninterrupted_run(tmp_path, straight_runs):
+    """The uninterrupted run is the suite's ZeRO-0 one (conftest.straight_runs: 2 ranks x 2 data
+    workers, a checkpoint every 4 steps); the killed run has its config."""
+    straight, path = straight_runs(0)
+    killed = tmp_path / "killed"
     proc = subprocess.Popen(
         launch(path, killed),
         cwd=REPO,
@@ -79,7 +66,7 @@ def test_sigkill_mid_epoch_then_resume_auto_equals_an_uninterrupted_run(tmp_path
     proc.wait()
     assert not (killed / "encoder.safetensors").exists(), "the run finished before the kill"
     killed_at = max(m["step"] for m in read_metrics(killed))
-    assert 6 <= killed_at < 16
+    assert 6 <= killed_at < STEPS
 
     # a save that was cut off: a newer tag, files truncated, no completion marker
     half = killed / "checkpoints" / "step00000099"
@@ -92,12 +79,12 @@ def test_sigkill_mid_epoch_then_resume_auto_equals_an_uninterrupted_run(tmp_path
     steps = [m["step"] for m in read_metrics(killed)]
     assert steps == sorted(set(steps)), steps  # the replayed steps are logged once, not twice
     a, b = last_per_step(read_metrics(straight)), last_per_step(read_metrics(killed))
-    assert sorted(b) == list(range(1, 17))
-    assert [b[s]["samples"] for s in range(1, 17)] == [
-        16 * s for s in range(1, 17)
+    assert sorted(b) == list(range(1, STEPS + 1))
+    assert [b[s]["samples"] for s in range(1, STEPS + 1)] == [
+        BATCH * s for s in range(1, STEPS + 1)
     ]  # no gap, no repeat
-    assert [b[s]["loss"] for s in range(1, 17)] == [
-        a[s]["loss"] for s in range(1, 17)
+    assert [b[s]["loss"] for s in range(1, STEPS + 1)] == [
+        a[s]["loss"] for s in range(1, STEPS + 1)
     ]  # the same batches, bitwise
 
 
@@ -191,17 +178,14 @@ def test_all_bad_shards_stop_the_run_with_their_names_not_a_hang(tmp_path, digit
     assert "consecutive data failures" in err and "bad-00000" in err
 
 
-def test_a_pickled_payload_in_a_checkpoint_is_refused_on_resume(tmp_path, digits16, monkeypatch):
-    cfg = tiny_config(digits16, train={"max_steps": 2, "ckpt_every": 2})
-    path = write_config(tmp_path / "c.json", cfg)
+def test_a_pickled_payload_in_a_checkpoint_is_refused_on_resume(
+    tmp_path, one_rank_run, monkeypatch
+):
+    """A copy of the suite's one-process run (conftest.one_rank_run), its newest checkpoint
+    (step 8) carrying a pickled payload."""
     run = tmp_path / "run"
-    assert (
-        run_cli(
-            ["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(run)]
-        ).returncode
-        == 0
-    )
-    target = run / "checkpoints" / "step00000002" / "mp_rank_00_model_states.pt"
+    shutil.copytree(one_rank_run["run"], run)
+    target = run / "checkpoints" / "step00000008" / "mp_rank_00_model_states.pt"
     state = torch.load(target, weights_only=True)
     mark = tmp_path / "pwned"
     monkeypatch.setenv("PAYLOAD_MARK", str(mark))
@@ -213,13 +197,13 @@ def test_a_pickled_payload_in_a_checkpoint_is_refused_on_resume(tmp_path, digits
             "python",
             "pretrain/run.py",
             "--config",
-            str(path),
+            str(one_rank_run["config"]),
             "--output-dir",
             str(run),
             "--resume",
             "auto",
             "--set",
-            "train.max_steps=4",
+            "train.max_steps=10",
         ],
         env={"PAYLOAD_MARK": str(mark), "PYTHONPATH": str(REPO / "tests")},
     )
@@ -246,34 +230,12 @@ def test_pipe_shards_are_refused_unless_allowed(tmp_path, digits16, capsys):
     )
 
 
-def test_the_run_writes_only_under_its_output_directory(tmp_path, digits16):
-    def listing(root: Path) -> set[str]:
-        return {
-            str(p)
-            for p in root.rglob("*")
-            if "__pycache__" not in p.parts and ".pytest_cache" not in p.parts
-        }
-
-    shard_dir = Path(digits16["train"]).parent
-    watched = [REPO, shard_dir]
-    before = {str(w): listing(w) for w in watched}
-    cfg = tiny_config(digits16, train={"max_steps": 2, "ckpt_every": 1})
-    out = tmp_path / "run"
-    r = run_cli(
-        [
-            "python",
-            "pretrain/run.py",
-            "--config",
-            str(write_config(tmp_path / "c.json", cfg)),
-            "--output-dir",
-            str(out),
-        ]
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    for w in watched:
-        new = listing(w) - before[str(w)]
-        assert not new, f"wrote outside the run directory: {sorted(new)[:5]}"
-    assert (out / "metrics.jsonl").is_file()
+def test_the_run_writes_only_under_its_output_directory(one_rank_run):
+    """The suite's one-process run (conftest.one_rank_run: 8 steps, 4 checkpoints, 2 data
+    workers), watched under the repository and beside the shards while it ran."""
+    outside = one_rank_run["outside"]
+    assert not outside, f"wrote outside the run directory: {outside[:5]}"
+    assert (one_rank_run["run"] / "metrics.jsonl").is_file()
 
 
 def test_a_nan_at_step_5_rolls_back_and_finishes_or_stops_naming_the_step(tmp_path, digits16):

@@ -19,6 +19,9 @@ TRAINING = {
     for p in sorted(CONFIGS.glob("*.json"))
     if not p.stem.startswith("linear") and "grid" not in json.loads(p.read_text())
 }
+# the tiny models' decoders (MAE's pixel decoder, HPM's loss predictor): 2 blocks 32 wide, not the
+# default 8 x 512; the same modules at any size
+SMALL_DECODER = {"decoder_dim": 32, "decoder_depth": 2, "decoder_heads": 2}
 
 
 def shipped(name: str):
@@ -140,9 +143,9 @@ class TensorsFromHost(torch.overrides.TorchFunctionMode):
     "objective",
     [
         {"name": "mpp"},
-        {"name": "mae"},
-        {"name": "hpm", "base": "mpp"},
-        {"name": "hpm", "base": "mae"},
+        {"name": "mae", **SMALL_DECODER},
+        {"name": "hpm", "base": "mpp", **SMALL_DECODER},
+        {"name": "hpm", "base": "mae", **SMALL_DECODER},
     ],
 )
 def test_a_training_step_builds_no_tensor_from_host_data(digits16, objective):
@@ -222,7 +225,7 @@ def test_zero3_gather_stream_is_where_the_ema_ordering_looks(digits16, dist_grou
     cfg = Config.model_validate(
         tiny_config(
             digits16,
-            objective={"name": "hpm", "base": "mae"},
+            objective={"name": "hpm", "base": "mae", **SMALL_DECODER},
             deepspeed={"zero_optimization": zero(3)},
         )
     )

@@ -9,26 +9,24 @@ import subprocess
 import time
 
 import psutil
-from conftest import REPO, cli_env, free_port, read_metrics, run_cli, tiny_config, write_config
+from conftest import (
+    REPO,
+    STEPS,
+    cli_env,
+    launch_cmd,
+    read_metrics,
+    run_cli,
+    straight_config,
+    tiny_config,
+    write_config,
+)
 
 from mpp.train.checkpoint import complete_tags
 from mpp.train.preemption import PREEMPTED_EXIT
 
 
 def launch(cfg_path, out, extra=()) -> list[str]:
-    return [
-        "deepspeed",
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(free_port()),
-        "pretrain/run.py",
-        "--config",
-        str(cfg_path),
-        "--output-dir",
-        str(out),
-        *extra,
-    ]
+    return launch_cmd(2, cfg_path, out, *extra)
 
 
 def run_until(cmd, out, step: int, send) -> int:
@@ -68,23 +66,21 @@ def ranks_of(proc) -> list[psutil.Process]:
 
 
 def test_sigterm_to_the_launcher_and_sigusr1_to_the_ranks_checkpoint_and_resume_exactly(
-    tmp_path, digits16
+    tmp_path, digits16, straight_runs
 ):
-    cfg = tiny_config(
-        digits16,
-        train={"max_steps": 16, "ckpt_every": 100, "keep_last": 5},
-        data={"num_workers": 2},
-    )
+    """The uninterrupted run is the suite's ZeRO-0 one (conftest.straight_runs: 2 ranks x 2 data
+    workers); the stopped run trains the same with no periodic checkpoint, so each checkpoint it
+    has is a stop's."""
+    straight, _ = straight_runs(0)
+    cfg = straight_config(digits16, 0, ckpt_every=100)
     path = write_config(tmp_path / "c.json", cfg)
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    r = run_cli(launch(path, straight))
-    assert r.returncode == 0, r.stderr[-3000:]
+    stopped = tmp_path / "stopped"
 
     # what SLURM does at a job's end or on scancel: SIGTERM to every process of the job. The
     # `deepspeed` runner dies of it (it forwards nothing on one node); each rank finishes its step
     code = run_until(launch(path, stopped), stopped, 4, lambda p: os.killpg(p.pid, signal.SIGTERM))
     first = json.loads((stopped / "preempted.json").read_text())
-    assert code != 0 and first["signal"] == "SIGTERM" and 4 <= first["step"] < 16
+    assert code != 0 and first["signal"] == "SIGTERM" and 4 <= first["step"] < STEPS
     assert (
         complete_tags(stopped / "checkpoints")[-1] == f"step{first['step']:08d}"
     )  # written whole, at that step
@@ -99,13 +95,13 @@ def test_sigterm_to_the_launcher_and_sigusr1_to_the_ranks_checkpoint_and_resume_
     assert (
         code == PREEMPTED_EXIT
         and second["signal"] == "SIGUSR1"
-        and first["step"] < second["step"] < 16
+        and first["step"] < second["step"] < STEPS
     )
     r = run_cli(launch(path, stopped, ["--resume", "auto"]))
     assert r.returncode == 0, r.stderr[-3000:]
 
     steps = [m["step"] for m in read_metrics(stopped)]
-    assert steps == list(range(1, 17))  # each step once, across two stops
+    assert steps == list(range(1, STEPS + 1))  # each step once, across two stops
     a = {m["step"]: m["loss"] for m in read_metrics(straight)}
     b = {m["step"]: m["loss"] for m in read_metrics(stopped)}
     assert a == b  # the same batches and updates, bitwise

@@ -9,7 +9,16 @@ from conftest import read_metrics, run_cli, tiny_config, write_config
 
 from mpp.train.preview import Preview, caption
 
-HPM = {"name": "hpm", "base": "mae", "norm_pix_loss": True}
+# a small pixel decoder (the default is 512 wide, 8 blocks: 10x the time of this 2-block
+# encoder); the previews, their panels and the caption do not depend on its size
+HPM = {
+    "name": "hpm",
+    "base": "mae",
+    "norm_pix_loss": True,
+    "decoder_dim": 32,
+    "decoder_depth": 1,
+    "decoder_heads": 2,
+}
 
 
 def tb_events(run_dir):

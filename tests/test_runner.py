@@ -224,7 +224,7 @@ def test_bare_config_name_resolves_in_configs_dir(capsys):
     assert code == 2 and "configs/mpp_b16.json: train.bogus: unknown key" in capsys.readouterr().err
 
 
-def test_demo_config_learns(tmp_path, digits16):
+def test_demo_config_learns(tmp_path, demo_cache):
     """configs/mpp_demo.json on the built-in dataset: its MPP loss falls (first 25 steps)."""
     import json as _json
 
@@ -246,7 +246,7 @@ def test_demo_config_learns(tmp_path, digits16):
             "--set",
             "train.log_every=5",
         ],
-        env={"MPP_CACHE": str(tmp_path / "cache")},
+        env=demo_cache,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     losses = [m["loss"] for m in read_metrics(out, "train")]

@@ -300,6 +300,10 @@ def ablation_cmd(tmp_path, digits16, grid: str, *extra: str) -> tuple[list[str],
     ], out
 
 
+# the long cell's steps: it is killed as soon as it starts, and its rerun trains them all
+LONG = 200
+
+
 def test_a_submitted_ablation_shows_a_killed_cell_and_a_rerun_submits_only_that_one(
     tmp_path, digits16
 ):
@@ -310,7 +314,7 @@ def test_a_submitted_ablation_shows_a_killed_cell_and_a_rerun_submits_only_that_
     from mpp.tools.ablation_jobs import saved_spec, status_rows
 
     cmd, out = ablation_cmd(
-        tmp_path, digits16, "train.max_steps=3,600", "--submit", "local", "--time", "00:20:00"
+        tmp_path, digits16, f"train.max_steps=3,{LONG}", "--submit", "local", "--time", "00:20:00"
     )
     with open(
         tmp_path / "submit.log", "w+"
@@ -325,12 +329,13 @@ def test_a_submitted_ablation_shows_a_killed_cell_and_a_rerun_submits_only_that_
     record = json.loads((out / "jobs.json").read_text())
     assert record["backend"] == "local" and set(record["jobs"]) == {
         "train.max_steps=3/seed0",
-        "train.max_steps=600/seed0",
+        f"train.max_steps={LONG}/seed0",
     }
-    killed = record["jobs"]["train.max_steps=600/seed0"]["pretrain"]
-    pretrain = out / "train.max_steps=600" / "seed0" / "pretrain"
+    killed = record["jobs"][f"train.max_steps={LONG}/seed0"]["pretrain"]
+    pretrain = out / f"train.max_steps={LONG}" / "seed0" / "pretrain"
     deadline = time.monotonic() + 300
-    while not (pretrain / "job.lock").is_file():  # the run has started (600 steps take > 10 s more)
+    # the run has started: its engine and data workers still to start, then LONG steps (> 4 s)
+    while not (pretrain / "job.lock").is_file():
         assert time.monotonic() < deadline
         time.sleep(0.1)
     controller = psutil.Process(int(killed))
@@ -340,32 +345,32 @@ def test_a_submitted_ablation_shows_a_killed_cell_and_a_rerun_submits_only_that_
     deadline = time.monotonic() + 600
     while any(state in ("queued", "running") for _, state, _ in status_rows(saved_spec(out))[1]):
         assert time.monotonic() < deadline, status_rows(saved_spec(out))[1]
-        time.sleep(2)
+        time.sleep(0.2)
     status = run_cli([sys.executable, "pretrain/ablate.py", "--status", str(out)])
     assert status.returncode == 1, status.stdout + status.stderr  # one failed
     assert re.search(r"train.max_steps=3/seed0\s+done\n", status.stdout), status.stdout
     assert re.search(
-        rf"train.max_steps=600/seed0\s+failed\s+pretrain job {killed} killed, log: \S+",
+        rf"train.max_steps={LONG}/seed0\s+failed\s+pretrain job {killed} killed, log: \S+",
         status.stdout,
     )
     assert "2 runs: 1 done, 1 failed" in status.stdout
     md = (out / "results.md").read_text()
-    assert re.search(r"\| 3 \| \d+\.\d\d ± 0\.00 \(1\) \|", md) and "| 600 | failed (0) |" in md
-    assert "- 600, seed 0, knn: failed" in md
+    assert re.search(r"\| 3 \| \d+\.\d\d ± 0\.00 \(1\) \|", md) and f"| {LONG} | failed (0) |" in md
+    assert f"- {LONG}, seed 0, knn: failed" in md
 
     rerun = run_cli([*cmd, "--wait"], timeout=600)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert "train.max_steps=3/seed0: done; not submitted" in rerun.stdout
     assert (
-        "train.max_steps=600/seed0: submitted (pretrain " in rerun.stdout
+        f"train.max_steps={LONG}/seed0: submitted (pretrain " in rerun.stdout
         and "1 submitted" in rerun.stdout
     )
     assert "2 runs: 2 done" in rerun.stdout
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [(r["train.max_steps"], r["status"]) for r in rows] == [("3", "ok"), ("600", "ok")]
+    assert [(r["train.max_steps"], r["status"]) for r in rows] == [("3", "ok"), (str(LONG), "ok")]
     # the killed cell resumed (--resume auto) and logged every step once
-    assert [m["step"] for m in read_metrics(pretrain)] == list(range(1, 601))
+    assert [m["step"] for m in read_metrics(pretrain)] == list(range(1, LONG + 1))
 
     # a probe as a job (--submit on downstream/*.py) computes what the ablation's direct run did
     knn = run_cli(
