@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 test: $(STAMP)
-	$(RUN) $(PY) -m pytest -q tests
+	$(RUN) $(PY) -m pytest -q --durations=20 tests
 
 demo: $(STAMP)
 	$(RUN) $(PY) -m mpp.demo
