@@ -144,7 +144,7 @@ TOOLS = {
     "mpp.tools",
     "mpp.benchmarks",
     "mpp.doctor",
-    "mpp.plan",
+    "mpp.tools.planner",
     "mpp.demo",
     "mpp.export",
 }  # anything below

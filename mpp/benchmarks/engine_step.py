@@ -23,7 +23,7 @@ from mpp.benchmarks.common import interleaved_times, median
 from mpp.benchmarks.flops import step_flops
 from mpp.build import build_objective
 from mpp.config import Config, load_config
-from mpp.plan.hardware import spec_peak  # noqa: F401  (gpu_step and the doctor take it from here)
+from mpp.tools.planner.hardware import spec_peak  # noqa: F401  (gpu_step and the doctor take it from here)
 from mpp.train.optim import build_optimizer
 from mpp.train.plan import RunState
 from mpp.train.trainer import after_optimizer_step, micro_step, to_device

@@ -5,7 +5,7 @@ peak, peak memory and host syncs per step; xformers against SDPA; optionally und
 Each row is ``mpp.benchmarks.engine_step``: the objective from configs/{objective}_b16.json at
 the setting's batch on one rank, stepped as mpp.train.trainer steps it (DeepSpeed's bf16: bf16 module,
 fp32 master weights; TF32 off, as training leaves it). MFU = model FLOPs (mpp.benchmarks.flops)
-÷ the dense bf16 peak of the GPU's datasheet (mpp.plan.hardware.SPEC_BF16_DENSE: H100 SXM 989 TFLOP/s),
+÷ the dense bf16 peak of the GPU's datasheet (mpp.tools.planner.hardware.SPEC_BF16_DENSE: H100 SXM 989 TFLOP/s),
 never a figure measured here; the bf16 matmul it measures is its own column. Recorded by hand on
 a GPU machine, never in CI; without CUDA it refuses with exit code 2 (--device cpu runs the same
 code on a tiny model, MFU then against this CPU's measured bf16 matmul: a check, not a figure).

@@ -32,7 +32,7 @@ COMMANDS = {
         "what a config key means (--explain KEY), or a config resolved",
     ),
     "plan": (
-        "mpp.plan.__main__",
+        "mpp.tools.planner.__main__",
         "plan a run on N GPUs on this machine: memory, FLOPs, step time, recipe",
     ),
     "doctor": ("mpp.doctor.__main__", "check a GPU node (or this machine) for a pretraining run"),

@@ -1,5 +1,5 @@
 """The doctor's GPU-only engine rows: the launcher run's MFU and the in-process step's peak
-memory against the planner (``python -m mpp.plan``), host syncs per step, torch.compile on/off.
+memory against the planner (``python -m mpp.tools.planner``), host syncs per step, torch.compile on/off.
 Without the planner the comparisons say "plan unavailable" and the measurements still stand."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The doctor's engine rows: a short run of the real CLI under the real launcher
 (``deepspeed --num_gpus 1 pretrain/run.py``, on shards our writer makes) read back from its
 metrics.jsonl, then, on a GPU, the same config's step measured in this process
-(``mpp.benchmarks.engine_step``) against the planner's prediction (``python -m mpp.plan``).
+(``mpp.benchmarks.engine_step``) against the planner's prediction (``python -m mpp.tools.planner``).
 
 On a CPU the run is one gloo rank on a tiny model: it checks the launcher, the data path and
 the log end to end; the figures a GPU gives (MFU, memory, host syncs, compile) say "needs a GPU".
@@ -23,8 +23,8 @@ from PIL import Image
 from mpp.config import apply_overrides, resolve_config_path, validate
 from mpp.data.writer import ImageEncoding, WriterOptions, from_arrays, shard_spec, write_shards
 from mpp.doctor import FAIL, PASS, WARN, Row, needs_gpu
-from mpp.train.metrics import read_records
 from mpp.parallel.launch import deepspeed_cmd, job_env
+from mpp.train.metrics import read_records
 
 SECTION = "engine"
 # a CPU check of the path, not a figure: seconds per run (tests/conftest.py's tiny model)
@@ -165,14 +165,14 @@ def run_row(
 
 
 def plan_for(config: Path, gpu_name: str, out: Path) -> tuple[dict[str, Any] | None, str]:
-    """``python -m mpp.plan CONFIG --gpus 1 --gpu KIND --out F``: (its JSON, "") or (None, why)."""
+    """``python -m mpp.tools.planner CONFIG --gpus 1 --gpu KIND --out F``: (its JSON, "") or (None, why)."""
     kind = next((k for k in ("h100", "h200", "a100") if k in gpu_name.lower()), None)
     if kind is None:
         return None, f"plan unavailable: the planner knows h100, h200, a100, not {gpu_name!r}"
     cmd = [
         sys.executable,
         "-m",
-        "mpp.plan",
+        "mpp.tools.planner",
         str(config),
         "--gpus",
         "1",
@@ -184,10 +184,13 @@ def plan_for(config: Path, gpu_name: str, out: Path) -> tuple[dict[str, Any] | N
     try:
         r = subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
-        return None, "plan unavailable: python -m mpp.plan took over 600 s"
+        return None, "plan unavailable: python -m mpp.tools.planner took over 600 s"
     if r.returncode != 0 or not out.is_file():
         tail = (r.stderr.strip().splitlines() or ["it wrote no JSON"])[-1]
-        return None, f"plan unavailable: python -m mpp.plan exited {r.returncode} ({tail[:200]})"
+        return (
+            None,
+            f"plan unavailable: python -m mpp.tools.planner exited {r.returncode} ({tail[:200]})",
+        )
     return json.loads(out.read_text()), ""
 
 

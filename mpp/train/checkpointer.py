@@ -1,5 +1,5 @@
 """Loading a checkpoint into this run, whatever world size, micro batch or accumulation wrote it
-(the global batch stays: ``mpp.plan.check_resume``).
+(the global batch stays: ``mpp.train.plan.check_resume``).
 
 - Weights and optimiser: a ZeRO-1/2/3 checkpoint written by another world size goes through
   DeepSpeed's universal checkpoint (``ds_to_universal`` on rank 0, then a load with

@@ -1,4 +1,4 @@
-"""The planner's command line, shared by ``python -m mpp.plan`` and ``pretrain/run.py --plan``."""
+"""The planner's command line, shared by ``python -m mpp.tools.planner`` and ``pretrain/run.py --plan``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from mpp.config import ConfigError
-from mpp.plan.hardware import GPUS, gpu
+from mpp.tools.planner.hardware import GPUS, gpu
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,8 +22,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 def plan_main(config: str, overrides: list[str], gpus: int, kind: str, out: str | None) -> int:
     """Print the plan (and write it to ``out``); 2 with one error line when it cannot be made."""
-    from mpp.plan.probe import probe
-    from mpp.plan.report import plan_gpus, render
+    from mpp.tools.planner.fake_step import measure
+    from mpp.tools.planner.report import plan_gpus, render
     from mpp.train.plan import load_plan_config
 
     try:
@@ -32,10 +32,10 @@ def plan_main(config: str, overrides: list[str], gpus: int, kind: str, out: str 
         cfg, data_known = load_plan_config(config, overrides)
         dtype = cfg.resolved_precision("cuda")
 
-        def probe_config(extra: list[str], micro: list[int]) -> dict:
-            return probe(config, [*overrides, *extra], micro, dtype)
+        def measure_config(extra: list[str], micro: list[int]) -> dict:
+            return measure(config, [*overrides, *extra], micro, dtype)
 
-        plan = plan_gpus(cfg, data_known, gpus, gpu(kind), probe_config)
+        plan = plan_gpus(cfg, data_known, gpus, gpu(kind), measure_config)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -90,5 +90,5 @@ def spec_peak(device_name: str) -> tuple[float | None, str]:
             return flops, source
     return (
         None,
-        f"no datasheet peak for {device_name!r} in mpp.plan.hardware.SPEC_BF16_DENSE: no MFU",
+        f"no datasheet peak for {device_name!r} in mpp.tools.planner.hardware.SPEC_BF16_DENSE: no MFU",
     )

@@ -1,9 +1,9 @@
 """The planning table of BENCHMARKS.md: ViT-B/L/H x MPP/MAE/HPM x ZeRO 1/2/3 on 8 and 64 GPUs.
 
-    python -m mpp.plan.table [--gpu h100] [--out plan-table.md]
+    python -m mpp.tools.planner.table [--gpu h100] [--out plan-table.md]
 
-One fake step per model and objective (``mpp.plan.probe``; its measurements do not depend on the
-ZeRO stage or the GPU count), then ``mpp.plan.report.plan_gpus`` for every stage and count.
+One fake step per model and objective (``mpp.tools.planner.fake_step``; its measurements do not depend on the
+ZeRO stage or the GPU count), then ``mpp.tools.planner.report.plan_gpus`` for every stage and count.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from mpp.benchmarks.common import format_table
-from mpp.plan.hardware import GPUS, gpu
-from mpp.plan.probe import probe
-from mpp.plan.report import plan_gpus
+from mpp.tools.planner.fake_step import measure
+from mpp.tools.planner.hardware import GPUS, gpu
+from mpp.tools.planner.report import plan_gpus
 from mpp.train.plan import load_plan_config
 
 MODELS = {
@@ -51,10 +51,10 @@ COLUMNS = [
 def rows_for(model: str, objective: str, spec: Any) -> list[dict[str, Any]]:
     """Every stage and GPU count of one model and objective, from one fake step."""
     config, base = f"{objective}_b16", [f"model.name={MODELS[model]}"]
-    measured = probe(config, base, [64, 128], "bf16")
+    measured = measure(config, base, [64, 128], "bf16")
 
-    def probe_for(extra: list[str], micro: list[int]) -> dict[str, Any]:
-        return probe(config, [*base, *extra], [64, 128], "bf16") if extra else measured
+    def measured_for(extra: list[str], micro: list[int]) -> dict[str, Any]:
+        return measure(config, [*base, *extra], [64, 128], "bf16") if extra else measured
 
     rows = []
     for gpus in GPU_COUNTS:
@@ -62,7 +62,7 @@ def rows_for(model: str, objective: str, spec: Any) -> list[dict[str, Any]]:
             cfg, known = load_plan_config(
                 config, [*base, f"deepspeed.zero_optimization.stage={stage}"]
             )
-            plan = plan_gpus(cfg, known, gpus, spec, probe_for)
+            plan = plan_gpus(cfg, known, gpus, spec, measured_for)
             s, r = plan["step_time_s"], plan["recipe"]
             rows.append(
                 {
@@ -82,7 +82,7 @@ def rows_for(model: str, objective: str, spec: Any) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mpp.plan.table", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m mpp.tools.planner.table", description=__doc__)
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100")
     p.add_argument("--out", help="also write the table here")
     args = p.parse_args(argv)

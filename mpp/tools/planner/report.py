@@ -8,14 +8,14 @@ from collections.abc import Callable
 from typing import Any
 
 from mpp.config import Config, ConfigError
-from mpp.plan.cost import comm_bytes, comm_seconds, roofline
-from mpp.plan.hardware import GPU
-from mpp.plan.memory import FIXED_MARGIN_BYTES, FRAGMENTATION, model_states, peak_bytes
-from mpp.plan.recipe import recipe
+from mpp.tools.planner.cost import comm_bytes, comm_seconds, roofline
+from mpp.tools.planner.hardware import GPU
+from mpp.tools.planner.memory import FIXED_MARGIN_BYTES, FRAGMENTATION, model_states, peak_bytes
+from mpp.tools.planner.recipe import recipe
 
 GIB = 2**30
-# (overrides, micro sizes) -> probe.run's dict
-Probe = Callable[[list[str], list[int]], dict[str, Any]]
+# (overrides, micro sizes) -> fake_step.run's dict
+FakeStep = Callable[[list[str], list[int]], dict[str, Any]]
 
 
 def batch_split(cfg: Config, ranks: int) -> tuple[int, int]:
@@ -48,18 +48,18 @@ def largest_micro(per_image: float, fixed: float, states: float, spec: GPU) -> i
 
 
 def memory_plan(
-    cfg: Config, probe_out: dict, ranks: int, ds: dict, spec: GPU, micro: int
+    cfg: Config, measured: dict, ranks: int, ds: dict, spec: GPU, micro: int
 ) -> dict[str, Any]:
     precision = cfg.resolved_precision("cuda")
     states = model_states(
-        probe_out["trainable"],
-        probe_out["frozen"],
+        measured["trainable"],
+        measured["frozen"],
         ranks,
         ds,
         precision,
         ema=getattr(getattr(cfg, "objective", None), "name", None) == "hpm",
     )
-    per_image, fixed = activation_fit(probe_out["steps"])
+    per_image, fixed = activation_fit(measured["steps"])
     peak = peak_bytes(fixed + per_image * micro, states)
     return {
         "precision": precision,
@@ -72,12 +72,12 @@ def memory_plan(
 
 
 def time_plan(
-    probe_out: dict, images: int, ranks: int, stage: int, accum: int, spec: GPU, precision: str
+    measured: dict, images: int, ranks: int, stage: int, accum: int, spec: GPU, precision: str
 ) -> dict:
-    step = probe_out["steps"][0]
+    step = measured["steps"][0]
     per_image = roofline(step["calls"], step["micro"], spec)
     comm = comm_bytes(
-        sum(probe_out["trainable"]), sum(probe_out["frozen"]), ranks, stage, accum, precision
+        sum(measured["trainable"]), sum(measured["frozen"]), ranks, stage, accum, precision
     )
     out = {k: v * images for k, v in per_image.items() if k.endswith("_s")}
     out["comm_s"] = comm_seconds(comm["total"], ranks, spec)
@@ -91,25 +91,27 @@ def time_plan(
     }
 
 
-def plan_gpus(cfg: Config, data_known: bool, ranks: int, spec: GPU, probe: Probe) -> dict[str, Any]:
+def plan_gpus(
+    cfg: Config, data_known: bool, ranks: int, spec: GPU, fake_step: FakeStep
+) -> dict[str, Any]:
     """The plan; ConfigError when the config cannot run at ``ranks`` GPUs."""
     micro, accum = batch_split(cfg, ranks)
     ds = cfg.deepspeed_config(ranks, "cuda")
     stage = (ds.get("zero_optimization") or {}).get("stage", 0)
-    probe_out = probe([], [micro, 2 * micro])
-    mem = memory_plan(cfg, probe_out, ranks, ds, spec, micro)
+    measured = fake_step([], [micro, 2 * micro])
+    mem = memory_plan(cfg, measured, ranks, ds, spec, micro)
     checkpointed = None
     if (
         not mem["fits"]
         and hasattr(cfg.model, "grad_checkpointing")
         and not cfg.model.grad_checkpointing
     ):
-        with_ckpt = probe(["model.grad_checkpointing=true"], [micro, 2 * micro])
+        with_ckpt = fake_step(["model.grad_checkpointing=true"], [micro, 2 * micro])
         checkpointed = memory_plan(cfg, with_ckpt, ranks, ds, spec, micro)
-    t = time_plan(probe_out, micro * accum, ranks, stage, accum, spec, mem["precision"])
+    t = time_plan(measured, micro * accum, ranks, stage, accum, spec, mem["precision"])
     sec = t["seconds"]
     rec = recipe(
-        cfg, ranks, micro, accum, probe_out["img_size"], sec["lower_bound_s"], spec.gpus_per_node
+        cfg, ranks, micro, accum, measured["img_size"], sec["lower_bound_s"], spec.gpus_per_node
     )
     if not data_known:
         rec["steps_per_epoch"] = None
@@ -149,8 +151,8 @@ def plan_gpus(cfg: Config, data_known: bool, ranks: int, spec: GPU, probe: Probe
         if cfg.train.skip_nonfinite
         else 0,  # mpp.train.nonfinite.all_finite's
         "parameters": {
-            "trainable": sum(probe_out["trainable"]),
-            "frozen": sum(probe_out["frozen"]),
+            "trainable": sum(measured["trainable"]),
+            "frozen": sum(measured["frozen"]),
         },
     }
 

@@ -1,5 +1,5 @@
 """Time per step on a GPU, bounded from below: FLOPs and bytes of every op of one training step
-(counted on fake tensors), the spec sheet's peaks (``mpp.plan.hardware``), and the bytes ZeRO
+(counted on fake tensors), the spec sheet's peaks (``mpp.tools.planner.hardware``), and the bytes ZeRO
 moves between ranks.
 
 FLOPs follow ``torch.utils.flop_counter`` (matmuls, convolutions, attention; 2 per
@@ -24,7 +24,7 @@ from torch.utils.flop_counter import (
     shape_wrapper,
 )
 
-from mpp.plan.hardware import GPU, ring_bytes_per_s
+from mpp.tools.planner.hardware import GPU, ring_bytes_per_s
 
 aten = torch.ops.aten
 

@@ -1,9 +1,9 @@
 """One fake training step of the real objective: activation peak, FLOPs and per-op bytes, with
-no memory allocated. Run in a subprocess (``probe``): a dispatch-mode error inside conv2d kills
-the process instead of raising, and each probe gets its own TORCH_EXTENSIONS_DIR (DeepSpeed's JIT
+no memory allocated. Run in a subprocess (``measure``): a dispatch-mode error inside conv2d kills
+the process instead of raising, and each fake step gets its own TORCH_EXTENSIONS_DIR (DeepSpeed's JIT
 build cache is shared and locked).
 
-    python -m mpp.plan.probe '{"config": "mae_b16", "overrides": [], "micro": [64, 128], "dtype": "bf16"}'
+    python -m mpp.tools.planner.fake_step '{"config": "mae_b16", "overrides": [], "micro": [64, 128], "dtype": "bf16"}'
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from mpp.plan.cost import OpCosts, flop_counter
-from mpp.plan.memory import PeakTracker, materialize
+from mpp.tools.planner.cost import OpCosts, flop_counter
+from mpp.tools.planner.memory import PeakTracker, materialize
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -147,7 +147,7 @@ def run(config: str, overrides: list[str], micro: list[int], dtype: str) -> dict
     return {**sizes, "img_size": img_size, "steps": steps}
 
 
-def probe(
+def measure(
     config: str, overrides: list[str], micro: list[int], dtype: str, timeout: int = 600
 ) -> dict[str, Any]:
     """``run`` in a subprocess with its own TORCH_EXTENSIONS_DIR; RuntimeError with its last
@@ -155,7 +155,7 @@ def probe(
     request = json.dumps({"config": config, "overrides": overrides, "micro": micro, "dtype": dtype})
     with tempfile.TemporaryDirectory(prefix="mpp-plan-") as ext:
         env = {**os.environ, "TORCH_EXTENSIONS_DIR": ext}
-        cmd = [sys.executable, "-m", "mpp.plan.probe", request]
+        cmd = [sys.executable, "-m", "mpp.tools.planner.fake_step", request]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
         tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-5:])
