@@ -6,12 +6,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from mpp.benchmarks.data import workers_needed
 from mpp.config import Config
+from mpp.tools.benchmarks.data import workers_needed
 from mpp.train.optim import peak_lr
 
 # one DataLoader worker's images/s (decode, RandomResizedCrop, flip) on one core:
-# ``python -m mpp.benchmarks data``, 2026-11-23 (BENCHMARKS.md "data"): 282.7 img/s
+# ``python -m mpp.tools.benchmarks data``, 2026-11-23 (BENCHMARKS.md "data"): 282.7 img/s
 PER_WORKER_IPS = 282.7
 # README "Data order and memory per node": ImageNet's JPEGs average ~110 kB encoded
 ENCODED_IMAGE_BYTES = 110e3

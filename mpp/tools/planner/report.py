@@ -192,7 +192,7 @@ def render(plan: dict[str, Any]) -> str:
         + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in plan["comm_ops"].items()),
         f"host syncs       {plan['host_syncs_per_step']} per step"
         + (
-            " (train.skip_nonfinite: one flag all-reduced and read per micro-batch; python -m mpp.doctor times it)"
+            " (train.skip_nonfinite: one flag all-reduced and read per micro-batch; mpp doctor times it)"
             if plan["host_syncs_per_step"]
             else ""
         ),

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mpp.benchmarks.common import format_table, interleaved_times, median
+from mpp.tools.benchmarks.common import format_table, interleaved_times, median
 
 CONFIGS = ("mpp_demo", "mae_demo", "hpm_demo")
 EVERY = 1000

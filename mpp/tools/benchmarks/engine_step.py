@@ -1,7 +1,7 @@
 """The training step as a run takes it, timed in this process: an objective built from a shipped
 config (``configs/{objective}_b16.json`` at a chosen size, one rank), ``deepspeed.initialize``
 with that config's own DeepSpeed dict, and one micro-step exactly as ``mpp.train.trainer.Trainer`` takes
-it. Shared by the gpu-step suite and ``python -m mpp.doctor``.
+it. Shared by the gpu-step suite and ``python -m mpp.tools.doctor``.
 
 What "as a run takes it" means here, and what the old autocast benchmark got wrong:
 - bf16 is DeepSpeed's bf16 mode (the module cast to bf16, fp32 master weights in the ZeRO
@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from mpp.benchmarks.common import interleaved_times, median
-from mpp.benchmarks.flops import step_flops
 from mpp.build import build_objective
 from mpp.config import Config, load_config
+from mpp.tools.benchmarks.common import interleaved_times, median
+from mpp.tools.benchmarks.flops import step_flops
 from mpp.tools.planner.hardware import spec_peak  # noqa: F401  (gpu_step and the doctor take it from here)
 from mpp.train.optim import build_optimizer
 from mpp.train.plan import RunState

@@ -1,4 +1,4 @@
-"""python -m mpp.doctor [--out DIR] [--quick] [--config NAME]
+"""python -m mpp.tools.doctor [--out DIR] [--quick] [--config NAME]
 
 Checks this machine for a pretraining run and says what it found: the environment, attention
 kernels against the project's math backend, and a short real run through the deepspeed launcher.
@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from mpp.benchmarks.common import format_table
-from mpp.doctor import FAIL, VERDICTS, Row
+from mpp.tools.benchmarks.common import format_table
+from mpp.tools.doctor import FAIL, VERDICTS, Row
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m mpp.doctor",
+        prog="python -m mpp.tools.doctor",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -48,9 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run_checks(out: Path, config: str, quick: bool) -> tuple[list[Row], dict[str, float]]:
     """Every section in order; each one's wall time."""
-    from mpp.doctor.engine_run import engine_rows
-    from mpp.doctor.environment import environment_rows
-    from mpp.doctor.parity import attention_rows
+    from mpp.tools.doctor.engine_run import engine_rows
+    from mpp.tools.doctor.environment import environment_rows
+    from mpp.tools.doctor.parity import attention_rows
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sections = {
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, seconds = run_checks(out, args.config, args.quick)
     report = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "command": "python -m mpp.doctor " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m mpp.tools.doctor " + " ".join(sys.argv[1:] if argv is None else argv),
         "host": platform.node(),
         "device": torch.cuda.get_device_name()
         if torch.cuda.is_available()

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from mpp.doctor import FAIL, PASS, WARN, Row, needs_gpu
+from mpp.tools.doctor import FAIL, PASS, WARN, Row, needs_gpu
 
 SECTION = "environment"
 

@@ -2,9 +2,9 @@
 DeepSpeed's engine in the shipped configs' bf16 mode, images/s, MFU against the GPU's spec-sheet
 peak, peak memory and host syncs per step; xformers against SDPA; optionally under torch.compile.
 
-Each row is ``mpp.benchmarks.engine_step``: the objective from configs/{objective}_b16.json at
+Each row is ``mpp.tools.benchmarks.engine_step``: the objective from configs/{objective}_b16.json at
 the setting's batch on one rank, stepped as mpp.train.trainer steps it (DeepSpeed's bf16: bf16 module,
-fp32 master weights; TF32 off, as training leaves it). MFU = model FLOPs (mpp.benchmarks.flops)
+fp32 master weights; TF32 off, as training leaves it). MFU = model FLOPs (mpp.tools.benchmarks.flops)
 ÷ the dense bf16 peak of the GPU's datasheet (mpp.tools.planner.hardware.SPEC_BF16_DENSE: H100 SXM 989 TFLOP/s),
 never a figure measured here; the bf16 matmul it measures is its own column. Recorded by hand on
 a GPU machine, never in CI; without CUDA it refuses with exit code 2 (--device cpu runs the same
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from mpp.benchmarks.common import Unavailable, format_table, matmul_roofline
-from mpp.benchmarks.engine_step import EngineStep, measure, spec_peak, step_config
 from mpp.models.attention import _xformers_ops
+from mpp.tools.benchmarks.common import Unavailable, format_table, matmul_roofline
+from mpp.tools.benchmarks.engine_step import EngineStep, measure, spec_peak, step_config
 
 GOALS = {"mpp_mfu_min": 0.40, "mae_mfu_min": 0.30, "hpm_vs_mae_time_max": 2.0}
 OBJECTIVES = ("mpp", "mae", "hpm")
@@ -70,7 +70,7 @@ def run(
     if device == "cuda" and not torch.cuda.is_available():
         raise Unavailable(
             "needs a CUDA GPU (this machine has none). On a GPU machine run: "
-            "python -m mpp.benchmarks gpu-step [--compile] --out runs/benchmarks/gpu-step.json"
+            "mpp bench gpu-step [--compile] --out runs/benchmarks/gpu-step.json"
         )
     cuda = device == "cuda"
     s = dict(SETTINGS["cpu" if not cuda else "quick" if quick else "full"])

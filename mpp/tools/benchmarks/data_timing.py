@@ -1,13 +1,10 @@
-"""How much the training pipeline costs over bare decoding, on the same JPEGs.
-
-python -m mpp.data.bench --num-images 256 --img-size 224
-"""
+"""The timed runs behind the ``data`` suite (``mpp bench data``, data.py): how much the training
+pipeline costs over bare decoding on the same JPEGs, its cost on bad data, an epoch's start, and
+the shard census."""
 
 from __future__ import annotations
 
-import argparse
 import io
-import json
 import os
 import tempfile
 import time
@@ -15,8 +12,8 @@ import time
 import numpy as np
 from PIL import Image
 
-from .loader import make_train_loader
-from .writer import WriterOptions, write_shards
+from mpp.data.loader import make_train_loader
+from mpp.data.writer import WriterOptions, write_shards
 
 
 def synthetic_jpegs(
@@ -232,21 +229,6 @@ def bench_epoch_start(
     }
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(
-        prog="python -m mpp.data.bench", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--num-images", type=int, default=256)
-    parser.add_argument("--img-size", type=int, default=224)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument(
-        "--bad-data", action="store_true", help="clean shards vs 5 %% garbage JPEGs"
-    )
-    args = parser.parse_args()
-    fn = bench_bad_data if args.bad_data else bench_pipeline
-    print(json.dumps(fn(args.num_images, args.img_size, repeats=args.repeats), indent=1))
-
-
 def _write_plain_shards(folder: str, num_shards: int, members: int, member_bytes: int) -> None:
     """Shards of ``members`` members (jpg + cls pairs, zero bytes: the census reads no data)."""
     import tarfile
@@ -273,7 +255,7 @@ def _drop_page_cache() -> bool:
 def bench_census(num_shards: int = 1024, members: int = 1000, member_bytes: int = 400, **_) -> dict:
     """The training plan's sample count (``mpp.data.census``) for shards without sizes.json: one
     pass over the tar headers (cold page cache when it can be dropped, then warm), and the cache hit."""
-    from .census import census
+    from mpp.data.census import census
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()

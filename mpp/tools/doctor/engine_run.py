@@ -1,7 +1,7 @@
 """The doctor's engine rows: a short run of the real CLI under the real launcher
 (``deepspeed --num_gpus 1 pretrain/run.py``, on shards our writer makes) read back from its
 metrics.jsonl, then, on a GPU, the same config's step measured in this process
-(``mpp.benchmarks.engine_step``) against the planner's prediction (``python -m mpp.tools.planner``).
+(``mpp.tools.benchmarks.engine_step``) against the planner's prediction (``python -m mpp.tools.planner``).
 
 On a CPU the run is one gloo rank on a tiny model: it checks the launcher, the data path and
 the log end to end; the figures a GPU gives (MFU, memory, host syncs, compile) say "needs a GPU".
@@ -22,8 +22,8 @@ from PIL import Image
 
 from mpp.config import apply_overrides, resolve_config_path, validate
 from mpp.data.writer import ImageEncoding, WriterOptions, from_arrays, shard_spec, write_shards
-from mpp.doctor import FAIL, PASS, WARN, Row, needs_gpu
 from mpp.parallel.launch import deepspeed_cmd, job_env
+from mpp.tools.doctor import FAIL, PASS, WARN, Row, needs_gpu
 from mpp.train.metrics import read_records
 
 SECTION = "engine"
@@ -219,7 +219,7 @@ def engine_rows(out_dir: Path, base: str, quick: bool = False) -> list[Row]:
             "torch.compile": "times the step with and without torch.compile",
         }
         return rows + [needs_gpu(SECTION, check, w) for check, w in what.items()]
-    from mpp.doctor.engine_gpu import gpu_rows
+    from mpp.tools.doctor.engine_gpu import gpu_rows
 
     return rows + gpu_rows(
         config, rows[0], plan_for(config, torch.cuda.get_device_name(), work / "plan.json"), quick

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mpp.benchmarks.common import (
+from mpp.models.attention import _xformers_ops, attention, resolve_backend
+from mpp.tools.benchmarks.common import (
     current_rss_bytes,
     format_table,
     interleaved_times,
@@ -32,7 +33,6 @@ from mpp.benchmarks.common import (
     num_threads,
     peak_rss_bytes,
 )
-from mpp.models.attention import _xformers_ops, attention, resolve_backend
 
 SETTINGS = {
     # ViT-S heads (6 x 64); 197 = ViT/16 at 224, 4,096 = a 64 x 64 patch grid
@@ -101,7 +101,7 @@ def rss_peak_bytes(backend: str, n: int, s: dict) -> int:
 
 def _rss_in_subprocess(backend: str, n: int, s: dict) -> int:
     code = (
-        "import json, sys; from mpp.benchmarks.attention import rss_peak_bytes; "
+        "import json, sys; from mpp.tools.benchmarks.attention import rss_peak_bytes; "
         "print(rss_peak_bytes(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])))"
     )
     r = subprocess.run(

@@ -1,4 +1,4 @@
-"""python -m mpp.benchmarks SUITE [--quick] [--out FILE.json] [suite options]
+"""python -m mpp.tools.benchmarks SUITE [--quick] [--out FILE.json] [suite options]
 
 Suites: cpu-step, attention, data, zero, preview, gpu-step (GPU only). Prints the suite's tables and
 writes its JSON (default runs/benchmarks/SUITE[-quick].json).
@@ -11,13 +11,13 @@ import os
 import sys
 from pathlib import Path
 
-from mpp.benchmarks import SUITES, suite
-from mpp.benchmarks.common import Unavailable, machine_info, write_json
+from mpp.tools.benchmarks import SUITES, suite
+from mpp.tools.benchmarks.common import Unavailable, machine_info, write_json
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     p = argparse.ArgumentParser(
-        prog="python -m mpp.benchmarks", description=__doc__.splitlines()[0]
+        prog="python -m mpp.tools.benchmarks", description=__doc__.splitlines()[0]
     )
     sub = p.add_subparsers(dest="suite", required=True, metavar="SUITE")
     for name in SUITES:

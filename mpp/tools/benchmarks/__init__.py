@@ -1,4 +1,4 @@
-"""Benchmark suites, run as ``python -m mpp.benchmarks SUITE [--quick] [--out FILE.json]``.
+"""Benchmark suites, run as ``python -m mpp.tools.benchmarks SUITE [--quick] [--out FILE.json]``.
 
 Each suite is a module with ``run(quick, **options) -> dict`` (JSON-ready: the figures, the
 setting and the goal) and ``render(result) -> str`` (the tables printed). The latest full
@@ -12,12 +12,12 @@ from types import ModuleType
 
 # suite name -> module (each imports only torch and mpp; the launcher runs stay in subprocesses)
 SUITES = {
-    "cpu-step": "mpp.benchmarks.step",
-    "attention": "mpp.benchmarks.attention",
-    "data": "mpp.benchmarks.data",
-    "zero": "mpp.benchmarks.zero",
-    "gpu-step": "mpp.benchmarks.gpu_step",
-    "preview": "mpp.benchmarks.preview",
+    "cpu-step": "mpp.tools.benchmarks.step",
+    "attention": "mpp.tools.benchmarks.attention",
+    "data": "mpp.tools.benchmarks.data",
+    "zero": "mpp.tools.benchmarks.zero",
+    "gpu-step": "mpp.tools.benchmarks.gpu_step",
+    "preview": "mpp.tools.benchmarks.preview",
 }
 
 

@@ -41,7 +41,7 @@ def machine_info(argv: list[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else argv
     info: dict[str, Any] = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "command": "python -m mpp.benchmarks " + shlex.join(argv),
+        "command": "python -m mpp.tools.benchmarks " + shlex.join(argv),
         "cpu_model": cpu_model(),
         "cpu_cores": os.cpu_count(),
         # the machine is shared: the load at measuring time says how much to trust a figure
