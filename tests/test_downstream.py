@@ -131,7 +131,7 @@ def test_bad_init_is_a_clear_error_naming_the_path(tmp_path, init, match):
 
 
 def test_class_count_that_does_not_match_the_shards(digits16, tmp_path):
-    from mpp.downstream.finetune import build_classifier
+    from mpp.transfer.finetune import build_classifier
 
     raw = tiny_config(digits16)
     raw.pop("objective"), raw.pop("masking")

@@ -123,7 +123,7 @@ LAYERS = {
         "mpp.objectives",
         "mpp.train.storage",
     },
-    "mpp.downstream": {
+    "mpp.transfer": {
         "mpp.build",
         "mpp.cli",
         "mpp.config",

@@ -36,7 +36,7 @@ def build_on_meta(cfg: Any) -> torch.nn.Module:
 
     with torch.device("meta"):
         if isinstance(cfg, FinetuneConfig):
-            from mpp.downstream.finetune import build_classifier
+            from mpp.transfer.finetune import build_classifier
 
             objective = build_classifier(cfg)
         else:

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mpp.downstream.lars import LARS
 from mpp.features import topk_accuracy
 from mpp.train.optim import lr_at
+from mpp.transfer.lars import LARS
 
 if TYPE_CHECKING:
     from mpp.config import ProbeSection

@@ -1,4 +1,4 @@
-"""The linear probes of the papers, beside ``fast`` (mpp.downstream.probe: cached center-crop features + SGD).
+"""The linear probes of the papers, beside ``fast`` (mpp.transfer.probe: cached center-crop features + SGD).
 
 - ``mae``: MAE's main_linprobe.py. BatchNorm1d(affine=False, eps=1e-6) + Linear on the cls
   token, LARS (weight decay 0, momentum 0.9, trust coefficient 0.001), lr = blr x batch / 256
@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from mpp.downstream.probe import (
+from mpp.features import FeatureSpec, Slot
+from mpp.models.vit import VisionTransformer
+from mpp.transfer.probe import (
     HeadTrainer,
     LinearHead,
     Probe,
     scaled_lr,
     train_on_features,
 )
-from mpp.features import FeatureSpec, Slot
-from mpp.models.vit import VisionTransformer
 
 if TYPE_CHECKING:
     from mpp.config import ProbeSection

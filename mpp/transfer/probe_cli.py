@@ -16,8 +16,10 @@ from mpp.config import ConfigError, ProbeConfig
 from mpp.data import make_eval_loader, make_train_loader
 from mpp.data.labels import KEY_FILE, LabelledSubset
 from mpp.data.transforms import pixel_format
-from mpp.downstream.probe import HeadTrainer, linear_probes, scaled_lr
-from mpp.downstream.probe_protocols import (
+from mpp.features import FeatureSpec, extract_features, feature_slots, knn_classify
+from mpp.models.vit import VisionTransformer
+from mpp.transfer.probe import HeadTrainer, linear_probes, scaled_lr
+from mpp.transfer.probe_protocols import (
     MAE_CROP_SCALE,
     dinov2_probe,
     dinov2_slots,
@@ -25,8 +27,6 @@ from mpp.downstream.probe_protocols import (
     mae_probe,
     micro_batches,
 )
-from mpp.features import FeatureSpec, extract_features, feature_slots, knn_classify
-from mpp.models.vit import VisionTransformer
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def run_probe(kind: str, argv: list[str] | None = None, script: str | None = Non
         return 0
     results = {**results, "eval": kind, "init": cfg.init, "ranks": world}
     if "per_block" in results:
-        from mpp.downstream.probe_report import write_per_block
+        from mpp.transfer.probe_report import write_per_block
 
         print(
             write_per_block(run_dir, results["per_block"], f"{kind} top-1 per block of {cfg.init}")

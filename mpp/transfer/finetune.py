@@ -2,7 +2,7 @@
 classifier around a pretrained encoder, and the engine's loop with an evaluation every epoch.
 The pieces live in their own files: ``mpp.objectives.classifier`` (loss), ``mpp.data.augment``
 (mixup / cutmix / erasing), ``mpp.train.optim`` (layer decay), ``mpp.hub.pretrained`` (weights in),
-``mpp.downstream.evaluate`` (top-1, best / last weights, results.json)."""
+``mpp.transfer.evaluate`` (top-1, best / last weights, results.json)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from mpp.build import build_encoder
 from mpp.config import ConfigError, FinetuneConfig
 from mpp.data import digits_shards, expand_shards, read_sizes
 from mpp.data.labels import KEY_FILE
-from mpp.downstream.evaluate import Evaluator
 from mpp.models.vit import vit_config
 from mpp.objectives.classifier import Classifier
 from mpp.train.checkpointer import encoder_kwargs
 from mpp.train.plan import Plan
 from mpp.train.trainer import Trainer
+from mpp.transfer.evaluate import Evaluator
 
 
 def resolve_classes(cfg: FinetuneConfig, train_shards: list[str]) -> int:
