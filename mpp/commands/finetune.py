@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 
+from mpp.checkpoint.storage import CheckpointError, DiskFullError
 from mpp.cli import config_from_args, open_run_dir, run_parser
 from mpp.config import ConfigError, FinetuneConfig
 from mpp.data import DataError
@@ -21,7 +22,6 @@ from mpp.train.plan import check_resume, plan_run
 from mpp.train.preemption import PREEMPTED_EXIT, Preempted
 from mpp.train.rng import seed_everything
 from mpp.train.runlock import release
-from mpp.train.storage import CheckpointError, DiskFullError
 from mpp.transfer.finetune import build_classifier, run_finetune
 
 

@@ -12,6 +12,7 @@ import logging
 import sys
 
 from mpp.build import build_objective
+from mpp.checkpoint.storage import CheckpointError, DiskFullError
 from mpp.cli import config_from_args, open_run_dir, run_parser
 from mpp.config import ConfigError
 from mpp.data import DataError
@@ -23,7 +24,6 @@ from mpp.train.plan import check_resume, plan_run
 from mpp.train.preemption import PREEMPTED_EXIT, Preempted
 from mpp.train.rng import seed_everything
 from mpp.train.runlock import release
-from mpp.train.storage import CheckpointError, DiskFullError
 from mpp.train.trainer import Trainer
 
 

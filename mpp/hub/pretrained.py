@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from mpp.models.vit import VisionTransformer, full_vit_config, resample_abs_pos_embed, vit_config
-from mpp.train.checkpoint import (
+from mpp.checkpoint.format import (
     encoder_file_kwargs,
     find_checkpoint,
     load_encoder_file,
     zero_to_fp32,
 )
-from mpp.train.storage import CheckpointError
+from mpp.checkpoint.storage import CheckpointError
+from mpp.models.vit import VisionTransformer, full_vit_config, resample_abs_pos_embed, vit_config
 
 log = logging.getLogger(__name__)
 

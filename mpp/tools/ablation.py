@@ -42,6 +42,7 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
+from mpp.checkpoint.format import latest_complete
 from mpp.config import (
     ConfigError,
     FinetuneConfig,
@@ -51,7 +52,6 @@ from mpp.config import (
     validate,
 )
 from mpp.parallel.launch import deepspeed_cmd, default_launcher_args, launch
-from mpp.train.checkpoint import latest_complete
 from mpp.train.preemption import PREEMPTED_EXIT, SIGNALS
 
 # each job's command (python -m, or deepspeed --module)

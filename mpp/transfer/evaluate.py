@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from mpp.checkpoint import format as ckpt
 from mpp.data import make_eval_loader
 from mpp.data.transforms import pixel_format
 from mpp.ops import normalize
-from mpp.train import checkpoint as ckpt
 from mpp.train.plan import Plan, RunState
 
 

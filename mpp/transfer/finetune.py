@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 
 from mpp.build import build_encoder
+from mpp.checkpoint.manager import encoder_kwargs
 from mpp.config import ConfigError, FinetuneConfig
 from mpp.data import digits_shards, expand_shards, read_sizes
 from mpp.data.labels import KEY_FILE
 from mpp.models.vit import vit_config
 from mpp.objectives.classifier import Classifier
-from mpp.train.checkpointer import encoder_kwargs
 from mpp.train.plan import Plan
 from mpp.train.trainer import Trainer
 from mpp.transfer.evaluate import Evaluator

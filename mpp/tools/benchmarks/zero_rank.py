@@ -26,7 +26,7 @@ def peak_rss_mib() -> float:
 def main() -> int:
     import deepspeed  # in the baseline: every stage loads it
 
-    import mpp.train.checkpoint as ckpt
+    import mpp.checkpoint.format as ckpt
     from mpp.commands.pretrain import main as run_main
 
     record = {"baseline_mib": peak_rss_mib()}

@@ -4,7 +4,7 @@ each made complete by a ``COMPLETE`` marker written last; and the fp32 encoder e
 
 A kill during a save leaves a tag directory without its marker: ``latest_complete`` skips
 it, so ``--resume auto`` always resumes from a checkpoint that was written whole. The marker
-lists every file's size and sha256 (``mpp.train.storage``): a checkpoint damaged after it was written
+lists every file's size and sha256 (``mpp.checkpoint.storage``): a checkpoint damaged after it was written
 is found before it is loaded, and ``--resume auto`` falls back to the newest intact one.
 """
 
@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from mpp.checkpoint import storage
+from mpp.checkpoint.storage import CheckpointError, DiskFullError
 from mpp.parallel.distributed import from_rank0
-from mpp.train import storage
-from mpp.train.storage import CheckpointError, DiskFullError
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpp.checkpoint import format as ckpt
 from mpp.config import RunConfig, save_config
 from mpp.parallel.distributed import from_rank0
-from mpp.train import checkpoint as ckpt
 from mpp.train.nonfinite import NonFiniteLossError
 from mpp.train.plan import Plan, RunState
 from mpp.train.preemption import Preempted, StopRequest, write_marker
