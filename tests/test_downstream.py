@@ -11,10 +11,10 @@ import torch
 from conftest import restamp, run_cli, tiny_config
 from test_vit import timm_vit_keys
 
-from mpp.checkpoint.format import save_weights
 from mpp.config import ConfigError, FinetuneConfig, validate
 from mpp.data.augment import mixup_cutmix, random_erasing, soft_targets
 from mpp.features import knn_classify
+from mpp.hub.encoder_file import save_weights
 from mpp.hub.export import export
 from mpp.hub.pretrained import load_into, load_pretrained
 from mpp.models import create_vit, resample_abs_pos_embed

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mpp.checkpoint.format import save_weights
 from mpp.config import validate
+from mpp.hub.encoder_file import save_weights
 from mpp.hub.export import export, timm_model_args
 from mpp.hub.hf import from_hf, to_hf
 from mpp.hub.pretrained import load_pretrained

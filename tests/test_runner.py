@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import REPO, cli_env, free_port, read_metrics, run_cli, tiny_config, write_config
 
-from mpp.checkpoint.format import MARKER, load_encoder_file
+from mpp.checkpoint.format import MARKER
+from mpp.hub.encoder_file import load_encoder_file
 from mpp.models import create_vit
 from pretrain.run import main
 

@@ -221,7 +221,7 @@ def test_a_disk_that_fills_during_a_save_leaves_the_last_checkpoint_and_no_parti
 def test_a_truncated_weights_file_of_any_format_is_a_checkpoint_error_naming_it(tmp_path):
     import torch
 
-    from mpp.checkpoint.format import save_weights
+    from mpp.hub.encoder_file import save_weights
     from mpp.hub.export import export
     from mpp.hub.pretrained import load_pretrained
     from mpp.models.vit import create_vit

@@ -1,6 +1,7 @@
 """The one checkpoint format: DeepSpeed checkpoints under ``RUN/checkpoints/step########``,
-each made complete by a ``COMPLETE`` marker written last; and the fp32 encoder export
-``encoder.safetensors`` that downstream modules take (read back by ``mpp.hub.pretrained``).
+each made complete by a ``COMPLETE`` marker written last, and their fp32 weights read back
+(``zero_to_fp32``, ``full_state_dict``; the exported ``encoder.safetensors`` is
+``mpp.hub.encoder_file``'s).
 
 A kill during a save leaves a tag directory without its marker: ``latest_complete`` skips
 it, so ``--resume auto`` always resumes from a checkpoint that was written whole. The marker
@@ -315,91 +316,6 @@ def zero_to_fp32(ckpt_root: str | Path, tag: str | None = None) -> dict[str, tor
     return {k: v.float() for k, v in module.items()}
 
 
-# ---- encoder export ------------------------------------------------------------------------
-
-
-def full_state_dict(
-    engine: Any, ckpt_root: str | Path | None = None, tag: str | None = None
-) -> dict[str, torch.Tensor] | None:
-    """The model's fp32 weights on rank 0 (None elsewhere).
-
-    ZeRO runs keep their fp32 master weights partitioned in the optimiser: read them through
-    DeepSpeed's zero-to-fp32 converter from the checkpoint just written. Stage 0 holds them
-    in memory: the module (fp32) or the bf16/fp16 optimiser's flat master copy.
-    """
-    stage = engine.zero_optimization_stage()
-    if stage == 0:  # every rank holds everything; rank 0 reads it from memory
-        return _stage0_state_dict(engine) if dist.get_rank() == 0 else None
-    dist.barrier()
-    sd = None
-    if dist.get_rank() == 0:
-        sd = zero_to_fp32(ckpt_root, tag)
-        # frozen buffers/params the converter leaves out (e.g. sin-cos tables) come from the module
-        for k, v in engine.module.state_dict().items():
-            if k not in sd and v.numel() > 0:
-                sd[k] = v.detach().float().cpu().clone()
-    dist.barrier()
-    return sd
-
-
-def _stage0_state_dict(engine: Any) -> dict[str, torch.Tensor]:
-    """fp32 weights of a stage-0 engine: the module's, with each trained parameter replaced by
-    its fp32 master copy when DeepSpeed's bf16/fp16 optimiser keeps one (flat, per group)."""
-    from torch._utils import _unflatten_dense_tensors
-
-    module, opt = engine.module, engine.optimizer
-    sd = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
-    if next(module.parameters()).dtype != torch.float32:
-        names = {id(p): n for n, p in module.named_parameters()}
-        if hasattr(opt, "fp32_groups_flat"):  # FP16_Optimizer: one flat fp32 copy per group
-            masters = [
-                _unflatten_dense_tensors(f, ps)
-                for f, ps in zip(opt.fp32_groups_flat, opt.fp16_groups, strict=True)
-            ]
-        else:  # FP16_UnfusedOptimizer (a torch optimiser): one fp32 copy per parameter
-            masters = opt.fp32_groups
-        for params, copies in zip(opt.fp16_groups, masters, strict=True):
-            for p, master in zip(params, copies, strict=True):
-                sd[names[id(p)]] = master.detach().float().cpu().clone()
-    return sd
-
-
-def export_encoder(
-    state_dict: dict[str, torch.Tensor],
-    model_kwargs: dict,
-    path: str | Path,
-    prefix: str = "encoder.",
-) -> None:
-    """Write the encoder's fp32 weights (timm names) with the architecture in the metadata."""
-    enc = {k[len(prefix) :]: v.float() for k, v in state_dict.items() if k.startswith(prefix)}
-    if not enc:
-        raise ValueError(f"no '{prefix}*' weights in the state dict")
-    save_weights(enc, path, {"format": "mpp-encoder", "model": model_kwargs})
-
-
-def encoder_file_kwargs(path: str | Path) -> dict:
-    """The model kwargs an exported ``encoder.safetensors`` states in its metadata ({}: none),
-    read without its tensors."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return json.loads((f.metadata() or {}).get("model", "{}"))
-    except (SafetensorError, OSError, ValueError) as e:  # a truncated copy, or not a weights file
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
-
-
-def load_encoder_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(state dict, model kwargs) from an exported ``encoder.safetensors`` (no unpickling)."""
-    from safetensors import SafetensorError
-
-    kwargs = encoder_file_kwargs(path)
-    try:
-        return load_file(str(path)), kwargs
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
-
-
 # ---- weights for evaluation snapshots -------------------------------------------------------
 
 
@@ -414,14 +330,3 @@ def gathered_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
         if dist.get_rank() != 0:
             return None
         return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
-
-
-def save_weights(
-    state_dict: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None
-) -> None:
-    """A safetensors file written atomically."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    meta = {k: json.dumps(v) for k, v in (metadata or {}).items()}
-    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp), metadata=meta)
-    os.replace(tmp, path)

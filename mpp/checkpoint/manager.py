@@ -1,10 +1,8 @@
-"""Loading a checkpoint into this run, whatever world size, micro batch or accumulation wrote it
-(the global batch stays: ``mpp.train.plan.check_resume``).
+"""The ``Checkpointer``: a run's checkpoints saved, resumed, rolled back to, and its final
+``encoder.safetensors``. ``restore`` loads a checkpoint into this run whatever world size, micro
+batch or accumulation wrote it (the global batch stays: ``mpp.train.plan.check_resume``); another
+world size goes through ``mpp.checkpoint.elastic``.
 
-- Weights and optimiser: a ZeRO-1/2/3 checkpoint written by another world size goes through
-  DeepSpeed's universal checkpoint (``ds_to_universal`` on rank 0, then a load with
-  ``load_universal``), which re-partitions the fp32 masters and Adam moments; a stage-0
-  checkpoint holds them whole and loads directly.
 - The data position: an epoch's order does not depend on the world size (``mpp.data.order``),
   so the step in the epoch carries over; the micro-batch count is rescaled to this run's
   accumulation.
@@ -14,10 +12,8 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -25,8 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpp.checkpoint import elastic
 from mpp.checkpoint import format as ckpt
 from mpp.config import RunConfig, save_config
+from mpp.hub.encoder_file import export_encoder
 from mpp.parallel.distributed import from_rank0
 from mpp.train.nonfinite import NonFiniteLossError
 from mpp.train.plan import Plan, RunState
@@ -34,7 +32,6 @@ from mpp.train.preemption import Preempted, StopRequest, write_marker
 from mpp.train.rng import rng_state, seed_everything, set_rng_state
 
 log = logging.getLogger(__name__)
-UNIVERSAL = "universal"  # RUN/checkpoints/universal/TAG: a conversion, removed once loaded
 
 
 class Checkpointer:
@@ -144,7 +141,7 @@ class Checkpointer:
             # hpm: base.encoder.
             prefix = next(n for n, m in model.named_modules() if m is model.encoder) + "."
             out = self.run_dir / "encoder.safetensors"
-            ckpt.export_encoder(sd, encoder_kwargs(self.cfg, model.encoder), out, prefix=prefix)
+            export_encoder(sd, encoder_kwargs(self.cfg, model.encoder), out, prefix=prefix)
             save_config(self.cfg, self.run_dir / "encoder_config.json")
         dist.barrier()
 
@@ -188,7 +185,7 @@ def restore(
         with ckpt.weights_only_loads():  # a checkpoint is untrusted input
             _, client = engine.load_checkpoint(str(root), tag=tag)
     else:
-        client = _load_universal(engine, Path(root), tag, saved["world_size"])
+        client = elastic.load_universal(engine, Path(root), tag)
     state = RunState(**client["state"])
     accum = saved.get("grad_accum", plan.grad_accum)
     # the step in the epoch carries over, in this run's micro-batches
@@ -223,80 +220,3 @@ def restore(
             state.step,
         )
     return state
-
-
-def _load_universal(engine: Any, root: Path, tag: str, saved_world: int) -> dict:
-    """Convert ``root/tag`` for another world size (rank 0), load it on every rank, remove the copy."""
-    out = root / UNIVERSAL
-    problem = _convert(root / tag, out / tag) if dist.get_rank() == 0 else None
-    problem = from_rank0(problem)
-    if problem:
-        raise RuntimeError(problem)
-    groups = [
-        {k: v for k, v in g.items() if k not in ("params", "step")}
-        for g in engine.optimizer.param_groups
-    ]
-    # this load only: a rollback later reads our own checkpoints
-    engine._config.load_universal_checkpoint = True
-    try:
-        with ckpt.weights_only_loads():
-            _, client = engine.load_checkpoint(str(out), tag=tag)
-    finally:
-        engine._config.load_universal_checkpoint = False
-    # DeepSpeed's ZeRO-3 universal load copies group 0's settings (weight decay, lr_scale) into
-    # every group (they come from the config: this run's own go back), and gives every sub-group
-    # one shared `step` tensor, which Adam would then advance once per sub-group
-    for group, settings in zip(engine.optimizer.param_groups, groups, strict=True):
-        group.update(settings)
-    for state in engine.optimizer.optimizer.state.values():
-        if torch.is_tensor(state.get("step")):
-            state["step"] = state["step"].clone()
-    _restore_frozen(engine, root, tag)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(out, ignore_errors=True)
-    if client is None:
-        raise RuntimeError(f"{root}/{tag}: the universal checkpoint did not load")
-    return client
-
-
-def _restore_frozen(engine: Any, root: Path, tag: str) -> None:
-    """A universal load restores trained parameters only: frozen ones (HPM's EMA teacher, fixed
-    tables) come from the checkpoint's fp32 weights, read on rank 0 and written on every rank."""
-    import deepspeed
-
-    frozen = [(n, p) for n, p in engine.module.named_parameters() if not p.requires_grad]
-    if not frozen:
-        return
-    rank, stage3 = dist.get_rank(), engine.zero_optimization_stage() == 3
-    weights = ckpt.zero_to_fp32(root, tag) if rank == 0 else None
-    with (
-        deepspeed.zero.GatheredParameters([p for _, p in frozen], modifier_rank=0, enabled=stage3),
-        torch.no_grad(),
-    ):
-        for name, param in frozen:
-            if rank == 0 and name in weights:
-                param.data.copy_(weights[name].to(param.dtype))
-            if not stage3:
-                dist.broadcast(param.data, 0)
-
-
-def _convert(src: Path, dst: Path) -> str | None:
-    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-
-    shutil.rmtree(dst, ignore_errors=True)
-    args = argparse.Namespace(
-        input_folder=str(src),
-        output_folder=str(dst),
-        num_extract_workers=1,
-        num_merge_workers=1,
-        keep_temp_folder=False,
-        strict=True,
-        inject_missing_state=True,
-    )
-    try:
-        with ckpt.weights_only_loads():
-            ds_to_universal(args)
-    except Exception as e:  # every rank must learn it, not wait in the broadcast
-        return f"cannot re-partition {src} for this world size (DeepSpeed's ds_to_universal): {e!r}"
-    return None

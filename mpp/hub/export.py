@@ -20,8 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-from mpp.checkpoint.format import save_weights
 from mpp.checkpoint.storage import CheckpointError
+from mpp.hub.encoder_file import save_weights
 from mpp.hub.hf import hf_config, to_hf
 from mpp.hub.pretrained import load_pretrained
 from mpp.models.vit import full_vit_config

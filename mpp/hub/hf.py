@@ -175,7 +175,7 @@ def model_kwargs_from_hf(config: dict) -> dict:
 def read_hf_folder(folder: str | Path) -> tuple[dict[str, Tensor], dict]:
     """(our encoder state dict, our model kwargs) from a ``save_pretrained`` folder
     (``config.json`` + ``model.safetensors``; pickled ``pytorch_model.bin`` is refused)."""
-    from mpp.checkpoint.format import load_encoder_file
+    from mpp.hub.encoder_file import load_encoder_file
 
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())

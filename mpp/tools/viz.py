@@ -23,14 +23,10 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
-from mpp.checkpoint.format import (
-    find_checkpoint,
-    load_encoder_file,
-    weights_only_loads,
-    zero_to_fp32,
-)
+from mpp.checkpoint.format import find_checkpoint, weights_only_loads, zero_to_fp32
 from mpp.checkpoint.storage import CheckpointError
 from mpp.config import Config, load_config, resolve_config_path
+from mpp.hub.encoder_file import load_encoder_file
 from mpp.objectives import create_objective
 from mpp.objectives.base import Objective
 from mpp.objectives.hpm import HardPatchesMining

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from mpp.checkpoint import format as ckpt
 from mpp.data import make_eval_loader
 from mpp.data.transforms import pixel_format
+from mpp.hub.encoder_file import save_weights
 from mpp.ops import normalize
 from mpp.train.plan import Plan, RunState
 
@@ -134,10 +135,10 @@ class Evaluator:
     def write(self, weights: dict[str, torch.Tensor], res: dict) -> None:
         meta = {"model": self.model_kwargs}
         enc = {k.removeprefix("encoder."): v for k, v in weights.items()}
-        ckpt.save_weights(enc, self.run_dir / "model_last.safetensors", meta)
+        save_weights(enc, self.run_dir / "model_last.safetensors", meta)
         if res["top1"] > self.best["top1"]:
             self.best = res
-            ckpt.save_weights(enc, self.run_dir / "model_best.safetensors", meta)
+            save_weights(enc, self.run_dir / "model_best.safetensors", meta)
         best = self.best
         out = {
             "top1": res["top1"],
