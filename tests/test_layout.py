@@ -1,4 +1,4 @@
-"""The library's shape (STYLE.md): every module imports on its own, no import circle in mpp/,
+"""The library's shape (docs/ARCHITECTURE.md §2): every module imports on its own, no import circle in mpp/,
 each layer imports only the layers below it (LAYERS), nothing of the library imports the tools,
 and no function (constructors aside) takes more than 7 parameters. A file past ~400 lines or a
 function past ~60 is a warning naming it, not a failure."""

@@ -1,5 +1,5 @@
 """Hugging Face ``transformers`` ViT <-> our encoder: the config and the state dict, both ways,
-exactly (DESIGN.md §8: MAE -> HF conversions keep coming up in users' trackers).
+exactly (docs/ARCHITECTURE.md §4.9: MAE -> HF conversions keep coming up in users' trackers).
 
 HF's ViT is timm's pre-norm ViT with the fused ``qkv`` split into query / key / value, a
 learned position embedding (a sin-cos table is exported as its values: exact), a final

@@ -1,4 +1,4 @@
-"""The fine-tuning run (DESIGN.md §4.6, MAE/BEiT recipe): the class count from the shards, the
+"""The fine-tuning run (docs/ARCHITECTURE.md §4.6, MAE/BEiT recipe): the class count from the shards, the
 classifier around a pretrained encoder, and the engine's loop with an evaluation every epoch.
 The pieces live in their own files: ``mpp.objectives.classifier`` (loss), ``mpp.data.augment``
 (mixup / cutmix / erasing), ``mpp.train.optim`` (layer decay), ``mpp.hub.pretrained`` (weights in),

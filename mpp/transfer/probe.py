@@ -1,4 +1,4 @@
-"""Linear probes on a frozen encoder (DESIGN.md §4.6): BatchNorm without affine + Linear, SGD
+"""Linear probes on a frozen encoder (docs/ARCHITECTURE.md §4.6): BatchNorm without affine + Linear, SGD
 (or LARS), cosine, on features extracted once from center crops (``mpp.features``, where the
 weighted k-NN vote lives too). k-NN and linear probes understate pixel-MIM methods; fine-tuning
 is the main metric. Any number of linear heads, each reading some feature slots, train together

@@ -299,7 +299,7 @@ def measure(setting: dict) -> dict[str, Any]:
     profiles = profile_steps({n: steps[n] for n in ("plain", "mpp")})
     by = {r["objective"]: r for r in rows}
     mpp_ratio = by["mpp"]["ratio_to_matmul"]
-    # HPM's price over the MAE it wraps (DESIGN.md §4.4: ~2.5x the FLOPs); goal <= 2x the time
+    # HPM's price over the MAE it wraps (docs/ARCHITECTURE.md §4.4: 2.32x the FLOPs); goal <= 2x the time
     hpm_vs_mae = {
         "time": by["hpm"]["step_s"] / by["mae"]["step_s"],
         "flops": by["hpm"]["gflops_per_img"] / by["mae"]["gflops_per_img"],

@@ -1,5 +1,5 @@
-"""The doctor's attention rows: every kernel against the project's ``math`` backend (DESIGN.md
-§4.1), fp32 and bf16, forward and backward, at N = 50, 197, 257, with and without a key mask;
+"""The doctor's attention rows: every kernel against the project's ``math`` backend
+(docs/ARCHITECTURE.md §4.1), fp32 and bf16, forward and backward, at N = 50, 197, 257, with and without a key mask;
 then which backend ``auto`` picks and which one is fastest.
 
 Inputs are what the model hands the kernel: the strided views of
