@@ -7,8 +7,13 @@ from __future__ import annotations
 
 import ast
 import importlib
+import io
+import re
+import tokenize
 import warnings
+from importlib.util import find_spec
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -285,3 +290,81 @@ def test_objectives_never_name_deepspeed_internals():
         source = path.read_text()
         for word in ("ds_tensor", "ds_numel", "GatheredParameters", "deepspeed"):
             assert word not in source, f"{path.name} names {word}"
+
+
+# ---- dotted names in prose resolve ---------------------------------------------------------
+
+# mpp.<module>.<name> not inside a path or a file name (RUN/.mpp_stats.json, configs/mpp_b16.json, mpp/x.py)
+DOTTED_NAME = re.compile(r"(?<![\w./\\-])mpp(?:\.[A-Za-z_]\w*)+")
+FILE_SUFFIXES = {"py", "json", "jsonl", "md", "txt", "tar", "pt", "pth", "safetensors", "png"}
+PROSE_FILES = ("docs/ARCHITECTURE.md", "README.md", "BENCHMARKS.md")
+
+
+def prose_of_python(path: Path) -> str:
+    """A Python file's docstrings (any bare string statement: module, class, function and
+    attribute docstrings) and comments, the code left out."""
+    source = path.read_text()
+    parts = [
+        node.value.value
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    ]
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    parts += [t.string for t in tokens if t.type == tokenize.COMMENT]
+    return "\n".join(parts)
+
+
+def dotted_names(text: str) -> set[str]:
+    return {
+        m.group()
+        for m in DOTTED_NAME.finditer(text)
+        if m.group().rpartition(".")[2] not in FILE_SUFFIXES
+        and not text.startswith("/", m.end())  # a folder: mpp.something/
+    }
+
+
+def resolves(name: str) -> bool:
+    """Whether the longest importable module prefix of ``name`` imports and the rest are its
+    attributes (a pydantic or dataclass field counts as an attribute of its class)."""
+    parts = name.split(".")
+    obj = importlib.import_module(parts[0])
+    for i in range(1, len(parts)):
+        sub = ".".join(parts[: i + 1])
+        if isinstance(obj, ModuleType) and hasattr(obj, "__path__") and find_spec(sub):
+            obj = importlib.import_module(sub)
+        elif hasattr(obj, parts[i]):
+            obj = getattr(obj, parts[i])
+        elif parts[i] in {
+            **getattr(obj, "model_fields", {}),
+            **getattr(obj, "__dataclass_fields__", {}),
+        }:
+            return i == len(parts) - 1  # a field: nothing can follow it
+        else:
+            return False
+    return True
+
+
+def test_dotted_names_in_docstrings_comments_and_docs_resolve():
+    """Every ``mpp.<module>.<name>`` named in the docstrings and comments of mpp/, pretrain/, downstream/ and
+    tests/, and in docs/ARCHITECTURE.md, README.md and BENCHMARKS.md, still exists: a move or a
+    rename that leaves a stale name behind fails here, naming the file."""
+    where: dict[str, set[str]] = {}
+    for folder in ("mpp", "pretrain", "downstream", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for name in dotted_names(prose_of_python(path)):
+                where.setdefault(name, set()).add(str(path.relative_to(ROOT)))
+    for rel in PROSE_FILES:
+        for name in dotted_names((ROOT / rel).read_text()):
+            where.setdefault(name, set()).add(rel)
+    assert "mpp.train.plan.check_resume" in where  # the scan sees names
+    stale = [f"{n} ({', '.join(sorted(where[n]))})" for n in sorted(where) if not resolves(n)]
+    assert not stale, "names that do not resolve:\n" + "\n".join(stale)
+
+
+def test_the_name_scan_skips_paths_and_file_names():
+    text = "mpp/x.py, configs/mpp_b16.json, RUN/.mpp_stats.json, mpp.json; see mpp.ops.patchify."
+    assert dotted_names(text) == {"mpp.ops.patchify"}
+    assert resolves("mpp.ops.patchify") and resolves("mpp.config.TrainConfig.batch_size")
+    assert not resolves("mpp.plan.report") and not resolves("mpp.ops.no_such_helper")
