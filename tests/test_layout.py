@@ -367,4 +367,4 @@ def test_the_name_scan_skips_paths_and_file_names():
     text = "mpp/x.py, configs/mpp_b16.json, RUN/.mpp_stats.json, mpp.json; see mpp.ops.patchify."
     assert dotted_names(text) == {"mpp.ops.patchify"}
     assert resolves("mpp.ops.patchify") and resolves("mpp.config.TrainConfig.batch_size")
-    assert not resolves("mpp.plan.report") and not resolves("mpp.ops.no_such_helper")
+    assert not resolves("mpp.hub.no_such_module") and not resolves("mpp.ops.no_such_helper")

@@ -1,4 +1,4 @@
-"""Benchmark suites, run as ``python -m mpp.tools.benchmarks SUITE [--quick] [--out FILE.json]``.
+"""Benchmark suites, run as ``mpp bench SUITE [--quick] [--out FILE.json]``.
 
 Each suite is a module with ``run(quick, **options) -> dict`` (JSON-ready: the figures, the
 setting and the goal) and ``render(result) -> str`` (the tables printed). The latest full

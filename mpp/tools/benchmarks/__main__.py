@@ -1,4 +1,4 @@
-"""python -m mpp.tools.benchmarks SUITE [--quick] [--out FILE.json] [suite options]
+"""mpp bench SUITE [--quick] [--out FILE.json] [suite options]   (or python -m mpp.tools.benchmarks)
 
 Suites: cpu-step, attention, data, zero, preview, gpu-step (GPU only). Prints the suite's tables and
 writes its JSON (default runs/benchmarks/SUITE[-quick].json).
@@ -16,9 +16,7 @@ from mpp.tools.benchmarks.common import Unavailable, machine_info, write_json
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
-    p = argparse.ArgumentParser(
-        prog="python -m mpp.tools.benchmarks", description=__doc__.splitlines()[0]
-    )
+    p = argparse.ArgumentParser(prog="mpp bench", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="suite", required=True, metavar="SUITE")
     for name in SUITES:
         module = suite(name)

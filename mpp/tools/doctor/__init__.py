@@ -1,4 +1,4 @@
-"""``python -m mpp.tools.doctor``: the first GPU run checks itself (issue 22, item 3).
+"""``mpp doctor``: the first GPU run checks itself (issue 22, item 3).
 
 Three sections, each a list of rows with a verdict and its reason:
   environment   torch / CUDA / NCCL, the xformers wheel, bf16, DeepSpeed's JIT-built ops

@@ -1,4 +1,4 @@
-"""python -m mpp.tools.doctor [--out DIR] [--quick] [--config NAME]
+"""mpp doctor [--out DIR] [--quick] [--config NAME]      (or python -m mpp.tools.doctor ...)
 
 Checks this machine for a pretraining run and says what it found: the environment, attention
 kernels against the project's math backend, and a short real run through the deepspeed launcher.
@@ -24,7 +24,7 @@ from mpp.tools.doctor import FAIL, VERDICTS, Row
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m mpp.tools.doctor",
+        prog="mpp doctor",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

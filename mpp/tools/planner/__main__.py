@@ -1,8 +1,8 @@
 """Plan a GPU run on the CPU: memory per GPU, step-time bounds, communication and the recipe
 of CONFIG on N GPUs, from the real objective's step on fake tensors (nothing is allocated).
 
-    python -m mpp.tools.planner mae_b16 --gpus 8
-    python -m mpp.tools.planner hpm_b16 --gpus 64 --gpu h100 --out plan.json
+    mpp plan mae_b16 --gpus 8                  (or python -m mpp.tools.planner ...)
+    mpp plan hpm_b16 --gpus 64 --gpu h100 --out plan.json
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from mpp.tools.planner.cli import add_plan_arguments, plan_main
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m mpp.tools.planner",
+        prog="mpp plan",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
