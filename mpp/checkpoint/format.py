@@ -316,6 +316,55 @@ def zero_to_fp32(ckpt_root: str | Path, tag: str | None = None) -> dict[str, tor
     return {k: v.float() for k, v in module.items()}
 
 
+# ---- the fp32 weights of a run ---------------------------------------------------------------
+
+
+def full_state_dict(
+    engine: Any, ckpt_root: str | Path | None = None, tag: str | None = None
+) -> dict[str, torch.Tensor] | None:
+    """The model's fp32 weights on rank 0 (None elsewhere).
+
+    ZeRO runs keep their fp32 master weights partitioned in the optimiser: read them through
+    DeepSpeed's zero-to-fp32 converter from the checkpoint just written. Stage 0 holds them
+    in memory: the module (fp32) or the bf16/fp16 optimiser's flat master copy.
+    """
+    stage = engine.zero_optimization_stage()
+    if stage == 0:  # every rank holds everything; rank 0 reads it from memory
+        return _stage0_state_dict(engine) if dist.get_rank() == 0 else None
+    dist.barrier()
+    sd = None
+    if dist.get_rank() == 0:
+        sd = zero_to_fp32(ckpt_root, tag)
+        # frozen buffers/params the converter leaves out (e.g. sin-cos tables) come from the module
+        for k, v in engine.module.state_dict().items():
+            if k not in sd and v.numel() > 0:
+                sd[k] = v.detach().float().cpu().clone()
+    dist.barrier()
+    return sd
+
+
+def _stage0_state_dict(engine: Any) -> dict[str, torch.Tensor]:
+    """fp32 weights of a stage-0 engine: the module's, with each trained parameter replaced by
+    its fp32 master copy when DeepSpeed's bf16/fp16 optimiser keeps one (flat, per group)."""
+    from torch._utils import _unflatten_dense_tensors
+
+    module, opt = engine.module, engine.optimizer
+    sd = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+    if next(module.parameters()).dtype != torch.float32:
+        names = {id(p): n for n, p in module.named_parameters()}
+        if hasattr(opt, "fp32_groups_flat"):  # FP16_Optimizer: one flat fp32 copy per group
+            masters = [
+                _unflatten_dense_tensors(f, ps)
+                for f, ps in zip(opt.fp32_groups_flat, opt.fp16_groups, strict=True)
+            ]
+        else:  # FP16_UnfusedOptimizer (a torch optimiser): one fp32 copy per parameter
+            masters = opt.fp32_groups
+        for params, copies in zip(opt.fp16_groups, masters, strict=True):
+            for p, master in zip(params, copies, strict=True):
+                sd[names[id(p)]] = master.detach().float().cpu().clone()
+    return sd
+
+
 # ---- weights for evaluation snapshots -------------------------------------------------------
 
 
