@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from mpp.checkpoint.storage import CheckpointError
 from mpp.config import Config, ConfigError, ModelConfig
 from mpp.hub.pretrained import init_objective, load_into, read_model_kwargs
 from mpp.masking import MaskGenerator
 from mpp.models.vit import VisionTransformer, create_vit
 from mpp.objectives import Objective
 from mpp.objectives.configs import HPMConfig
-from mpp.train.storage import CheckpointError
 
 
 def build_encoder(cfg: Any, **overrides: Any) -> VisionTransformer:

@@ -487,7 +487,7 @@ class Config(RunConfig):
 
 
 class FinetuneSection(_Section):
-    """The supervised recipe (MAE/BEiT fine-tuning, DESIGN.md §4.6)."""
+    """The supervised recipe (MAE/BEiT fine-tuning, docs/ARCHITECTURE.md §4.6)."""
 
     num_classes: int | None = Field(None, gt=0)
     """None: from the shards' class list / data.num_classes."""
@@ -535,7 +535,7 @@ class FinetuneConfig(RunConfig):
 
 
 class ProbeSection(_Section):
-    """Frozen-encoder evaluations (DESIGN.md §4.6): linear probe and k-NN on cached features."""
+    """Frozen-encoder evaluations (docs/ARCHITECTURE.md §4.6): linear probe and k-NN on cached features."""
 
     pool: Literal["token", "avg"] = (
         "token"  # cls token (MAE's linear probe) or mean of patch tokens

@@ -1,5 +1,5 @@
 """Frozen-encoder features and the weighted k-NN vote: what the k-NN probe, the linear probes
-(``mpp.downstream.probe``) and the training monitor (``mpp.train.monitor``) share, so the monitor's
+(``mpp.transfer.probe``) and the training monitor (``mpp.train.monitor``) share, so the monitor's
 k-NN is the k-NN probe's.
 
 A feature *slot* is one pooled feature of one block, ``(block, "token" | "avg")``: one forward

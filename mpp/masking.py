@@ -1,10 +1,10 @@
 """Mask generators: one interface, batched on the device, exact counts.
 
 A mask is a bool tensor (B, N), True = masked/corrupted, with exactly
-``num_masked(N, ratio)`` True per sample (DESIGN.md §3), so visible tokens gather
+``num_masked(N, ratio)`` True per sample (docs/ARCHITECTURE.md §3.1), so visible tokens gather
 into a dense (B, N_vis, D) without padding or host syncs.
 
-Strategies (DESIGN.md §4.5), by registry name: ``random`` (MAE), ``block`` (BEiT, made
+Strategies (docs/ARCHITECTURE.md §4.5), by registry name: ``random`` (MAE), ``block`` (BEiT, made
 exact), ``grid`` (MAE's 2×2 grid), ``center`` (a central block), ``units`` (SimMIM's coarse
 mask units); HPM's mask, chosen by its teacher, is HPM's own (mpp.objectives.hpm_mask). Every one
 draws its randomness from ``torch.rand(..., generator=generator)`` on the target device,

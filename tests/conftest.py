@@ -95,7 +95,7 @@ def run_cli(
 def restamp(tag_dir: Path) -> None:
     """Rewrite a checkpoint's COMPLETE marker to match its files, as whoever tampers with a file can:
     the manifest finds damage, it is no defence against a crafted file (weights_only loading is)."""
-    from mpp.train.storage import manifest
+    from mpp.checkpoint.storage import manifest
 
     marker = Path(tag_dir) / "COMPLETE"
     record = json.loads(marker.read_text())

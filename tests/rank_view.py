@@ -8,12 +8,12 @@ import os
 import sys
 from pathlib import Path
 
+import mpp.checkpoint.format as ckpt
 import mpp.data.census as census_module
-import mpp.train.checkpoint as ckpt
 import mpp.train.plan as plan_module
+from mpp.checkpoint.manager import resolve_on_rank0
 from mpp.config import load_config
 from mpp.parallel.distributed import from_rank0, init_distributed, world_from_env
-from mpp.train.checkpointer import resolve_on_rank0
 
 config_path, ckpt_root = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
 rank, world = world_from_env()

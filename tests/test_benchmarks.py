@@ -1,4 +1,4 @@
-"""mpp/benchmarks: the FLOP formula against hand and FlopCounterMode counts, the memory
+"""mpp/tools/benchmarks: the FLOP formula against hand and FlopCounterMode counts, the memory
 accounting of the attention suite, and every suite's quick form end to end (no timing asserts)."""
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ import torch
 from conftest import run_cli
 from torch.utils.flop_counter import FlopCounterMode
 
-from mpp.benchmarks import SUITES
-from mpp.benchmarks.__main__ import main
-from mpp.benchmarks.attention import saved_bytes
-from mpp.benchmarks.data import step_rates, workers_needed
-from mpp.benchmarks.flops import step_flops, transformer_flops
-from mpp.benchmarks.zero import model_state_mib
 from mpp.models import attention, create_vit
 from mpp.objectives import create_objective
+from mpp.tools.benchmarks import SUITES
+from mpp.tools.benchmarks.__main__ import main
+from mpp.tools.benchmarks.attention import saved_bytes
+from mpp.tools.benchmarks.data import step_rates, workers_needed
+from mpp.tools.benchmarks.data_timing import bench_pipeline
+from mpp.tools.benchmarks.flops import step_flops, transformer_flops
+from mpp.tools.benchmarks.zero import model_state_mib
 
 MACHINE_KEYS = (
     "date_utc",
@@ -42,7 +43,9 @@ def run_suite(tmp_path, capsys, suite: str, *extra: str) -> dict:
         assert key in result["machine"], key
     assert result["machine"][
         "command"
-    ] == f"python -m mpp.benchmarks {suite} --quick --out {out}" + "".join(f" {e}" for e in extra)
+    ] == f"python -m mpp.tools.benchmarks {suite} --quick --out {out}" + "".join(
+        f" {e}" for e in extra
+    )
     return result
 
 
@@ -224,7 +227,8 @@ def test_zero_quick(tmp_path, capsys):
 def test_gpu_step_refuses_cleanly_without_a_gpu(tmp_path):
     out = tmp_path / "gpu.json"
     r = run_cli(
-        ["python", "-m", "mpp.benchmarks", "gpu-step", "--quick", "--out", str(out)], timeout=120
+        ["python", "-m", "mpp.tools.benchmarks", "gpu-step", "--quick", "--out", str(out)],
+        timeout=120,
     )
     assert r.returncode == 2
     assert "gpu-step: needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
@@ -264,16 +268,27 @@ def test_gpu_step_times_the_deepspeed_bf16_step_against_the_datasheet_peak(tmp_p
 
 
 def test_cli_lists_every_suite():
-    r = run_cli(["python", "-m", "mpp.benchmarks", "--help"], timeout=120)
+    r = run_cli(["python", "-m", "mpp.tools.benchmarks", "--help"], timeout=120)
     assert r.returncode == 0
     for name in SUITES:
         assert name in r.stdout
 
 
 def test_preview_suite_measures_the_overhead_of_a_preview():
-    from mpp.benchmarks import preview
+    from mpp.tools.benchmarks import preview
 
     r = preview.run(quick=True)
     (row,) = r["rows"]
     assert row["step_ms"] > 0 and row["preview_ms"] > 0
     assert row["overhead_pct"] == pytest.approx(100 * row["preview_ms"] / (1000 * row["step_ms"]))
+
+
+def test_bench_pipeline_reports_consistent_figures():
+    result = bench_pipeline(
+        num_images=16, img_size=32, width=64, height=48, batch_size=8, repeats=1
+    )
+    assert result["num_images"] == 16
+    assert result["pipeline_ips"] > 0 and result["bare_decode_resize_ips"] > 0
+    assert result["cost_ratio"] == pytest.approx(
+        result["bare_decode_resize_ips"] / result["pipeline_ips"]
+    )

@@ -1,4 +1,4 @@
-"""The built-in digits dataset (mpp/data/digits.py) and the benchmark helper (mpp/data/bench.py)."""
+"""The built-in digits dataset (mpp/data/digits.py)."""
 
 import threading
 
@@ -7,7 +7,6 @@ import torch
 
 from mpp.data import count_samples, digits_shards, expand_shards, make_eval_loader, read_sizes
 from mpp.data import digits as digits_module
-from mpp.data.bench import bench_pipeline
 
 
 def test_digits_shards_build_once_with_the_right_counts(tmp_path, monkeypatch):
@@ -56,14 +55,3 @@ def test_digits_concurrent_builders_agree(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["digits-8-nearest"]
     with pytest.raises(ValueError, match="resample"):
         digits_shards(img_size=8, cache_dir=tmp_path, resample="area")
-
-
-def test_bench_pipeline_reports_consistent_figures():
-    result = bench_pipeline(
-        num_images=16, img_size=32, width=64, height=48, batch_size=8, repeats=1
-    )
-    assert result["num_images"] == 16
-    assert result["pipeline_ips"] > 0 and result["bare_decode_resize_ips"] > 0
-    assert result["cost_ratio"] == pytest.approx(
-        result["bare_decode_resize_ips"] / result["pipeline_ips"]
-    )

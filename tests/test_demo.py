@@ -59,8 +59,8 @@ def test_the_table_puts_few_labels_first_and_says_the_fair_gains(tmp_path):
 
 
 def test_head_init_std_is_the_recipes():
-    from mpp.downstream.finetune import Classifier
     from mpp.models import create_vit
+    from mpp.transfer.finetune import Classifier
 
     for std in (2e-5, 0.02):
         enc = create_vit("vit_tiny_patch4_16", depth=1, embed_dim=128, num_heads=2, num_classes=64)

@@ -1,4 +1,4 @@
-"""python -m mpp.doctor: run once here (CPU: the GPU rows say so, the rest runs), and its
+"""python -m mpp.tools.doctor: run once here (CPU: the GPU rows say so, the rest runs), and its
 verdicts checked on inputs whose answer is known (a wrong attention kernel fails)."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from conftest import run_cli
 from torch.nn.attention import SDPBackend
 
-from mpp.benchmarks.engine_step import spec_peak
-from mpp.doctor import FAIL, NEEDS_GPU, PASS, VERDICTS, WARN, Row
-from mpp.doctor.engine_gpu import memory_row, mfu_row, sync_row
-from mpp.doctor.engine_run import plan_for
-from mpp.doctor.environment import parse_xformers_info, xformers_build_problems
-from mpp.doctor.parity import TOLERANCE, NoKernel, parity_row, relative_error, sdpa_with
+from mpp.tools.benchmarks.engine_step import spec_peak
+from mpp.tools.doctor import FAIL, NEEDS_GPU, PASS, VERDICTS, WARN, Row
+from mpp.tools.doctor.engine_gpu import memory_row, mfu_row, sync_row
+from mpp.tools.doctor.engine_run import plan_for
+from mpp.tools.doctor.environment import parse_xformers_info, xformers_build_problems
+from mpp.tools.doctor.parity import TOLERANCE, NoKernel, parity_row, relative_error, sdpa_with
 
 CPU = torch.device("cpu")
 GPU_ROWS = {
@@ -35,9 +35,9 @@ CPU_PARITY_ROWS = {
 
 @pytest.fixture(scope="module")
 def doctor_here(tmp_path_factory):
-    """One ``python -m mpp.doctor --quick`` on this machine: (exit status, stdout, doctor.json)."""
+    """One ``python -m mpp.tools.doctor --quick`` on this machine: (exit status, stdout, doctor.json)."""
     out = tmp_path_factory.mktemp("doctor")
-    r = run_cli(["python", "-m", "mpp.doctor", "--quick", "--out", str(out)], timeout=300)
+    r = run_cli(["python", "-m", "mpp.tools.doctor", "--quick", "--out", str(out)], timeout=300)
     report = (
         json.loads((out / "doctor.json").read_text()) if (out / "doctor.json").is_file() else None
     )

@@ -14,11 +14,11 @@ from test_vit import timm_vit_keys
 from mpp.config import ConfigError, FinetuneConfig, validate
 from mpp.data.augment import mixup_cutmix, random_erasing, soft_targets
 from mpp.features import knn_classify
+from mpp.hub.encoder_file import save_weights
 from mpp.hub.export import export
 from mpp.hub.pretrained import load_into, load_pretrained
 from mpp.models import create_vit, resample_abs_pos_embed
 from mpp.objectives.classifier import Classifier
-from mpp.train.checkpoint import save_weights
 from mpp.train.optim import build_optimizer, lr_at, set_lr
 
 
@@ -131,7 +131,7 @@ def test_bad_init_is_a_clear_error_naming_the_path(tmp_path, init, match):
 
 
 def test_class_count_that_does_not_match_the_shards(digits16, tmp_path):
-    from mpp.downstream.finetune import build_classifier
+    from mpp.transfer.finetune import build_classifier
 
     raw = tiny_config(digits16)
     raw.pop("objective"), raw.pop("masking")

@@ -1,4 +1,4 @@
-"""Elastic resume through the real launcher (mpp/train/checkpointer.py, mpp/data/order.py): a run written on
+"""Elastic resume through the real launcher (mpp/checkpoint/manager.py, mpp/data/order.py): a run written on
 2 ranks continues on 3 and on 1 rank (other micro-batch counts, the same global batch) under
 ZeRO-2, -3 and -0: every sample of the epoch once, the straight run's batches, its loss curve.
 The 2-rank runs are the suite's straight ones (conftest.straight_runs), resumed from their step-8

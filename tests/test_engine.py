@@ -8,10 +8,11 @@ from conftest import read_metrics, run_cli, tiny_config, write_config, zero
 from safetensors.torch import load_file
 
 from mpp.build import build_objective
+from mpp.checkpoint.format import weights_only_loads
 from mpp.config import validate
+from mpp.hub.encoder_file import load_encoder_file
 from mpp.hub.pretrained import load_pretrained
 from mpp.models import create_vit
-from mpp.train.checkpoint import load_encoder_file, weights_only_loads
 from mpp.train.optim import build_optimizer, lr_at, param_groups, set_lr
 
 

@@ -251,7 +251,7 @@ def test_fine_tune_evaluation_reads_with_the_configured_workers(
 
     from conftest import tiny_config
 
-    from mpp.downstream import evaluate
+    from mpp.transfer import evaluate
 
     seen = {}
 

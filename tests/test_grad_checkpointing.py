@@ -49,7 +49,7 @@ def test_gradients_equal_with_and_without(digits16, objective):
 
 
 def test_the_classifier_too(digits16):
-    from mpp.downstream.finetune import build_classifier
+    from mpp.transfer.finetune import build_classifier
 
     raw = tiny_config(digits16, model={"drop_path_rate": 0.2})
     raw.pop("objective"), raw.pop("masking")

@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import free_port, read_metrics, run_cli, tiny_config, write_config, zero
 
+from mpp.checkpoint.format import zero_to_fp32
 from mpp.objectives.hpm import momentum_at
-from mpp.train.checkpoint import zero_to_fp32
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_zero2_and_zero3_keep_the_same_teacher(hpm_runs):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_an_elastic_resume_on_one_rank_keeps_the_teacher(hpm_runs, stage, tmp_path):
     """2 ranks -> 1: DeepSpeed's universal load restores trained parameters only; the frozen EMA
-    teacher must come back too (mpp.train.checkpointer), or step 3's teacher would average the initial one."""
+    teacher must come back too (mpp.checkpoint.manager), or step 3's teacher would average the initial one."""
     out, path = hpm_runs[stage]["run"]
     run = tmp_path / "run"
     shutil.copytree(out, run)

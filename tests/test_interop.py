@@ -9,12 +9,12 @@ import torch
 from safetensors.torch import load_file
 
 from mpp.config import validate
+from mpp.hub.encoder_file import save_weights
 from mpp.hub.export import export, timm_model_args
 from mpp.hub.hf import from_hf, to_hf
 from mpp.hub.pretrained import load_pretrained
 from mpp.models import create_vit
 from mpp.models.vit import VisionTransformer
-from mpp.train.checkpoint import save_weights
 
 transformers = pytest.importorskip("transformers")
 

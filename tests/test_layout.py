@@ -1,4 +1,4 @@
-"""The library's shape (STYLE.md): every module imports on its own, no import circle in mpp/,
+"""The library's shape (docs/ARCHITECTURE.md §2): every module imports on its own, no import circle in mpp/,
 each layer imports only the layers below it (LAYERS), nothing of the library imports the tools,
 and no function (constructors aside) takes more than 7 parameters. A file past ~400 lines or a
 function past ~60 is a warning naming it, not a failure."""
@@ -7,8 +7,13 @@ from __future__ import annotations
 
 import ast
 import importlib
+import io
+import re
+import tokenize
 import warnings
+from importlib.util import find_spec
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -110,10 +115,25 @@ LAYERS = {
         "mpp.objectives",
         "mpp.masking",
         "mpp.ops",
+        "mpp.checkpoint",
     },
-    "mpp.cli": {"mpp.config", "mpp.parallel", "mpp.train"},
-    "mpp.submit": {"mpp.cli", "mpp.parallel", "mpp.train"},
-    "mpp.hub": {"mpp.models", "mpp.data", "mpp.ops", "mpp.train.checkpoint", "mpp.train.storage"},
+    # one runtime layer with train (the Trainer owns a Checkpointer, which reads the RunState)
+    "mpp.checkpoint": {
+        "mpp.config",
+        "mpp.parallel",
+        "mpp.train.plan",
+        "mpp.train.rng",
+        "mpp.train.preemption",
+        "mpp.train.nonfinite",
+        "mpp.hub.encoder_file",
+    },
+    "mpp.hub": {
+        "mpp.models",
+        "mpp.data",
+        "mpp.ops",
+        "mpp.checkpoint.format",
+        "mpp.checkpoint.storage",
+    },
     # config -> objective and encoder, init weights included: above hub, so not inside objectives/
     "mpp.build": {
         "mpp.config",
@@ -121,14 +141,20 @@ LAYERS = {
         "mpp.masking",
         "mpp.models",
         "mpp.objectives",
-        "mpp.train.storage",
+        "mpp.checkpoint.storage",
     },
-    "mpp.downstream": {
+    # the CLIs' front end: below transfer, whose probe CLI core uses it
+    "mpp.cli": {"mpp.config", "mpp.parallel", "mpp.train"},
+    "mpp.submit": {"mpp.cli", "mpp.parallel", "mpp.train"},
+    "mpp.transfer": {
         "mpp.build",
+        "mpp.checkpoint",
         "mpp.cli",
         "mpp.config",
         "mpp.data",
         "mpp.features",
+        "mpp.hub",
+        "mpp.masking",
         "mpp.models",
         "mpp.objectives",
         "mpp.ops",
@@ -141,11 +167,8 @@ TOOLS = {
     "mpp",  # the public API's facade (mpp.api) and the mpp command (mpp.commands) sit on top
     "mpp.api",
     "mpp.commands",
-    "mpp.tools",
-    "mpp.benchmarks",
-    "mpp.doctor",
-    "mpp.plan",
-    "mpp.demo",
+    "mpp.tools",  # ablations, demo, pictures, planner/, doctor/, benchmarks/
+    "mpp.demo",  # python -m shims over mpp.tools.demo and mpp.hub.export
     "mpp.export",
 }  # anything below
 
@@ -188,18 +211,32 @@ def test_every_module_belongs_to_a_layer_and_imports_only_below_it():
 
 def test_the_layering_rule_catches_an_import_going_up():
     """The rule, fed what a careless edit would write: a model importing the runtime, the data
-    importing an objective, the runtime importing the tools."""
+    importing an objective, the runtime importing the tools, the checkpoints importing the
+    planner, the weights' readers importing the Checkpointer."""
     graph = {
         "mpp.models.vit": {"mpp.train.engine", "mpp.ops"},
         "mpp.data.loader": {"mpp.objectives.mae"},
         "mpp.train.engine": {"mpp.tools.ablation", "mpp.parallel.zero"},
         "mpp.tools.demo": {"mpp.train.engine"},
+        "mpp.checkpoint.manager": {"mpp.tools.planner.report", "mpp.train.plan"},
+        "mpp.hub.pretrained": {"mpp.checkpoint.manager", "mpp.checkpoint.format"},
+        "mpp.transfer.probe": {"mpp.commands.probe", "mpp.hub.pretrained"},
     }
     assert layer_violations(graph) == [
+        "mpp.checkpoint.manager imports mpp.tools.planner.report (mpp.checkpoint may import "
+        "['mpp.config', 'mpp.hub.encoder_file', 'mpp.parallel', 'mpp.train.nonfinite', "
+        "'mpp.train.plan', 'mpp.train.preemption', 'mpp.train.rng'])",
         "mpp.data.loader imports mpp.objectives.mae (mpp.data may import nothing of ours)",
+        "mpp.hub.pretrained imports mpp.checkpoint.manager (mpp.hub may import "
+        "['mpp.checkpoint.format', 'mpp.checkpoint.storage', 'mpp.data', 'mpp.models', 'mpp.ops'])",
         "mpp.models.vit imports mpp.train.engine (mpp.models may import ['mpp.ops'])",
-        "mpp.train.engine imports mpp.tools.ablation (mpp.train may import ['mpp.config', 'mpp.data', "
-        "'mpp.features', 'mpp.masking', 'mpp.objectives', 'mpp.ops', 'mpp.parallel'])",
+        "mpp.train.engine imports mpp.tools.ablation (mpp.train may import ['mpp.checkpoint', "
+        "'mpp.config', 'mpp.data', 'mpp.features', 'mpp.masking', 'mpp.objectives', 'mpp.ops', "
+        "'mpp.parallel'])",
+        "mpp.transfer.probe imports mpp.commands.probe (mpp.transfer may import ['mpp.build', "
+        "'mpp.checkpoint', 'mpp.cli', 'mpp.config', 'mpp.data', 'mpp.features', 'mpp.hub', "
+        "'mpp.masking', 'mpp.models', 'mpp.objectives', 'mpp.ops', 'mpp.parallel', 'mpp.submit', "
+        "'mpp.train'])",
     ]
 
 
@@ -253,3 +290,81 @@ def test_objectives_never_name_deepspeed_internals():
         source = path.read_text()
         for word in ("ds_tensor", "ds_numel", "GatheredParameters", "deepspeed"):
             assert word not in source, f"{path.name} names {word}"
+
+
+# ---- dotted names in prose resolve ---------------------------------------------------------
+
+# mpp.<module>.<name> not inside a path or a file name (RUN/.mpp_stats.json, configs/mpp_b16.json, mpp/x.py)
+DOTTED_NAME = re.compile(r"(?<![\w./\\-])mpp(?:\.[A-Za-z_]\w*)+")
+FILE_SUFFIXES = {"py", "json", "jsonl", "md", "txt", "tar", "pt", "pth", "safetensors", "png"}
+PROSE_FILES = ("docs/ARCHITECTURE.md", "README.md", "BENCHMARKS.md")
+
+
+def prose_of_python(path: Path) -> str:
+    """A Python file's docstrings (any bare string statement: module, class, function and
+    attribute docstrings) and comments, the code left out."""
+    source = path.read_text()
+    parts = [
+        node.value.value
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    ]
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    parts += [t.string for t in tokens if t.type == tokenize.COMMENT]
+    return "\n".join(parts)
+
+
+def dotted_names(text: str) -> set[str]:
+    return {
+        m.group()
+        for m in DOTTED_NAME.finditer(text)
+        if m.group().rpartition(".")[2] not in FILE_SUFFIXES
+        and not text.startswith("/", m.end())  # a folder: mpp.something/
+    }
+
+
+def resolves(name: str) -> bool:
+    """Whether the longest importable module prefix of ``name`` imports and the rest are its
+    attributes (a pydantic or dataclass field counts as an attribute of its class)."""
+    parts = name.split(".")
+    obj = importlib.import_module(parts[0])
+    for i in range(1, len(parts)):
+        sub = ".".join(parts[: i + 1])
+        if isinstance(obj, ModuleType) and hasattr(obj, "__path__") and find_spec(sub):
+            obj = importlib.import_module(sub)
+        elif hasattr(obj, parts[i]):
+            obj = getattr(obj, parts[i])
+        elif parts[i] in {
+            **getattr(obj, "model_fields", {}),
+            **getattr(obj, "__dataclass_fields__", {}),
+        }:
+            return i == len(parts) - 1  # a field: nothing can follow it
+        else:
+            return False
+    return True
+
+
+def test_dotted_names_in_docstrings_comments_and_docs_resolve():
+    """Every ``mpp.<module>.<name>`` named in the docstrings and comments of mpp/, pretrain/, downstream/ and
+    tests/, and in docs/ARCHITECTURE.md, README.md and BENCHMARKS.md, still exists: a move or a
+    rename that leaves a stale name behind fails here, naming the file."""
+    where: dict[str, set[str]] = {}
+    for folder in ("mpp", "pretrain", "downstream", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for name in dotted_names(prose_of_python(path)):
+                where.setdefault(name, set()).add(str(path.relative_to(ROOT)))
+    for rel in PROSE_FILES:
+        for name in dotted_names((ROOT / rel).read_text()):
+            where.setdefault(name, set()).add(rel)
+    assert "mpp.train.plan.check_resume" in where  # the scan sees names
+    stale = [f"{n} ({', '.join(sorted(where[n]))})" for n in sorted(where) if not resolves(n)]
+    assert not stale, "names that do not resolve:\n" + "\n".join(stale)
+
+
+def test_the_name_scan_skips_paths_and_file_names():
+    text = "mpp/x.py, configs/mpp_b16.json, RUN/.mpp_stats.json, mpp.json; see mpp.ops.patchify."
+    assert dotted_names(text) == {"mpp.ops.patchify"}
+    assert resolves("mpp.ops.patchify") and resolves("mpp.config.TrainConfig.batch_size")
+    assert not resolves("mpp.hub.no_such_module") and not resolves("mpp.ops.no_such_helper")

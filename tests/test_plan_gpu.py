@@ -1,4 +1,4 @@
-"""mpp/plan (the GPU planner): its fake-tensor activation peak against the same step on real
+"""mpp/tools/planner (the GPU planner): its fake-tensor activation peak against the same step on real
 tensors, its ZeRO model-state terms against a real DeepSpeed engine under a fake process group
 (world 8 and 64), its FLOPs against the closed form, and the CLI."""
 
@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpp.benchmarks.flops import step_flops
 from mpp.build import build_objective
 from mpp.config import load_config
-from mpp.plan.memory import PeakTracker, materialize, model_states
-from mpp.plan.probe import activation_peak, build_on_meta, fake_mode, op_costs, step
-from mpp.plan.report import activation_fit
+from mpp.tools.benchmarks.flops import step_flops
+from mpp.tools.planner.fake_step import activation_peak, build_on_meta, fake_mode, op_costs, step
+from mpp.tools.planner.memory import PeakTracker, materialize, model_states
+from mpp.tools.planner.report import activation_fit
 from mpp.train.plan import load_plan_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,7 +164,7 @@ def test_flops_match_the_closed_form(name):
 
 
 def run_plan(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "mpp.plan", *args]
+    cmd = [sys.executable, "-m", "mpp.tools.planner", *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
 
 
@@ -212,7 +212,7 @@ def test_comm_per_step_is_what_deepspeeds_comms_logger_records(tmp_path):
     engine under a fake process group of 8 ranks, 2 accumulation steps: the logged messages (each
     rank's buffer) turned into ring traffic match the planner's bytes per op within 5 %. It found
     that ZeRO-1/2 all-reduce (once per step at 1, every micro-batch at 2), not reduce-scatter."""
-    from mpp.plan.cost import comm_bytes
+    from mpp.tools.planner.cost import comm_bytes
 
     out = tmp_path / "comms.json"
     r = subprocess.run(

@@ -21,7 +21,7 @@ from conftest import (
     write_config,
 )
 
-from mpp.train.checkpoint import complete_tags
+from mpp.checkpoint.format import complete_tags
 from mpp.train.preemption import PREEMPTED_EXIT
 
 

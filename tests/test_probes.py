@@ -1,4 +1,4 @@
-"""The probe protocols' facts against the papers' text and code (mpp/downstream/probe.py, probe_protocols.py,
+"""The probe protocols' facts against the papers' text and code (mpp/transfer/probe.py, probe_protocols.py,
 lars.py): LARS's trust ratio by hand, MAE's lr rule and BatchNorm head, DINOv2's grid and its
 concatenation widths, per-block features from one forward, heads trained together exactly as
 alone, DINO's weighted k-NN vote. The CLIs run on a demo run in test_demo_runs.py."""
@@ -10,8 +10,10 @@ import torch
 from torch import nn
 
 from mpp.config import ProbeSection
-from mpp.downstream.lars import LARS, trust_ratio
-from mpp.downstream.probe import (
+from mpp.features import feature_slots, knn_scores, pooled_features
+from mpp.models import create_vit
+from mpp.transfer.lars import LARS, trust_ratio
+from mpp.transfer.probe import (
     HeadTrainer,
     LinearHead,
     Probe,
@@ -19,7 +21,7 @@ from mpp.downstream.probe import (
     linear_probes,
     scaled_lr,
 )
-from mpp.downstream.probe_protocols import (
+from mpp.transfer.probe_protocols import (
     DINOV2_LRS,
     dinov2_heads,
     dinov2_probe,
@@ -28,8 +30,6 @@ from mpp.downstream.probe_protocols import (
     mae_heads,
     micro_batches,
 )
-from mpp.features import feature_slots, knn_scores, pooled_features
-from mpp.models import create_vit
 
 
 def test_lars_scales_a_matrix_step_by_the_trust_ratio_and_leaves_biases_plain():

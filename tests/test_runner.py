@@ -8,8 +8,9 @@ import pytest
 import torch
 from conftest import REPO, cli_env, free_port, read_metrics, run_cli, tiny_config, write_config
 
+from mpp.checkpoint.format import MARKER
+from mpp.hub.encoder_file import load_encoder_file
 from mpp.models import create_vit
-from mpp.train.checkpoint import MARKER, load_encoder_file
 from pretrain.run import main
 
 

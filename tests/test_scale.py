@@ -54,7 +54,7 @@ def test_ranks_that_see_different_files_agree_on_one_epoch_length_and_resume_tag
 
 
 def test_rank_0_does_not_mark_a_checkpoint_complete_without_every_ranks_shard(tmp_path):
-    from mpp.train.checkpoint import missing_rank_files
+    from mpp.checkpoint.format import missing_rank_files
 
     for r in (0, 2):
         (tmp_path / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")

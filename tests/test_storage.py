@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import free_port, read_metrics, run_cli, tiny_config, write_config
 
-from mpp.train import storage
-from mpp.train.checkpoint import MARKER, saved_layout, tag_for
+from mpp.checkpoint import storage
+from mpp.checkpoint.format import MARKER, saved_layout, tag_for
 
 
 def errors_of(r) -> list[str]:
@@ -189,8 +189,8 @@ def test_a_disk_that_fills_during_a_save_leaves_the_last_checkpoint_and_no_parti
     import deepspeed
     import torch
 
-    from mpp.train.checkpoint import complete_tags, save_checkpoint
-    from mpp.train.storage import DiskFullError
+    from mpp.checkpoint.format import complete_tags, save_checkpoint
+    from mpp.checkpoint.storage import DiskFullError
 
     model = torch.nn.Linear(256, 256)
     opt = torch.optim.Adam(model.parameters())
@@ -221,10 +221,10 @@ def test_a_disk_that_fills_during_a_save_leaves_the_last_checkpoint_and_no_parti
 def test_a_truncated_weights_file_of_any_format_is_a_checkpoint_error_naming_it(tmp_path):
     import torch
 
+    from mpp.hub.encoder_file import save_weights
     from mpp.hub.export import export
     from mpp.hub.pretrained import load_pretrained
     from mpp.models.vit import create_vit
-    from mpp.train.checkpoint import save_weights
 
     kwargs = {"name": "vit_tiny_patch4_16", "depth": 1, "embed_dim": 32, "num_heads": 2}
     vit = create_vit(**kwargs)

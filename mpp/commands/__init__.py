@@ -32,14 +32,17 @@ COMMANDS = {
         "what a config key means (--explain KEY), or a config resolved",
     ),
     "plan": (
-        "mpp.plan.__main__",
+        "mpp.tools.planner.__main__",
         "plan a run on N GPUs on this machine: memory, FLOPs, step time, recipe",
     ),
-    "doctor": ("mpp.doctor.__main__", "check a GPU node (or this machine) for a pretraining run"),
+    "doctor": (
+        "mpp.tools.doctor.__main__",
+        "check a GPU node (or this machine) for a pretraining run",
+    ),
     "shards": ("mpp.data.shards", "write WebDataset shards from an image folder"),
     "viz": ("mpp.tools.viz", "picture what an objective sees and predicts, from a run"),
     "masks": ("mpp.tools.masking_viz", "picture every masking strategy"),
-    "bench": ("mpp.benchmarks.__main__", "speed and memory benchmarks (BENCHMARKS.md)"),
+    "bench": ("mpp.tools.benchmarks.__main__", "speed and memory benchmarks (BENCHMARKS.md)"),
     "demo": (
         "mpp.tools.demo",
         "the main job on the built-in dataset: pretrain, few labels, a table",

@@ -11,10 +11,10 @@ import json
 import logging
 import sys
 
+from mpp.checkpoint.storage import CheckpointError, DiskFullError
 from mpp.cli import config_from_args, open_run_dir, run_parser
 from mpp.config import ConfigError, FinetuneConfig
 from mpp.data import DataError
-from mpp.downstream.finetune import build_classifier, run_finetune
 from mpp.parallel.distributed import device_type, from_rank0, init_distributed, world_from_env
 from mpp.submit import submit
 from mpp.train.nonfinite import NonFiniteLossError
@@ -22,7 +22,7 @@ from mpp.train.plan import check_resume, plan_run
 from mpp.train.preemption import PREEMPTED_EXIT, Preempted
 from mpp.train.rng import seed_everything
 from mpp.train.runlock import release
-from mpp.train.storage import CheckpointError, DiskFullError
+from mpp.transfer.finetune import build_classifier, run_finetune
 
 
 def main(argv: list[str] | None = None) -> int:

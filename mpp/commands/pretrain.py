@@ -2,7 +2,7 @@
 
 deepspeed pretrain/run.py --config mpp_b16.json [--set key=value ...] [--output-dir DIR] [--resume auto|PATH]
 python pretrain/run.py --config mpp_demo.json          # one process
-python pretrain/run.py --config mpp_b16.json --plan --gpus 64   # the GPU plan (python -m mpp.plan): nothing runs
+python pretrain/run.py --config mpp_b16.json --plan --gpus 64   # the GPU plan (mpp plan): nothing runs
 python pretrain/run.py --config mpp_b16.json --submit slurm --nodes 8 --gpus-per-node 8 --partition P --time 72:00:00
 """
 
@@ -12,25 +12,25 @@ import logging
 import sys
 
 from mpp.build import build_objective
+from mpp.checkpoint.storage import CheckpointError, DiskFullError
 from mpp.cli import config_from_args, open_run_dir, run_parser
 from mpp.config import ConfigError
 from mpp.data import DataError
 from mpp.parallel.distributed import device_type, from_rank0, init_distributed, world_from_env
-from mpp.plan.cli import add_plan_arguments, plan_main
 from mpp.submit import submit
+from mpp.tools.planner.cli import add_plan_arguments, plan_main
 from mpp.train.nonfinite import NonFiniteLossError
 from mpp.train.plan import check_resume, plan_run
 from mpp.train.preemption import PREEMPTED_EXIT, Preempted
 from mpp.train.rng import seed_everything
 from mpp.train.runlock import release
-from mpp.train.storage import CheckpointError, DiskFullError
 from mpp.train.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = run_parser(__doc__, "mpp_b16, mpp_demo, ...", submit=True)
     parser.add_argument(
-        "--plan", action="store_true", help="print the GPU plan (python -m mpp.plan) and exit"
+        "--plan", action="store_true", help="print the GPU plan (mpp plan) and exit"
     )
     add_plan_arguments(parser.add_argument_group("--plan"))
     args = parser.parse_args(argv)

@@ -1,9 +1,9 @@
 """``mpp probe`` (``downstream/linear_probe.py``): the linear probe of a frozen encoder
-(mpp.downstream.probe_cli)."""
+(mpp.transfer.probe_cli)."""
 
 import sys
 
-from mpp.downstream.probe_cli import run_probe
+from mpp.transfer.probe_cli import run_probe
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""WebDataset shards in, uint8 batches out (DESIGN.md §3, §6).
+"""WebDataset shards in, uint8 batches out (docs/ARCHITECTURE.md §3, §5.4).
 
 Write shards with `write_shards` (or `python -m mpp.data.shards`), stream them with
 `make_train_loader` / `make_eval_loader`; batches are normalised on the device (`mpp.ops.normalize`).

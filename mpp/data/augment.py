@@ -1,4 +1,4 @@
-"""Fine-tuning's batch augmentations on the device (timm's recipe, DESIGN.md §4.6): label
+"""Fine-tuning's batch augmentations on the device (timm's recipe, docs/ARCHITECTURE.md §4.6): label
 smoothing, mixup / cutmix on the batch, random erasing. RandAugment runs on the CPU in the
 data workers (``mpp.data.randaug``)."""
 

@@ -20,12 +20,12 @@ import json
 import sys
 from pathlib import Path
 
+from mpp.checkpoint.storage import CheckpointError
+from mpp.hub.encoder_file import save_weights
 from mpp.hub.hf import hf_config, to_hf
 from mpp.hub.pretrained import load_pretrained
 from mpp.models.vit import full_vit_config
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
-from mpp.train.checkpoint import save_weights
-from mpp.train.storage import CheckpointError
 
 # model kwargs of ours that are timm VisionTransformer constructor arguments
 _TIMM_ARGS = (

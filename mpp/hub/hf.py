@@ -1,5 +1,5 @@
 """Hugging Face ``transformers`` ViT <-> our encoder: the config and the state dict, both ways,
-exactly (DESIGN.md §8: MAE -> HF conversions keep coming up in users' trackers).
+exactly (docs/ARCHITECTURE.md §4.9: MAE -> HF conversions keep coming up in users' trackers).
 
 HF's ViT is timm's pre-norm ViT with the fused ``qkv`` split into query / key / value, a
 learned position embedding (a sin-cos table is exported as its values: exact), a final
@@ -175,7 +175,7 @@ def model_kwargs_from_hf(config: dict) -> dict:
 def read_hf_folder(folder: str | Path) -> tuple[dict[str, Tensor], dict]:
     """(our encoder state dict, our model kwargs) from a ``save_pretrained`` folder
     (``config.json`` + ``model.safetensors``; pickled ``pytorch_model.bin`` is refused)."""
-    from mpp.train.checkpoint import load_encoder_file
+    from mpp.hub.encoder_file import load_encoder_file
 
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())

@@ -15,14 +15,10 @@ from pathlib import Path
 
 import torch
 
+from mpp.checkpoint.format import find_checkpoint, zero_to_fp32
+from mpp.checkpoint.storage import CheckpointError
+from mpp.hub.encoder_file import encoder_file_kwargs, load_encoder_file
 from mpp.models.vit import VisionTransformer, full_vit_config, resample_abs_pos_embed, vit_config
-from mpp.train.checkpoint import (
-    encoder_file_kwargs,
-    find_checkpoint,
-    load_encoder_file,
-    zero_to_fp32,
-)
-from mpp.train.storage import CheckpointError
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Multi-head self-attention with switchable kernels (DESIGN.md §4.1).
+"""Multi-head self-attention with switchable kernels (docs/ARCHITECTURE.md §4.1).
 
 ``attn_backend``:
   auto      xformers memory-efficient attention on CUDA when importable, else SDPA

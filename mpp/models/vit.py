@@ -1,4 +1,4 @@
-"""The one ViT encoder (DESIGN.md §4.1), with timm's parameter names and shapes.
+"""The one ViT encoder (docs/ARCHITECTURE.md §4.1), with timm's parameter names and shapes.
 
 Its state dict loads into ``timm.models.VisionTransformer`` with ``strict=True``, so an
 exported encoder works with the ecosystem's tools. Beyond timm it can run on a subset of

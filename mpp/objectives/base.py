@@ -1,5 +1,5 @@
-"""What the training engine may call on an objective, and nothing more (STYLE.md: the engine
-knows nothing objective-specific)."""
+"""What the training engine may call on an objective, and nothing more (docs/ARCHITECTURE.md
+§3.1: the engine knows nothing objective-specific)."""
 
 from __future__ import annotations
 

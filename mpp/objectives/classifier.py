@@ -1,4 +1,4 @@
-"""Supervised classification as an objective (fine-tuning, DESIGN.md §4.6): soft-target
+"""Supervised classification as an objective (fine-tuning, docs/ARCHITECTURE.md §4.6): soft-target
 cross-entropy under mixup / cutmix / label smoothing / random erasing while training, plain
 cross-entropy and top-1 in eval mode."""
 

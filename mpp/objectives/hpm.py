@@ -1,4 +1,4 @@
-"""HPM, hard patches mining (Wang et al., 2304.05919, CVPR 2023; DESIGN.md §4.4).
+"""HPM, hard patches mining (Wang et al., 2304.05919, CVPR 2023; docs/ARCHITECTURE.md §4.4).
 
 A wrapper around any objective with a per-patch loss (``base``: MAE's reconstruction MSE,
 as in the paper, or the BERT-style MPP's cross-entropy). The student gets a second decoder,

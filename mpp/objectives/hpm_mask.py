@@ -1,4 +1,4 @@
-"""HPM's mask policy and its schedule (DESIGN.md §4.4), next to HPM (mpp.objectives.hpm).
+"""HPM's mask policy and its schedule (docs/ARCHITECTURE.md §4.4), next to HPM (mpp.objectives.hpm).
 
 The teacher's hardest patches are masked first, a share alpha of the mask that grows from
 easy to hard over training; the rest of the budget is random. Not a config's

@@ -1,4 +1,4 @@
-"""MAE, the asymmetric masked autoencoder (He et al., 2111.06377; DESIGN.md §4.3).
+"""MAE, the asymmetric masked autoencoder (He et al., 2111.06377; docs/ARCHITECTURE.md §4.3).
 
 Mask 75 % of the patches at random (exact count), run the encoder on the visible 25 % and
 the cls token only, then a light decoder on the full sequence (visible tokens + one shared

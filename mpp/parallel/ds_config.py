@@ -34,7 +34,7 @@ def derive(
     if zero.get("stage", 0) > 0:
         # 5e8-element buckets exceed ViT-B's 86M parameters, so the reduction would start only
         # after the whole backward; at stage 3 the fp32 bucket alone held 1.86 GiB per GPU
-        # (python -m mpp.plan, measured on the engine), more than ZeRO-1's whole model states
+        # (python -m mpp.tools.planner, measured on the engine), more than ZeRO-1's whole model states
         zero.setdefault("reduce_bucket_size", int(5e7))
     if zero.get("stage", 0) in (1, 2):
         zero.setdefault("overlap_comm", True)  # stage 3 overlaps by default, stages 1/2 do not

@@ -1,5 +1,5 @@
 """An exponential moving average of one set of parameters into another (HPM's teacher,
-DESIGN.md §4.4), over modules the engine may have ZeRO-partitioned: each rank updates the
+docs/ARCHITECTURE.md §4.4), over modules the engine may have ZeRO-partitioned: each rank updates the
 part it holds (``mpp.parallel.zero.local_tensors``), never gathering a whole parameter.
 
     ema = EMA(module, [("teacher.w", "w"), ...])   # (target, source) names in ``module``

@@ -1,2 +1,4 @@
 """On top of everything, imported by nothing of the library: the masking ablation (ablation,
-ablation_jobs, ablation_report), the demo, and the pictures (viz, masking_viz)."""
+ablation_jobs, ablation_report), the demo, the pictures (viz, masking_viz), the GPU planner
+(planner/: ``mpp plan``), the first-node checks (doctor/: ``mpp doctor``) and the benchmarks
+(benchmarks/: ``mpp bench``)."""

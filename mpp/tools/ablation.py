@@ -1,4 +1,4 @@
-"""Masking ablations (DESIGN.md §4.5): a grid of ``--set`` overrides on a base pretraining
+"""Masking ablations (docs/ARCHITECTURE.md §4.5): a grid of ``--set`` overrides on a base pretraining
 config, a few seeds per cell, each cell a real pretraining run through the ``deepspeed``
 launcher followed by the chosen evaluations, summarised as a table and a plot. The spec's
 ``set`` overrides (``--set KEY=VALUE``) apply to every cell, before the cell's own grid values
@@ -42,6 +42,7 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
+from mpp.checkpoint.format import latest_complete
 from mpp.config import (
     ConfigError,
     FinetuneConfig,
@@ -51,7 +52,6 @@ from mpp.config import (
     validate,
 )
 from mpp.parallel.launch import deepspeed_cmd, default_launcher_args, launch
-from mpp.train.checkpoint import latest_complete
 from mpp.train.preemption import PREEMPTED_EXIT, SIGNALS
 
 # each job's command (python -m, or deepspeed --module)
@@ -63,7 +63,7 @@ SCRIPTS = {
 }
 EvalKind = Literal["finetune", "linear", "knn"]
 # Model keys an evaluation keeps from its own config: how it runs and regularises, not the
-# architecture the pretrained weights need (fine-tuning's drop path 0.1, DESIGN.md §4.6).
+# architecture the pretrained weights need (fine-tuning's drop path 0.1, docs/ARCHITECTURE.md §4.6).
 SPEC_FILE = "ablation.json"  # the resolved spec, in the output folder
 EVAL_OWN_MODEL_KEYS = {"attn_backend", "drop_path_rate", "init", "grad_checkpointing", "compile"}
 

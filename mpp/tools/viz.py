@@ -23,18 +23,14 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
+from mpp.checkpoint.format import find_checkpoint, weights_only_loads, zero_to_fp32
+from mpp.checkpoint.storage import CheckpointError
 from mpp.config import Config, load_config, resolve_config_path
+from mpp.hub.encoder_file import load_encoder_file
 from mpp.objectives import create_objective
 from mpp.objectives.base import Objective
 from mpp.objectives.hpm import HardPatchesMining
-from mpp.train.checkpoint import (
-    find_checkpoint,
-    load_encoder_file,
-    weights_only_loads,
-    zero_to_fp32,
-)
 from mpp.train.panels import objective_panels, save_picture
-from mpp.train.storage import CheckpointError
 
 # ---- command line ---------------------------------------------------------------------------
 
@@ -66,7 +62,7 @@ def load_images(
 
 def deepspeed_weights(folder: Path) -> dict[str, Tensor]:
     """The module's weights in a DeepSpeed checkpoint folder: the root (``latest`` names the
-    tag) or one tag folder, in fp32 (``mpp.train.checkpoint.zero_to_fp32``: ZeRO 1-3 consolidated
+    tag) or one tag folder, in fp32 (``mpp.checkpoint.format.zero_to_fp32``: ZeRO 1-3 consolidated
     from the optimiser shards, frozen parameters such as the teacher's included)."""
     found = find_checkpoint(folder)
     if found is None:

@@ -4,7 +4,7 @@ every rank reloads the last complete checkpoint, the data stream moves past the 
 failed, the lr is scaled by ``train.rollback_lr_scale``, the event goes to metrics.jsonl, and
 training goes on, at most ``train.max_rollbacks`` times. Users of MAE, ConvMAE and GreenMIM
 restart month-long runs by hand after a NaN; this does it for them. The rollback itself is
-``mpp.train.checkpointer.Checkpointer.rollback``.
+``mpp.checkpoint.manager.Checkpointer.rollback``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The optimiser and its schedule: parameter groups (weight decay, layer-wise lr decay),
-torch's fused Adam/AdamW, and warm-up + cosine computed per iteration (DESIGN.md §5:
+torch's fused Adam/AdamW, and warm-up + cosine computed per iteration (docs/ARCHITECTURE.md §5.1:
 DeepSpeed's schedulers would flatten the per-group lr scales)."""
 
 from __future__ import annotations

@@ -211,8 +211,8 @@ def _output_dir(cfg) -> str:
 
 def check_resume(cfg: RunConfig, resume: str | None) -> None:
     """Before anything runs: a resume must keep the global batch (another world size, micro batch
-    or accumulation is fine: ``mpp.train.checkpointer`` re-partitions the checkpoint). ConfigError otherwise."""
-    from mpp.train.checkpoint import resolve_resume, saved_layout
+    or accumulation is fine: ``mpp.checkpoint.manager`` re-partitions the checkpoint). ConfigError otherwise."""
+    from mpp.checkpoint.format import resolve_resume, saved_layout
 
     try:
         # the engine verifies

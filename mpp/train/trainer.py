@@ -20,11 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpp.checkpoint.manager import Checkpointer
 from mpp.config import RunConfig
 from mpp.data import make_train_loader
 from mpp.ops import normalize
 from mpp.parallel import zero
-from mpp.train.checkpointer import Checkpointer
 from mpp.train.metrics import MetricLog
 from mpp.train.monitor import build_monitor
 from mpp.train.nonfinite import NonFiniteLossError, all_finite, skip_bad_step

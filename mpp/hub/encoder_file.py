@@ -1,0 +1,62 @@
+"""The exported encoder file, ``encoder.safetensors``: the fp32 encoder weights (timm names) with
+the architecture in its metadata, written at the end of pretraining (``mpp.checkpoint.manager``)
+and read by everything downstream (``mpp.hub.pretrained``); and the atomic safetensors writer the
+other weight files share."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from mpp.checkpoint.storage import CheckpointError
+
+
+def export_encoder(
+    state_dict: dict[str, torch.Tensor],
+    model_kwargs: dict,
+    path: str | Path,
+    prefix: str = "encoder.",
+) -> None:
+    """Write the encoder's fp32 weights (timm names) with the architecture in the metadata."""
+    enc = {k[len(prefix) :]: v.float() for k, v in state_dict.items() if k.startswith(prefix)}
+    if not enc:
+        raise ValueError(f"no '{prefix}*' weights in the state dict")
+    save_weights(enc, path, {"format": "mpp-encoder", "model": model_kwargs})
+
+
+def encoder_file_kwargs(path: str | Path) -> dict:
+    """The model kwargs an exported ``encoder.safetensors`` states in its metadata ({}: none),
+    read without its tensors."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return json.loads((f.metadata() or {}).get("model", "{}"))
+    except (SafetensorError, OSError, ValueError) as e:  # a truncated copy, or not a weights file
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def load_encoder_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(state dict, model kwargs) from an exported ``encoder.safetensors`` (no unpickling)."""
+    from safetensors import SafetensorError
+
+    kwargs = encoder_file_kwargs(path)
+    try:
+        return load_file(str(path)), kwargs
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def save_weights(
+    state_dict: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None
+) -> None:
+    """A safetensors file written atomically."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    meta = {k: json.dumps(v) for k, v in (metadata or {}).items()}
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp), metadata=meta)
+    os.replace(tmp, path)

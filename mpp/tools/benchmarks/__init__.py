@@ -1,0 +1,31 @@
+"""Benchmark suites, run as ``mpp bench SUITE [--quick] [--out FILE.json]``.
+
+Each suite is a module with ``run(quick, **options) -> dict`` (JSON-ready: the figures, the
+setting and the goal) and ``render(result) -> str`` (the tables printed). The latest full
+figures live in BENCHMARKS.md at the repository root.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# suite name -> module (each imports only torch and mpp; the launcher runs stay in subprocesses)
+SUITES = {
+    "cpu-step": "mpp.tools.benchmarks.step",
+    "attention": "mpp.tools.benchmarks.attention",
+    "data": "mpp.tools.benchmarks.data",
+    "zero": "mpp.tools.benchmarks.zero",
+    "gpu-step": "mpp.tools.benchmarks.gpu_step",
+    "preview": "mpp.tools.benchmarks.preview",
+}
+
+
+def suite(name: str) -> ModuleType:
+    """The module of the suite called ``name``."""
+    if name not in SUITES:
+        raise ValueError(f"unknown benchmark suite {name!r}; allowed: {sorted(SUITES)}")
+    return importlib.import_module(SUITES[name])
+
+
+__all__ = ["SUITES", "suite"]

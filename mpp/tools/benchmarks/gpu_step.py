@@ -1,0 +1,192 @@
+"""gpu-step: the real training step of MPP, MAE and HPM (ViT-B/16, 224 px) on one GPU:
+DeepSpeed's engine in the shipped configs' bf16 mode, images/s, MFU against the GPU's spec-sheet
+peak, peak memory and host syncs per step; xformers against SDPA; optionally under torch.compile.
+
+Each row is ``mpp.tools.benchmarks.engine_step``: the objective from configs/{objective}_b16.json at
+the setting's batch on one rank, stepped as mpp.train.trainer steps it (DeepSpeed's bf16: bf16 module,
+fp32 master weights; TF32 off, as training leaves it). MFU = model FLOPs (mpp.tools.benchmarks.flops)
+÷ the dense bf16 peak of the GPU's datasheet (mpp.tools.planner.hardware.SPEC_BF16_DENSE: H100 SXM 989 TFLOP/s),
+never a figure measured here; the bf16 matmul it measures is its own column. Recorded by hand on
+a GPU machine, never in CI; without CUDA it refuses with exit code 2 (--device cpu runs the same
+code on a tiny model, MFU then against this CPU's measured bf16 matmul: a check, not a figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from mpp.models.attention import _xformers_ops
+from mpp.tools.benchmarks.common import Unavailable, format_table, matmul_roofline
+from mpp.tools.benchmarks.engine_step import EngineStep, measure, spec_peak, step_config
+
+GOALS = {"mpp_mfu_min": 0.40, "mae_mfu_min": 0.30, "hpm_vs_mae_time_max": 2.0}
+OBJECTIVES = ("mpp", "mae", "hpm")
+SETTINGS = {
+    "full": dict(
+        model="vit_base_patch16_224", overrides={}, batch=128, decoder={}, rounds=10, warmup=3
+    ),
+    "quick": dict(
+        model="vit_base_patch16_224",
+        overrides={"depth": 2},
+        batch=16,
+        decoder=dict(decoder_depth=1),
+        rounds=3,
+        warmup=2,
+    ),
+    # --device cpu: the same code on a tiny model, to check the suite runs (not a figure)
+    "cpu": dict(
+        model="vit_tiny_patch16_64",
+        overrides={"depth": 2},
+        batch=4,
+        decoder=dict(decoder_dim=64, decoder_depth=1, decoder_heads=4),
+        rounds=2,
+        warmup=1,
+    ),
+}
+MATMUL_N = {"cuda": 8192, "cpu": 256}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compile", action="store_true", help="also time each objective under torch.compile"
+    )
+    p.add_argument("--batch", type=int, help="images per step (default: the setting's)")
+    p.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu: run the suite's code on a tiny model to check it works (no figures)",
+    )
+
+
+def run(
+    quick: bool = False, compile: bool = False, batch: int | None = None, device: str = "cuda"
+) -> dict[str, Any]:
+    from mpp.parallel.distributed import init_distributed
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise Unavailable(
+            "needs a CUDA GPU (this machine has none). On a GPU machine run: "
+            "mpp bench gpu-step [--compile] --out runs/benchmarks/gpu-step.json"
+        )
+    cuda = device == "cuda"
+    s = dict(SETTINGS["cpu" if not cuda else "quick" if quick else "full"])
+    s["batch"] = batch or s["batch"]
+    # deepspeed.initialize needs a process group: this process is rank 0 of 1
+    dev = init_distributed()
+    if cuda:
+        peak, source = spec_peak(torch.cuda.get_device_name(dev))
+    else:  # no datasheet for a CPU: each row's MFU is against this CPU's bf16 matmul, timed beside it
+        peak = None
+        source = (
+            f"measured: this CPU's bf16 {MATMUL_N['cpu']}^3 matmul (a code check, not a figure)"
+        )
+    backends = ["sdpa"] + (["xformers"] if cuda and _xformers_ops()[0] is not None else [])
+    matmul = matmul_roofline(MATMUL_N[device], dev, torch.bfloat16)
+    rows = []
+    for name in OBJECTIVES:
+        for backend in backends:
+            for compiled in [False, True] if compile else [False]:
+                rows.append(measure_row(name, backend, compiled, s, dev, matmul, peak))
+    setting = {
+        **s,
+        "device": device,
+        "precision": rows[0]["precision"],
+        "zero_stage": rows[0]["zero_stage"],
+        "peak_flops": peak,
+        "peak_source": source,
+        "tf32": torch.backends.cuda.matmul.allow_tf32,
+    }
+    return {"setting": setting, "rows": rows, "goals": goals(rows)}
+
+
+def measure_row(
+    name: str,
+    backend: str,
+    compiled: bool,
+    s: dict,
+    dev: torch.device,
+    matmul: tuple,
+    peak: float | None,
+) -> dict[str, Any]:
+    """One objective x attention x compile: built, timed through DeepSpeed's engine, released."""
+    cuda = dev.type == "cuda"
+    # the matmul's buffers stay out of the peak
+    base = torch.cuda.memory_allocated(dev) if cuda else 0
+    # bf16 on the CPU as well: the check runs DeepSpeed's bf16 path that the GPU runs
+    runner = EngineStep(step_config(name, s, backend, precision="bf16"), dev, compile=compiled)
+    try:
+        row = measure(runner, s["rounds"], s["warmup"], matmul)
+    finally:
+        runner.close()
+    if cuda:
+        row["peak_mem_gib"] -= base / 2**30
+    flops_per_s = row["tflops_per_s"] * 1e12
+    denominator = peak if cuda else row["matmul_tflops_per_s"] * 1e12
+    row["mfu"] = flops_per_s / denominator if denominator else None
+    return {"objective": name, "attention": backend, "compiled": compiled, **row}
+
+
+def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (attention, compiled): MPP and MAE MFU, HPM's step time ÷ MAE's, against GOALS."""
+    out = []
+    for key in sorted({(r["attention"], r["compiled"]) for r in rows}):
+        by = {r["objective"]: r for r in rows if (r["attention"], r["compiled"]) == key}
+        hpm_vs_mae = by["hpm"]["step_s"] / by["mae"]["step_s"]
+        mfu_met = None not in (by["mpp"]["mfu"], by["mae"]["mfu"]) and (
+            by["mpp"]["mfu"] >= GOALS["mpp_mfu_min"] and by["mae"]["mfu"] >= GOALS["mae_mfu_min"]
+        )
+        out.append(
+            {
+                "attention": key[0],
+                "compiled": key[1],
+                "mpp_mfu": by["mpp"]["mfu"],
+                "mae_mfu": by["mae"]["mfu"],
+                "hpm_vs_mae_time": hpm_vs_mae,
+                "met": mfu_met and hpm_vs_mae <= GOALS["hpm_vs_mae_time_max"],
+            }
+        )
+    return out
+
+
+def render(result: dict[str, Any]) -> str:
+    s = result["setting"]
+    head = (
+        f"{s['model']} {s['overrides'] or ''} batch {s['batch']}, DeepSpeed {s['precision']}, ZeRO stage "
+        f"{s['zero_stage']}, TF32 {'on' if s['tf32'] else 'off'}; MFU peak: {s['peak_source']}"
+    )
+    goal_table = format_table(
+        result["goals"],
+        [
+            ("attention", "attention", ""),
+            ("compiled", "compile", ""),
+            ("mpp_mfu", "MPP MFU (>= 0.40)", ".3f"),
+            ("mae_mfu", "MAE MFU (>= 0.30)", ".3f"),
+            ("hpm_vs_mae_time", "HPM ÷ MAE time (<= 2)", ".2f"),
+            ("met", "met", ""),
+        ],
+    )
+    return (
+        head
+        + "\n"
+        + goal_table
+        + "\n\n"
+        + format_table(
+            result["rows"],
+            [
+                ("objective", "objective", ""),
+                ("attention", "attention", ""),
+                ("compiled", "compile", ""),
+                ("step_s", "s/step", ".4f"),
+                ("imgs_per_sec", "img/s", ".0f"),
+                ("tflops_per_s", "TFLOP/s", ".0f"),
+                ("mfu", "MFU", ".3f"),
+                ("matmul_tflops_per_s", "bf16 mm TFLOP/s", ".0f"),
+                ("peak_mem_gib", "peak GiB", ".1f"),
+                ("host_syncs_per_step", "host syncs/step", ""),
+            ],
+        )
+    )

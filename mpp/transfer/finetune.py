@@ -1,0 +1,88 @@
+"""The fine-tuning run (docs/ARCHITECTURE.md §4.6, MAE/BEiT recipe): the class count from the shards, the
+classifier around a pretrained encoder, and the engine's loop with an evaluation every epoch.
+The pieces live in their own files: ``mpp.objectives.classifier`` (loss), ``mpp.data.augment``
+(mixup / cutmix / erasing), ``mpp.train.optim`` (layer decay), ``mpp.hub.pretrained`` (weights in),
+``mpp.transfer.evaluate`` (top-1, best / last weights, results.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mpp.build import build_encoder
+from mpp.checkpoint.manager import encoder_kwargs
+from mpp.config import ConfigError, FinetuneConfig
+from mpp.data import digits_shards, expand_shards, read_sizes
+from mpp.data.labels import KEY_FILE
+from mpp.models.vit import vit_config
+from mpp.objectives.classifier import Classifier
+from mpp.train.plan import Plan
+from mpp.train.trainer import Trainer
+from mpp.transfer.evaluate import Evaluator
+
+
+def resolve_classes(cfg: FinetuneConfig, train_shards: list[str]) -> int:
+    """The class count: the config's, checked against the shards' class list when they have one."""
+    sizes = read_sizes(train_shards) or {}
+    names = sizes.get("class_names") or []
+    n = cfg.finetune.num_classes or cfg.data.num_classes or (len(names) or None)
+    if n is None:
+        raise ConfigError(
+            f"{cfg._source}: finetune.num_classes: not set and the shards carry no class list"
+        )
+    if names and n != len(names):
+        raise ConfigError(
+            f"{cfg._source}: finetune.num_classes: {n} does not match the {len(names)} classes of {train_shards[0]}"
+        )
+    return n
+
+
+def build_classifier(cfg: FinetuneConfig) -> Classifier:
+    """The encoder with a fresh head, initialised from ``cfg.init`` (or from scratch)."""
+    img_size = {**vit_config(cfg.model.name), **cfg.model.vit_kwargs()}["img_size"]
+    spec = cfg.data.train_shards or digits_shards(img_size)["train"]
+    num_classes = resolve_classes(cfg, expand_shards(spec))
+    encoder = build_encoder(cfg, num_classes=num_classes, global_pool=cfg.finetune.global_pool)
+    f = cfg.finetune
+    return Classifier(
+        encoder,
+        f.label_smoothing,
+        f.mixup,
+        f.cutmix,
+        f.mixup_prob,
+        f.mixup_switch_prob,
+        f.reprob,
+        f.head_init_std,
+    )
+
+
+def run_finetune(
+    cfg: FinetuneConfig,
+    model: Classifier,
+    plan: Plan,
+    run_dir: Path,
+    device: torch.device,
+    resume: str | None = None,
+) -> dict:
+    """Fine-tune under DeepSpeed, evaluate every epoch (or ``finetune.eval_every`` steps), keep
+    the last and the best weights, write results.json (top1, top5, epoch and init of the last
+    evaluation; ``max_top1`` the best on the validation set, an extra) and, with few labels,
+    ``label_keys.txt``. Returns the results on rank 0."""
+    model_kwargs = {**vit_config(cfg.model.name), **encoder_kwargs(cfg, model.encoder)}
+    if plan.subset is not None and dist.get_rank() == 0:  # few labels: which ones, for reuse
+        plan.subset.write(run_dir / KEY_FILE)
+    evaluator = Evaluator(cfg, plan, run_dir, device, model_kwargs, resume)
+    Trainer(
+        cfg,
+        model,
+        plan,
+        run_dir,
+        device,
+        resume=resume,
+        evaluate=evaluator,
+        evaluate_every=cfg.finetune.eval_every,
+    ).train()
+    return json.loads(evaluator.results_path.read_text()) if dist.get_rank() == 0 else {}

@@ -1,0 +1,303 @@
+"""The two frozen-encoder tools, downstream/linear_probe.py and downstream/knn.py: parse, load
+the encoder from ``init``, extract features on every rank (``deepspeed --num_gpus N`` /
+torchrun; one process otherwise) and the GPU when there is one, evaluate, write results.json
+(and, with ``--layers all``, results.md and per_block.png)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, replace
+from functools import partial
+
+import torch
+
+from mpp.config import ConfigError, ProbeConfig
+from mpp.data import make_eval_loader, make_train_loader
+from mpp.data.labels import KEY_FILE, LabelledSubset
+from mpp.data.transforms import pixel_format
+from mpp.features import FeatureSpec, extract_features, feature_slots, knn_classify
+from mpp.models.vit import VisionTransformer
+from mpp.transfer.probe import HeadTrainer, linear_probes, scaled_lr
+from mpp.transfer.probe_protocols import (
+    MAE_CROP_SCALE,
+    dinov2_probe,
+    dinov2_slots,
+    mae_heads,
+    mae_probe,
+    micro_batches,
+)
+
+
+@dataclass(frozen=True)
+class ProbeSetup:
+    """What a probe evaluates (``_probe_setup``): the encoder from ``init``, the train/val shard
+    specs ({"train": spec, "val": spec}), the class count and, with few labels, the training
+    subset (``mpp.data.labels``; the validation shards stay whole)."""
+
+    encoder: VisionTransformer
+    shards: dict[str, object]
+    num_classes: int
+    subset: LabelledSubset | None = None
+
+    def loader_args(self, split: str) -> dict:
+        """``make_eval_loader``'s shards (and subset keys) for ``split``."""
+        if split == "train" and self.subset is not None:
+            return {"shards": self.subset.shards, "shard_keys": self.subset.keys}
+        return {"shards": self.shards[split]}
+
+
+def probe_parser(kind: str):
+    """The training CLIs' arguments, plus --layers (and --protocol for the linear probe)."""
+    from mpp.cli import run_parser
+
+    p = run_parser(
+        f"{kind} evaluation of a frozen encoder",
+        "linear_demo, linear_b16",
+        resume=False,
+        submit=True,
+    )
+    if kind == "linear":
+        p.add_argument(
+            "--protocol",
+            choices=["fast", "mae", "dinov2"],
+            help="probe.protocol: fast (cached features + SGD), mae (BN + LARS, augmented), dinov2 (a grid)",
+        )
+    p.add_argument(
+        "--layers",
+        choices=["last", "all"],
+        help="probe.layers: the last block's features, or every block's",
+    )
+    return p
+
+
+def run_probe(kind: str, argv: list[str] | None = None, script: str | None = None) -> int:
+    """``kind`` = "linear" or "knn". Exit status 2 on a bad config or init. With --submit, the
+    validated run is submitted as a job (``script``: the CLI, which the job runs)."""
+    from mpp.cli import config_from_args, open_run_dir
+    from mpp.parallel.distributed import init_distributed, world_from_env
+    from mpp.train.runlock import release
+
+    args = probe_parser(kind).parse_args(argv)
+    args.set += [
+        f"probe.{key}={value}"
+        for key in ("protocol", "layers")
+        if (value := getattr(args, key, None))
+    ]
+    rank, world = world_from_env()
+    try:
+        cfg = config_from_args(args, ProbeConfig)
+        setup = _probe_setup(cfg, kind)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.submit:  # checked here, run there: each task runs the CLI without --submit (mpp.submit)
+        from mpp.submit import submit
+
+        command = script or ("mpp.commands.probe" if kind == "linear" else "mpp.commands.knn")
+        return submit(command, argv, cfg, resumable=False)
+    device = (
+        init_distributed()
+        if world > 1
+        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    try:
+        # few labels: chosen by the ranks together (the label index is a collective)
+        setup = replace(setup, subset=_labelled_subset(cfg, setup, world))
+        run_dir = open_run_dir(cfg, rank)  # held by this job: a second one on it stops here
+        if setup.subset is not None and rank == 0:
+            setup.subset.write(run_dir / KEY_FILE)
+        on_device = replace(setup, encoder=setup.encoder.to(device))
+        results = _evaluate(kind, cfg, on_device, rank, world)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if rank != 0:
+        return 0
+    results = {**results, "eval": kind, "init": cfg.init, "ranks": world}
+    if "per_block" in results:
+        from mpp.transfer.probe_report import write_per_block
+
+        print(
+            write_per_block(run_dir, results["per_block"], f"{kind} top-1 per block of {cfg.init}")
+        )
+    (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    release(run_dir)
+    print(json.dumps({k: v for k, v in results.items() if k not in ("grid", "per_block")}))
+    return 0
+
+
+def _evaluate(kind: str, cfg, setup: ProbeSetup, rank: int, world: int) -> dict:
+    """The results of this kind and protocol (every rank takes part; only rank 0's count)."""
+    d, pr = cfg.data, cfg.probe
+    encoder, num_classes = setup.encoder, setup.num_classes
+    depth = len(encoder.blocks)
+    protocol = pr.protocol if kind == "linear" else "knn"
+    if protocol == "dinov2":
+        slots = dinov2_slots(depth)
+    else:
+        slots = feature_slots(depth, pr.pool, pr.layers)
+    features = FeatureSpec(slots, d.mean, d.std)
+    eval_loader = partial(  # this rank's share of a split, keyed: extract_features orders by key
+        make_eval_loader,
+        batch_size=min(pr.batch_size, 1024),  # a loader batch, not the probe's step (mae: 16384)
+        img_size=encoder.patch_embed.img_size[0],
+        num_workers=d.num_workers,
+        allow_pipe=d.allow_pipe,
+        rank=rank,
+        world_size=world,
+        with_keys=True,
+        pixels=pixel_format(d),
+    )
+
+    def extract(split: str) -> tuple:
+        return extract_features(
+            encoder, eval_loader(**setup.loader_args(split)), features, world_size=world
+        )
+
+    val = extract("val")
+    facts = {"protocol": protocol} if kind == "linear" else {}
+    facts |= {"layers": pr.layers, "num_val": len(val[1])}
+    if protocol == "mae":
+        return facts | _mae(cfg, setup, val, features, rank, world)
+    train = extract("train")
+    facts["num_train"] = len(train[1])
+    if rank != 0:
+        return facts
+    if protocol == "dinov2":
+        return facts | dinov2_probe(
+            train, val, num_classes, depth=depth, settings=pr, seed=cfg.seed
+        )
+    if protocol == "knn":
+        (train_x, train_y), (val_x, val_y) = train, val
+        per_slot = [
+            knn_classify(
+                train_x[:, s], train_y, val_x[:, s], val_y, num_classes, pr.k, pr.temperature
+            )
+            for s in range(len(slots))
+        ]
+    else:
+        per_slot = linear_probes(*train, *val, num_classes, settings=pr, seed=cfg.seed)
+    return facts | _headline(per_slot, slots)
+
+
+def _headline(per_slot: list[dict], slots: list) -> dict:
+    """The last block's results at the top level; with several blocks, ``per_block`` too."""
+    out = dict(per_slot[-1])
+    if len(slots) > 1:
+        out["per_block"] = [{"block": b, **r} for (b, _), r in zip(slots, per_slot, strict=True)]
+    return out
+
+
+def _mae(cfg, setup: ProbeSetup, val: tuple, features: FeatureSpec, rank: int, world: int) -> dict:
+    """MAE's protocol: the training stream augmented on the fly (mpp.data's RandomResizedCrop +
+    flip at MAE_CROP_SCALE), a step of probe.batch_size images across the ranks, LARS."""
+    from mpp.data import expand_shards
+    from mpp.data.census import census
+
+    d, pr = cfg.data, cfg.probe
+    encoder, num_classes, slots = setup.encoder, setup.num_classes, features.slots
+    if setup.subset is not None:  # few labels: the stream reads the subset's samples only
+        shards, sizes, keys = setup.subset.shards, setup.subset.sizes, setup.subset.keys
+    else:
+        shards = expand_shards(setup.shards["train"])
+        sizes, keys = census(shards, d.allow_pipe).sizes, None
+    total = sum(sizes)
+    steps = total // pr.batch_size  # MAE's loader drops the last partial batch
+    if steps < 1 or pr.batch_size % world:
+        raise ConfigError(
+            f"{cfg._source}: probe.batch_size: {pr.batch_size} must be at most the {total} "
+            f"training samples and a multiple of the {world} ranks (the mae protocol's step)"
+        )
+    lr = scaled_lr(pr.blr, pr.batch_size)
+    heads = mae_heads(slots, encoder.embed_dim, num_classes, lr, cfg.seed)
+    for p in heads:
+        p.head.to(next(encoder.parameters()).device)
+    trainer = HeadTrainer(
+        heads,
+        total_steps=pr.epochs * steps,
+        warmup_steps=pr.warmup_epochs * steps,
+        momentum=pr.momentum,
+        weight_decay=pr.weight_decay,
+        optimizer="lars",
+    )
+    accum = micro_batches(pr.batch_size // world)
+    loader = make_train_loader(
+        shards,
+        batch_size=pr.batch_size // world // accum,
+        num_batches=steps * accum,
+        global_batch=pr.batch_size,
+        img_size=encoder.patch_embed.img_size[0],
+        rank=rank,
+        world_size=world,
+        with_labels=True,
+        num_classes=num_classes,
+        seed=cfg.seed,
+        crop_scale=MAE_CROP_SCALE,
+        shard_sizes=tuple(sizes),
+        shard_keys=keys,
+        pixels=pixel_format(d),
+        num_workers=d.num_workers,
+        persistent=True,
+        allow_pipe=d.allow_pipe,
+    )
+    try:
+        res = mae_probe(
+            encoder,
+            loader,
+            trainer,
+            val,
+            epochs=pr.epochs,
+            accum=accum,
+            features=features,
+        )
+    finally:
+        loader.close()
+    per_slot = [
+        {**r, "max_top1": m, "train_loss": loss}
+        for r, m, loss in zip(res["last"], res["max_top1"], res["train_loss"], strict=True)
+    ]
+    return {"num_train": total, "lr": lr, "steps_per_epoch": steps} | _headline(per_slot, slots)
+
+
+def _labelled_subset(cfg, setup: ProbeSetup, world: int) -> LabelledSubset | None:
+    """``data.labels_per_class`` / ``label_fraction`` / ``label_keys``: the training subset, chosen
+    by every rank together (``mpp.train.plan.labelled_subset``); ConfigError names the key."""
+    from mpp.data import expand_shards
+    from mpp.train.plan import labelled_subset, measure_pixels
+
+    try:
+        shards = expand_shards(setup.shards["train"])
+    except ValueError as e:
+        raise ConfigError(f"{cfg._source}: data.train_shards: {e}") from None
+    measure_pixels(cfg, shards)  # data.mean / std / value_range "auto"
+    if cfg.data.label_subset_key is None:
+        return None
+    return labelled_subset(cfg, shards, setup.num_classes)
+
+
+def _probe_setup(cfg, kind: str) -> ProbeSetup:
+    """The encoder from ``init``, the train/val shard specs, the class count; ConfigError names the key."""
+    from mpp.build import build_encoder
+    from mpp.data import digits_shards, expand_shards, read_sizes
+
+    if kind == "linear" and cfg.probe.protocol == "dinov2" and cfg.probe.layers == "all":
+        raise ConfigError(
+            f"{cfg._source}: probe.layers: 'all' with probe.protocol 'dinov2', which chooses its own "
+            "blocks (the last 1 and 4): use the fast or mae protocol for a per-block table"
+        )
+    torch.manual_seed(cfg.seed)
+    encoder = build_encoder(cfg)
+    img = encoder.patch_embed.img_size[0]
+    d = cfg.data
+    spec = {
+        "train": d.train_shards or digits_shards(img)["train"],
+        "val": d.val_shards or digits_shards(img)["val"],
+    }
+    names = (read_sizes(expand_shards(spec["train"])) or {}).get("class_names") or []
+    num_classes = d.num_classes or len(names)
+    if not num_classes:
+        raise ConfigError(
+            f"{cfg._source}: data.num_classes: not set and the shards carry no class list"
+        )
+    return ProbeSetup(encoder, spec, num_classes)
