@@ -291,9 +291,11 @@ class TrainConfig(_Section):
     """Check every micro-step's loss (one host sync) and skip NaN/Inf steps."""
     preview_every: int = Field(1000, ge=0)
     """Pictures of the objective on fixed val images (mpp.train.preview); 0: none."""
-    monitor_every: int = Field(200, ge=0)
+    monitor_every: int = Field(1000, ge=0)
     """The monitor (mpp.train.monitor, the monitor section): every this many optimiser steps and
-    after the last, a k-NN top-1 of the encoder and the objective's held-out signal; 0: never."""
+    after the last, a k-NN top-1 of the encoder and the objective's held-out signal; 0: never.
+    At 1000 it costs ~1-1.5 % of a ViT-B/16 recipe's FLOPs with ImageNet's 50,000 held-out images
+    (BENCHMARKS.md, monitor); the demo configs, 690 steps long, set 200."""
     report_to: list[Literal["tensorboard", "wandb"]] = [
         "tensorboard"
     ]  # besides metrics.jsonl; wandb is optional
