@@ -274,6 +274,23 @@ def test_cli_lists_every_suite():
         assert name in r.stdout
 
 
+def test_monitor_suite_measures_a_monitor_call_and_counts_the_recipes():
+    from mpp.tools.benchmarks import monitor
+
+    r = monitor.run(quick=True)
+    (row,) = r["rows"]
+    assert 190 <= row["bank"] <= 200 and row["step_ms"] > 0 and row["monitor_ms"] > 0
+    assert row["overhead_pct_200"] == pytest.approx(
+        100 * row["monitor_ms"] / (200 * row["step_ms"])
+    )
+    (recipe,) = r["recipes"]
+    # mpp_b16: a bank of 20,000 + 50,000 held out, full-image forwards, against 4,096 x 1,000
+    # steps of 105.6 GFLOP per image: about 1 %
+    assert recipe["config"] == "mpp_b16" and 0.5 < recipe["overhead_pct_1000"] < 2
+    assert recipe["overhead_pct_200"] == pytest.approx(5 * recipe["overhead_pct_1000"])
+    assert "at every 1000 %" in monitor.render(r)
+
+
 def test_preview_suite_measures_the_overhead_of_a_preview():
     from mpp.tools.benchmarks import preview
 

@@ -18,6 +18,7 @@ SUITES = {
     "zero": "mpp.tools.benchmarks.zero",
     "gpu-step": "mpp.tools.benchmarks.gpu_step",
     "preview": "mpp.tools.benchmarks.preview",
+    "monitor": "mpp.tools.benchmarks.monitor",
 }
 
 

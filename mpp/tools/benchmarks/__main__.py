@@ -1,6 +1,6 @@
 """mpp bench SUITE [--quick] [--out FILE.json] [suite options]   (or python -m mpp.tools.benchmarks)
 
-Suites: cpu-step, attention, data, zero, preview, gpu-step (GPU only). Prints the suite's tables and
+Suites: cpu-step, attention, data, zero, preview, monitor, gpu-step (GPU only). Prints the suite's tables and
 writes its JSON (default runs/benchmarks/SUITE[-quick].json).
 """
 
