@@ -5,6 +5,7 @@ tests/test_few_labels.py."""
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 
 import numpy as np
@@ -127,3 +128,37 @@ def test_a_shard_cut_short_keeps_the_labels_before_the_cut(tmp_path):
     cut.write_bytes(data[: len(data) // 2])
     whole, part = shard_labels(path), shard_labels(str(cut))
     assert 0 < len(part) < len(whole) and part == whole[: len(part)]
+
+
+def test_a_small_subset_is_read_from_its_shards_once(tmp_path, monkeypatch):
+    """A few-label epoch is a step or two: the subset's samples are kept after the first clean
+    read (the same samples, in the same order, a resume's skip counted in the subset), so later
+    epochs open no shard; a shard rewritten since is read again."""
+    import mpp.data.order as order
+    from mpp.data.errors import SkipCounter
+
+    paths = shards(tmp_path)
+    subset, _ = choose(label_index(paths), per_class=4, seed=0)
+    epoch = order.EpochShards(
+        subset.shards, [len(k) for k in subset.keys], [0, 1, 2], False, subset.keys
+    )
+    opened = []
+    real = order.shard_samples
+    monkeypatch.setattr(
+        order, "shard_samples", lambda src, *a, **k: real(opened.extend(src) or src, *a, **k)
+    )
+
+    def read(start: int) -> list[str]:
+        return [s["__key__"] for s in itertools.islice(epoch.read_from(start, SkipCounter()), 20)]
+
+    first = read(0)
+    assert len(opened) == 3 and sorted(first) == sorted(k for ks in subset.keys for k in ks)
+    assert read(0) == first and read(5) == first[5:] + first[:5] and len(opened) == 3
+    write_shards(  # the first shard rewritten: its file is read again
+        [(np.zeros((16, 16, 3), np.uint8), 0)] * 31,
+        tmp_path,
+        "s0",
+        options=WriterOptions(max_count=31, progress=False, overwrite=True),
+    )
+    read(0)
+    assert len(opened) == 4
