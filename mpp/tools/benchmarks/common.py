@@ -185,3 +185,27 @@ def write_json(result: dict[str, Any], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     return path
+
+
+def demo_step(name: str, quick: bool) -> tuple[Any, Any, int, int, Callable[[], None]]:
+    """A shipped config's objective and one training step of it (forward, backward, Adam) on
+    random images at its micro-batch (8 with ``quick``): (cfg, objective, img size, batch, step).
+    What the preview and monitor suites time their calls against."""
+    from mpp.build import build_objective
+    from mpp.config import load_config
+    from mpp.train.optim import build_optimizer
+
+    cfg = load_config(name)
+    objective = build_objective(cfg)
+    size = objective.encoder.patch_embed.img_size[0]
+    batch = 8 if quick else cfg.micro_batch(1)[0]
+    images = torch.randn(batch, 3, size, size)
+    optimizer = build_optimizer(cfg, objective)
+
+    def step() -> None:
+        loss, _ = objective(images)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return cfg, objective, size, batch, step

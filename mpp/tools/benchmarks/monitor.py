@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mpp.tools.benchmarks.common import format_table, interleaved_times, median
+from mpp.tools.benchmarks.common import demo_step, format_table, interleaved_times, median
 
 CONFIGS = ("mpp_demo", "mae_demo", "hpm_demo")
 RECIPES = ("mpp_b16", "mae_b16", "hpm_b16")
@@ -33,19 +33,11 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 def measure(name: str, quick: bool) -> dict[str, Any]:
     """One demo config's step and monitor call, interleaved; medians."""
-    from mpp.build import build_objective
-    from mpp.config import load_config
     from mpp.data import digits_shards
     from mpp.data.transforms import PixelFormat
     from mpp.train.monitor import Images, Monitor, load_images
-    from mpp.train.optim import build_optimizer
 
-    cfg = load_config(name)
-    objective = build_objective(cfg)
-    size = objective.encoder.patch_embed.img_size[0]
-    batch = 8 if quick else cfg.micro_batch(1)[0]
-    images = torch.randn(batch, 3, size, size)
-    optimizer = build_optimizer(cfg, objective)
+    cfg, objective, size, batch, step = demo_step(name, quick)
     settings = {"rank": 0, "world_size": 1, "num_workers": 0, "with_keys": True}
     settings.update(allow_pipe=False, pixels=PixelFormat(3))
     val = load_images(digits_shards(size)["val"], size, settings)
@@ -59,12 +51,6 @@ def measure(name: str, quick: bool) -> dict[str, Any]:
         val = Images(val.images[:40], val.labels[:40], val.keys[:40])
     mean, std = cfg.data.mean, cfg.data.std
     monitor = Monitor(1, bank, val, cfg.monitor, mean, std, torch.device("cpu"))
-
-    def step() -> None:
-        loss, _ = objective(images)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
     times = interleaved_times(
         {"step": step, "monitor": lambda: monitor(objective, 1)}, 2 if quick else 5

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mpp.tools.benchmarks.common import format_table, interleaved_times, median
+from mpp.tools.benchmarks.common import demo_step, format_table, interleaved_times, median
 
 CONFIGS = ("mpp_demo", "mae_demo", "hpm_demo")
 EVERY = 1000
@@ -25,17 +25,9 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 def measure(name: str, quick: bool) -> dict[str, Any]:
     """One config's step and preview, interleaved; medians."""
-    from mpp.build import build_objective
-    from mpp.config import load_config
-    from mpp.train.optim import build_optimizer
     from mpp.train.preview import NUM_IMAGES, Preview
 
-    cfg = load_config(name)
-    objective = build_objective(cfg)
-    size = objective.encoder.patch_embed.img_size[0]
-    batch = 8 if quick else cfg.micro_batch(1)[0]
-    images = torch.randn(batch, 3, size, size)
-    optimizer = build_optimizer(cfg, objective)
+    cfg, objective, size, batch, step = demo_step(name, quick)
     preview = Preview(
         1,
         torch.randint(0, 256, (NUM_IMAGES, 3, size, size), dtype=torch.uint8),
@@ -44,12 +36,6 @@ def measure(name: str, quick: bool) -> dict[str, Any]:
         torch.device("cpu"),
         rank=0,
     )
-
-    def step() -> None:
-        loss, _ = objective(images)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
     times = interleaved_times(
         {"step": step, "preview": lambda: preview(objective, 1, [])}, 2 if quick else 5
