@@ -3,7 +3,13 @@ import sys
 import pytest
 import torch
 
-from mpp.models.attention import ATTN_BACKENDS, Attention, attention, resolve_backend
+from mpp.models.attention import (
+    ATTN_BACKENDS,
+    Attention,
+    attention,
+    resolve_backend,
+    xformers_refusal,
+)
 
 
 def _qkv(B, N, H, hd, seed=0):
@@ -72,7 +78,12 @@ def test_unknown_backend_names_the_allowed_ones():
 def test_xformers_matches_sdpa_on_cuda_forward_and_backward(
     dtype, N
 ):  # runs on a GPU machine, not in CI
-    """On the model's own strided views (``qkv.reshape(B, N, 3, H, hd).unbind(2)``), both passes."""
+    """On the model's own strided views (``qkv.reshape(B, N, 3, H, hd).unbind(2)``), both passes.
+    An install whose xformers has no kernel (a wheel built for another torch: `mpp doctor` warns)
+    skips, saying why."""
+    refused = xformers_refusal(dtype, 64, torch.device("cuda"))
+    if refused:
+        pytest.skip(f"xformers {refused}")
     qkv = torch.randn(2, N, 3 * 12 * 64, device="cuda", dtype=dtype)
     grads = []
     for backend in ("xformers", "sdpa"):
@@ -112,3 +123,8 @@ def test_auto_falls_back_to_sdpa_where_xformers_has_no_kernel(monkeypatch, caplo
             )
     assert len(calls) == 2  # the refused shape is not tried again
     assert "xformers has no kernel" in caplog.text
+
+
+def test_xformers_refusal_says_why_it_cannot_run_here():
+    """What the gpu-step suite and the CUDA parity test ask before they time or compare xformers."""
+    assert xformers_refusal(torch.float32, 64, torch.device("cpu")) == "no CPU kernels (device cpu)"

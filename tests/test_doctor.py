@@ -161,14 +161,17 @@ def test_engine_verdicts_against_the_plan():
     assert row.verdict == PASS and row.values["mfu"] == pytest.approx(300e12 / 989e12)
     assert mfu_row(run, 100e9, ({"mfu_ceiling": 0.6}, ""), h100).verdict == WARN
     assert "plan unavailable" in mfu_row(run, 300e9, (None, "plan unavailable: x"), h100).reason
-    assert (
-        sync_row({"host_syncs": {"with_finite_check": 1, "without_finite_check": 0}}).verdict
-        == PASS
-    )
-    assert (
-        sync_row({"host_syncs": {"with_finite_check": 3, "without_finite_check": 2}}).verdict
-        == WARN
-    )
+    # the figures an H200 gave (DeepSpeed 0.19.8, ZeRO-1 bf16): DeepSpeed's own syncs named, not judged
+    ds = {
+        "deepspeed/runtime/utils.py:233": 2,
+        "deepspeed/runtime/zero/stage_1_and_2.py:3248": 1,
+    }
+    fine = {"with_finite_check": 4, "without_finite_check": 3, "own": 1}
+    row = sync_row({"host_syncs": {**fine, "sites": {**ds, "mpp/train/nonfinite.py:40": 1}}})
+    assert row.verdict == PASS and "(1 of them mpp's)" in row.reason
+    assert "deepspeed/runtime/utils.py:233 x2" in row.reason and "mpp/train" not in row.reason
+    two = {**fine, "own": 2, "sites": {"mpp/train/step.py:9": 1, "mpp/train/nonfinite.py:40": 1}}
+    assert sync_row({"host_syncs": two}).verdict == WARN
     spec, why = plan_for(__file__, "Tesla V100-SXM2-32GB", None)
     assert spec is None and why.startswith("plan unavailable")
 
@@ -183,5 +186,5 @@ def test_doctor_on_a_gpu_runs_every_row(doctor_here):
         assert rows[check]["verdict"] in (PASS, WARN), rows[
             check
         ]  # WARN: no kernel for this input here
-    assert rows["host syncs per step"]["values"]["without_finite_check"] == 0
+    assert rows["host syncs per step"]["values"]["own"] <= 1
     assert rows["deepspeed launcher run"]["verdict"] in (PASS, WARN)

@@ -75,6 +75,23 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     return resolved
 
 
+def xformers_refusal(dtype: torch.dtype, head_dim: int, device: torch.device) -> str:
+    """Why xformers cannot run attention on ``device`` for ``dtype`` and ``head_dim`` (one tiny
+    forward, as its dispatcher decides: a wheel built for another torch imports yet has no
+    kernel), or "" where it can."""
+    if device.type != "cuda":
+        return f"no CPU kernels (device {device.type})"
+    ops, why = _xformers_ops()
+    if ops is None:
+        return f"cannot be imported ({why})"
+    q = torch.zeros(1, 8, 1, head_dim, dtype=dtype, device=device)
+    try:
+        ops.memory_efficient_attention(q, q, q)
+    except NotImplementedError as e:
+        return f"no kernel for ({dtype}, head_dim {head_dim}): {str(e)[:300]}"
+    return ""
+
+
 _XFORMERS_REFUSED: set[tuple] = set()  # (dtype, head_dim, device) xformers found no kernel for
 
 

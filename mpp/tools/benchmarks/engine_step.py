@@ -13,8 +13,13 @@ What "as a run takes it" means here, and what the old autocast benchmark got wro
 from __future__ import annotations
 
 import json
+import re
+import sys
+import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -101,9 +106,10 @@ class EngineStep:
             torch.cuda.empty_cache()
 
 
-def host_syncs(step: Callable[[], None]) -> int:
+def host_syncs(step: Callable[[], None]) -> tuple[int, dict[str, int]]:
     """How many times one step makes the host wait for the GPU (CUDA's sync debug mode counts
-    each blocking call: .item(), a device-to-host copy, nonzero(), ...)."""
+    each blocking call: .item(), a device-to-host copy, nonzero(), ...), and where: the Python
+    line that made each one (``file:line``, the frame the warning names), most frequent first."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -111,24 +117,81 @@ def host_syncs(step: Callable[[], None]) -> int:
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    sites = Counter(
+        f"{_short_path(w.filename)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+    )
+    return sum(sites.values()), dict(sites.most_common())
 
 
-def sync_counts(runner: EngineStep) -> dict[str, int]:
+def _short_path(filename: str) -> str:
+    """A frame's file as its import path spells it (``deepspeed/runtime/utils.py``,
+    ``mpp/train/step.py``): the longest ``sys.path`` entry above it cut off."""
+    path = Path(filename).resolve()
+    roots = [Path(p or ".").resolve() for p in sys.path]
+    under = [r for r in roots if path.is_relative_to(r)]
+    return str(path.relative_to(max(under, key=lambda r: len(r.parts)))) if under else filename
+
+
+def sync_counts(runner: EngineStep) -> dict[str, Any]:
     """Host syncs of one step with and without the finite-loss check (what ``train.skip_nonfinite``
-    costs: issue 22 item 16). CUDA only."""
-    counts = {}
+    costs: issue 22 item 16); where the step as configured makes them, and how many of those are
+    mpp's own (the rest are DeepSpeed's or torch's). CUDA only."""
+    counts: dict[str, Any] = {}
     check = runner.check_finite
-    for on in (True, False):
+    for on in (False, True):
         runner.check_finite = on
         runner.step()  # not the first call: lazy allocations sync once and are no per-step cost
-        counts["with_finite_check" if on else "without_finite_check"] = host_syncs(runner.step)
+        n, sites = host_syncs(runner.step)
+        counts["with_finite_check" if on else "without_finite_check"] = n
+        if on == check:
+            counts["sites"] = sites
+            counts["own"] = sum(k for site, k in sites.items() if site.startswith("mpp/"))
     runner.check_finite = check
     return counts
 
 
+# a CUDA kernel's kind, by its name, first match (cuBLAS's Hopper GEMMs are nvjet/sm90 xmma; SDPA's flash and
+# efficient kernels; torch's fused AdamW is multi_tensor/foreach); anything else is elementwise work
+KERNEL_KINDS = (
+    ("attention", re.compile(r"flash|fmha|attention", re.I)),
+    ("matmul", re.compile(r"gemm|nvjet|xmma|wgmma|cutlass|cublas", re.I)),
+    ("optimizer", re.compile(r"multi_tensor|foreach|adam", re.I)),
+    ("communication", re.compile(r"nccl", re.I)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "elementwise")
+
+
+def kernel_shares(runner: EngineStep, steps: int = 3) -> dict[str, float]:
+    """Where ``steps`` steps spend the GPU's time, from torch.profiler's kernel records: each kind's
+    share of the wall time, and ``idle`` (the GPU running no kernel: the host is the limit)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner.step()
+    torch.cuda.synchronize(runner.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            runner.step()
+        torch.cuda.synchronize(runner.device)
+        wall_us = (time.perf_counter() - start) * 1e6
+    busy: Counter = Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            busy[kernel_kind(e.name)] += e.device_time_total
+    shares = {kind: round(us / wall_us, 3) for kind, us in busy.most_common()}
+    shares["idle"] = round(max(0.0, 1 - sum(busy.values()) / wall_us), 3)
+    return shares
+
+
 def measure(
-    runner: EngineStep, rounds: int, warmup: int, matmul: tuple | None = None
+    runner: EngineStep,
+    rounds: int,
+    warmup: int,
+    matmul: tuple | None = None,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """Median step time (interleaved with ``matmul``, a ``common.matmul_roofline``, when given),
     img/s, model FLOP/s, and on CUDA the peak memory of the steps and the host syncs per step."""
@@ -157,4 +220,6 @@ def measure(
             "with_finite_check" if runner.check_finite else "without_finite_check"
         ]
         row["host_syncs"] = syncs
+        if profile:
+            row["gpu_time"] = kernel_shares(runner)
     return row

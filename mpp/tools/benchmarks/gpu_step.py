@@ -18,12 +18,14 @@ from typing import Any
 
 import torch
 
-from mpp.models.attention import _xformers_ops
+from mpp.models.attention import xformers_refusal
 from mpp.tools.benchmarks.common import Unavailable, format_table, matmul_roofline
 from mpp.tools.benchmarks.engine_step import EngineStep, measure, spec_peak, step_config
 
 GOALS = {"mpp_mfu_min": 0.40, "mae_mfu_min": 0.30, "hpm_vs_mae_time_max": 2.0}
 OBJECTIVES = ("mpp", "mae", "hpm")
+# every setting's head width: ViT-B 768 / 12 heads, ViT-Ti 192 / 3
+HEAD_DIM = 64
 SETTINGS = {
     "full": dict(
         model="vit_base_patch16_224", overrides={}, batch=128, decoder={}, rounds=10, warmup=3
@@ -55,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--batch", type=int, help="images per step (default: the setting's)")
     p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also split each row's GPU time by kernel kind (torch.profiler): matmul, attention, "
+        "elementwise, optimizer, and idle",
+    )
+    p.add_argument(
         "--device",
         choices=["cuda", "cpu"],
         default="cuda",
@@ -63,7 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(
-    quick: bool = False, compile: bool = False, batch: int | None = None, device: str = "cuda"
+    quick: bool = False,
+    compile: bool = False,
+    batch: int | None = None,
+    device: str = "cuda",
+    profile: bool = False,
 ) -> dict[str, Any]:
     from mpp.parallel.distributed import init_distributed
 
@@ -84,13 +96,15 @@ def run(
         source = (
             f"measured: this CPU's bf16 {MATMUL_N['cpu']}^3 matmul (a code check, not a figure)"
         )
-    backends = ["sdpa"] + (["xformers"] if cuda and _xformers_ops()[0] is not None else [])
+    # an importable xformers may still have no kernel (a wheel built for another torch)
+    refused = xformers_refusal(torch.bfloat16, HEAD_DIM, dev) if cuda else "no CUDA"
+    backends = ["sdpa"] + ([] if refused else ["xformers"])
     matmul = matmul_roofline(MATMUL_N[device], dev, torch.bfloat16)
     rows = []
     for name in OBJECTIVES:
         for backend in backends:
             for compiled in [False, True] if compile else [False]:
-                rows.append(measure_row(name, backend, compiled, s, dev, matmul, peak))
+                rows.append(measure_row(name, backend, compiled, s, dev, matmul, peak, profile))
     setting = {
         **s,
         "device": device,
@@ -99,6 +113,7 @@ def run(
         "peak_flops": peak,
         "peak_source": source,
         "tf32": torch.backends.cuda.matmul.allow_tf32,
+        "xformers": refused or "ran",
     }
     return {"setting": setting, "rows": rows, "goals": goals(rows)}
 
@@ -111,6 +126,7 @@ def measure_row(
     dev: torch.device,
     matmul: tuple,
     peak: float | None,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """One objective x attention x compile: built, timed through DeepSpeed's engine, released."""
     cuda = dev.type == "cuda"
@@ -119,7 +135,7 @@ def measure_row(
     # bf16 on the CPU as well: the check runs DeepSpeed's bf16 path that the GPU runs
     runner = EngineStep(step_config(name, s, backend, precision="bf16"), dev, compile=compiled)
     try:
-        row = measure(runner, s["rounds"], s["warmup"], matmul)
+        row = measure(runner, s["rounds"], s["warmup"], matmul, profile)
     finally:
         runner.close()
     if cuda:
@@ -189,4 +205,21 @@ def render(result: dict[str, Any]) -> str:
                 ("host_syncs_per_step", "host syncs/step", ""),
             ],
         )
+        + profile_table(result["rows"])
+    )
+
+
+def profile_table(rows: list[dict[str, Any]]) -> str:
+    """``--profile``: each row's GPU time by kernel kind, as shares of the step's wall time."""
+    rows = [r for r in rows if r.get("gpu_time")]
+    if not rows:
+        return ""
+    kinds = ["matmul", "attention", "elementwise", "optimizer", "communication", "idle"]
+    table = [
+        {"row": f"{r['objective']} {r['attention']}{' compiled' if r['compiled'] else ''}"}
+        | {k: r["gpu_time"].get(k, 0.0) for k in kinds}
+        for r in rows
+    ]
+    return "\n\nshare of the step's wall time (torch.profiler kernels)\n" + format_table(
+        table, [("row", "row", "")] + [(k, k, ".3f") for k in kinds]
     )
