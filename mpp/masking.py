@@ -126,11 +126,12 @@ class BlockMask(MaskGenerator):
         self,
         grid_size: tuple[int, int],
         mask_ratio: float,
-        min_num_patches: int = 16,
-        max_num_patches: int | None = None,
-        min_aspect: float = 0.3,
-        max_aspect: float | None = None,
-        max_tries: int = 10,
+        *,
+        min_num_patches: int,
+        max_num_patches: int | None,
+        min_aspect: float,
+        max_aspect: float | None,
+        max_tries: int,
     ) -> None:
         super().__init__(grid_size, mask_ratio)
         max_aspect = 1.0 / min_aspect if max_aspect is None and min_aspect > 0 else max_aspect
@@ -220,7 +221,7 @@ class GridMask(MaskGenerator):
     OFFSETS = ("fixed", "image", "cell")
 
     def __init__(
-        self, grid_size: tuple[int, int], mask_ratio: float = 0.75, offset: str = "fixed"
+        self, grid_size: tuple[int, int], mask_ratio: float = 0.75, *, offset: str
     ) -> None:
         super().__init__(grid_size, mask_ratio)
         H, W = self.grid_size
@@ -266,7 +267,7 @@ class CenterMask(MaskGenerator):
     (the block is cut at the image border and grows inward, keeping the count).
     """
 
-    def __init__(self, grid_size: tuple[int, int], mask_ratio: float, jitter: float = 0.0) -> None:
+    def __init__(self, grid_size: tuple[int, int], mask_ratio: float, *, jitter: float) -> None:
         super().__init__(grid_size, mask_ratio)
         if jitter < 0:
             raise ValueError(f"center masking: jitter must be >= 0 patches, got {jitter}")
@@ -298,7 +299,7 @@ class UnitMask(MaskGenerator):
     """
 
     def __init__(
-        self, grid_size: tuple[int, int], mask_ratio: float, unit_size: int | tuple[int, int] = 2
+        self, grid_size: tuple[int, int], mask_ratio: float, *, unit_size: int | tuple[int, int]
     ) -> None:
         super().__init__(grid_size, mask_ratio)
         (H, W), (uh, uw) = self.grid_size, to_2tuple(unit_size, "unit_size")
@@ -328,8 +329,8 @@ class UnitMask(MaskGenerator):
 
 
 class _Strategy(BaseModel):
-    """A strategy's own parameters (its constructor's, same defaults; tests/test_masking.py
-    holds them equal); the ratio comes from the objective and the grid from the encoder."""
+    """A strategy's own parameters and the only place of their defaults (its generator takes them
+    as required keywords); the ratio comes from the objective and the grid from the encoder."""
 
     model_config = ConfigDict(
         extra="forbid", validate_assignment=True, use_attribute_docstrings=True

@@ -25,8 +25,8 @@ def _one_thread():
 
 def tiny_mae(**kwargs) -> MaskedAutoencoder:
     torch.manual_seed(0)
-    return MaskedAutoencoder(
-        create_vit("vit_tiny_patch4_32", depth=2, pos_embed="sincos"), **{**SMALL, **kwargs}
+    return create_objective(
+        "mae", create_vit("vit_tiny_patch4_32", depth=2, pos_embed="sincos"), **{**SMALL, **kwargs}
     )
 
 

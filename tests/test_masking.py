@@ -12,10 +12,7 @@ from mpp.masking import (
     MASK_GENERATORS,
     MASKING_CONFIGS,
     BlockMask,
-    CenterMask,
-    GridMask,
     RandomMask,
-    UnitMask,
     build_mask_generator,
     mask_indices,
     num_masked,
@@ -148,7 +145,7 @@ def test_generated_on_cuda(strategy):
 
 @pytest.mark.parametrize("grid", GRIDS)
 def test_block_aspect_ratios_and_block_geometry(grid):
-    gen = BlockMask(grid, 0.5)
+    gen = build_mask_generator("block", grid, 0.5)
     mask, blocks = gen(256, generator=torch.Generator().manual_seed(0), return_blocks=True)
     assert len(blocks.sample) > 256, "expected several accepted blocks per sample"
     assert (blocks.aspect >= 0.3 - 1e-6).all() and (blocks.aspect <= 1 / 0.3 + 1e-6).all()
@@ -170,7 +167,7 @@ def test_block_aspect_ratios_and_block_geometry(grid):
 
 def test_block_proposals_nearly_fill_the_budget_on_14x14():
     """BEiT's proposal alone reaches ~99 % of the target (74.5 of 75); the random top-up is small."""
-    gen = BlockMask((14, 14), 0.4)
+    gen = build_mask_generator("block", (14, 14), 0.4)
     proposal, _ = gen.propose(512, generator=torch.Generator().manual_seed(0))
     counts = proposal.flatten(1).sum(1)
     assert (counts <= gen.num_masked).all()
@@ -182,14 +179,14 @@ def test_block_proposals_nearly_fill_the_budget_on_14x14():
 def test_block_masks_are_clustered(grid, ratio, margin):
     # measured (seed 0, 256 masks): 14x14 3.36 vs 1.48 at 0.4, 3.59 vs 2.79 at 0.75; 8x8 3.33 vs 2.60 at 0.75
     g = torch.Generator().manual_seed(0)
-    block = neighbours_masked(BlockMask(grid, ratio)(256, generator=g), grid)
+    block = neighbours_masked(build_mask_generator("block", grid, ratio)(256, generator=g), grid)
     rand = neighbours_masked(RandomMask(grid, ratio)(256, generator=g), grid)
     assert block > rand + margin, (block, rand)
 
 
 def test_block_on_a_tiny_grid_still_exact():
     """On 4x4, BEiT's areas >= 8 rarely fit strictly inside: its proposal mostly masks nothing."""
-    gen = BlockMask((4, 4), 0.5)
+    gen = build_mask_generator("block", (4, 4), 0.5)
     g = torch.Generator().manual_seed(0)
     proposal, _ = gen.propose(64, generator=g)
     assert (proposal.flatten(1).sum(1) == 0).float().mean() > 0.5
@@ -204,14 +201,16 @@ def test_grid_fixed_is_maes_2x2_pattern(grid):
     H, W = grid
     i, j = torch.meshgrid(torch.arange(H), torch.arange(W), indexing="ij")
     expected = ~((i % 2 == 0) & (j % 2 == 0))  # keep the top-left patch of every 2x2 cell
-    masks = GridMask(grid, 0.75)(8, generator=torch.Generator().manual_seed(0))
+    masks = build_mask_generator("grid", grid, 0.75)(8, generator=torch.Generator().manual_seed(0))
     assert torch.equal(masks, expected.flatten().expand(8, -1))
 
 
 def test_grid_random_offsets_keep_one_per_cell():
     H, W = 8, 12
     g = torch.Generator().manual_seed(0)
-    cells = GridMask((H, W), offset="cell")(B, generator=g).view(B, H // 2, 2, W // 2, 2)
+    cells = build_mask_generator("grid", (H, W), 0.75, offset="cell")(B, generator=g).view(
+        B, H // 2, 2, W // 2, 2
+    )
     kept = (~cells).sum((2, 4))
     assert (kept == 1).all()
     kept_pos = (~cells).permute(0, 1, 3, 2, 4).reshape(B, -1, 4).float().argmax(-1)
@@ -219,7 +218,7 @@ def test_grid_random_offsets_keep_one_per_cell():
 
     i, j = torch.meshgrid(torch.arange(H), torch.arange(W), indexing="ij")
     shifted = [~((i % 2 == dy) & (j % 2 == dx)).flatten() for dy in (0, 1) for dx in (0, 1)]
-    for m in GridMask((H, W), offset="image")(B, generator=g):
+    for m in build_mask_generator("grid", (H, W), 0.75, offset="image")(B, generator=g):
         assert any(torch.equal(m, s) for s in shifted)
 
 
@@ -227,11 +226,13 @@ def test_grid_random_offsets_keep_one_per_cell():
 
 
 def test_center_is_the_central_square():
-    mask = CenterMask((8, 8), 36 / 64)(3).view(3, 8, 8)
+    mask = build_mask_generator("center", (8, 8), 36 / 64)(3).view(3, 8, 8)
     expected = torch.zeros(8, 8, dtype=torch.bool)
     expected[1:7, 1:7] = True
     assert torch.equal(mask, expected.expand(3, -1, -1))
-    mask = CenterMask((8, 12), 0.25)(1).view(8, 12)  # 24 = 4x6: the grid's aspect
+    mask = build_mask_generator("center", (8, 12), 0.25)(1).view(
+        8, 12
+    )  # 24 = 4x6: the grid's aspect
     expected = torch.zeros(8, 12, dtype=torch.bool)
     expected[2:6, 3:9] = True
     assert torch.equal(mask, expected)
@@ -242,7 +243,9 @@ def test_center_is_the_central_square():
 def test_center_masks_the_central_patches(grid, jitter, margin):
     # measured at ratio 0.5: ~0.70 of random's mean distance un-jittered, <= 0.80 with jitter 2
     g = torch.Generator().manual_seed(0)
-    centre = distance_from_centre(CenterMask(grid, 0.5, jitter)(256, generator=g), grid)
+    centre = distance_from_centre(
+        build_mask_generator("center", grid, 0.5, jitter=jitter)(256, generator=g), grid
+    )
     rand = distance_from_centre(RandomMask(grid, 0.5)(256, generator=g), grid)
     assert centre < margin * rand, (centre, rand)
     if jitter == 0:
@@ -252,7 +255,7 @@ def test_center_masks_the_central_patches(grid, jitter, margin):
             torch.arange(H) - (H - 1) / 2, torch.arange(W) - (W - 1) / 2, indexing="ij"
         )
         cheb = torch.maximum(y.abs() / H, x.abs() / W).flatten()
-        mask = CenterMask(grid, 0.5)(1)[0]
+        mask = build_mask_generator("center", grid, 0.5)(1)[0]
         assert cheb[mask].max() <= cheb[~mask].min()
 
 
@@ -265,7 +268,7 @@ def test_center_masks_the_central_patches(grid, jitter, margin):
 )
 def test_units_are_whole_units(grid, unit, ratio):
     (H, W), n = grid, 64
-    gen = UnitMask(grid, ratio, unit_size=unit)
+    gen = build_mask_generator("units", grid, ratio, unit_size=unit)
     masks = gen(n, generator=torch.Generator().manual_seed(0))
     units = (
         masks.view(n, H // unit, unit, W // unit, unit)
@@ -367,7 +370,7 @@ def test_grid_rejects_odd_grids_and_bad_sizes():
     with pytest.raises(
         ValueError, match=r"odd 7x7 grid masks 33 patches, not round\(0.75\*49\) = 37"
     ):
-        GridMask((7, 7))
+        build_mask_generator("grid", (7, 7), 0.75)
     with pytest.raises(ValueError, match="grid_size must be a positive int"):
         RandomMask((0, 14), 0.5)
 
@@ -402,7 +405,9 @@ def test_float_ratios_meet_registry_defaults():
     for name in ("random", "block", "grid", "center"):
         assert build_mask_generator(name, (14, 14), 0.75).num_masked == 147
     assert HardPatchMask((14, 14), 0.75).num_masked == 147
-    assert math.isclose(UnitMask((14, 14), 0.75, unit_size=7).num_masked / 196, 0.75)
+    assert math.isclose(
+        build_mask_generator("units", (14, 14), 0.75, unit_size=7).num_masked / 196, 0.75
+    )
 
 
 @pytest.mark.parametrize("objective", ["mae", "mpp"])
@@ -421,14 +426,13 @@ def test_a_config_cannot_choose_hpms_own_mask(objective):
 
 
 @pytest.mark.parametrize("strategy", sorted(MASK_GENERATORS))
-def test_each_sections_defaults_are_its_generators(strategy):
-    """Two places hold the defaults (the typed section, the generator's constructor): they
-    must not drift."""
+def test_each_default_lives_in_the_typed_section_alone(strategy):
+    """The generators take their strategy's parameters as required keywords (no default that
+    could drift from the section's), exactly the section's keys."""
     params = inspect.signature(MASK_GENERATORS[strategy]).parameters
-    section = MASKING_CONFIGS[strategy]()
-    for key, value in section.model_dump(exclude={"strategy"}).items():
-        assert value == params[key].default, (strategy, key)
-    assert set(section.model_dump()) - {"strategy"} == set(params) - {"grid_size", "mask_ratio"}
+    own = {k: p for k, p in params.items() if k not in ("grid_size", "mask_ratio")}
+    assert all(p.kind is p.KEYWORD_ONLY and p.default is p.empty for p in own.values()), own
+    assert set(MASKING_CONFIGS[strategy]().model_dump()) - {"strategy"} == set(own)
 
 
 @pytest.mark.parametrize(

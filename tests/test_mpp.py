@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from mpp.models import create_vit
+from mpp.objectives import create_objective
 from mpp.objectives.mpp import (
-    MaskedPatchPrediction,
     color_classes,
     mean_color_targets,
 )
@@ -44,7 +44,7 @@ def test_mean_color_targets_match_hand_computation():
     expected = torch.tensor([[7 * 64 + 0 + 4, 4 * 64 + 1 * 8 + 0, 0, 7 * 64 + 6 * 8 + 7]])
     raw = img.float() / 255
     torch.testing.assert_close(mean_color_targets(raw, patch_size=2), expected)
-    obj = MaskedPatchPrediction(tiny_encoder(img=4, patch=2))
+    obj = create_objective("mpp", tiny_encoder(img=4, patch=2))
     torch.testing.assert_close(obj.targets(normalise(raw)), expected)  # maps normalised inputs back
 
 
@@ -62,8 +62,8 @@ def test_normalised_and_raw_inputs_give_the_same_targets():
     u8[:, :, :16, :16] = torch.tensor([64, 191]).repeat(8)  # patch means on a bin edge (0.5)
     raw = u8.float() / 255
     enc = tiny_encoder(img=32, patch=8)
-    norm_obj = MaskedPatchPrediction(enc)
-    raw_obj = MaskedPatchPrediction(enc, mean=(0, 0, 0), std=(1, 1, 1))
+    norm_obj = create_objective("mpp", enc)
+    raw_obj = create_objective("mpp", enc, mean=(0, 0, 0), std=(1, 1, 1))
     for target in ("mean_color", "downsampled", "pixel"):
         norm_obj.target = raw_obj.target = target
         torch.testing.assert_close(norm_obj.targets(normalise(raw)), raw_obj.targets(raw))
@@ -76,7 +76,7 @@ def test_normalised_and_raw_inputs_give_the_same_targets():
 
 def test_corruption_statistics_exact_count_and_80_10_10():
     torch.manual_seed(0)
-    obj = MaskedPatchPrediction(tiny_encoder(img=32, patch=4))  # N = 64
+    obj = create_objective("mpp", tiny_encoder(img=32, patch=4))  # N = 64
     N, B = 64, 512
     kinds = []
     for _ in range(4):
@@ -97,7 +97,7 @@ def test_corruption_statistics_exact_count_and_80_10_10():
 
 def test_each_corruption_kind_does_what_it_says():
     torch.manual_seed(1)
-    obj = MaskedPatchPrediction(tiny_encoder(img=32, patch=4))
+    obj = create_objective("mpp", tiny_encoder(img=32, patch=4))
     tokens = torch.randn(8, 64, 32)
     mask = obj.mask_generator(8)
     out, kind = obj.corrupt(tokens, mask)
@@ -111,7 +111,7 @@ def test_each_corruption_kind_does_what_it_says():
 
 def test_gradients_reach_the_mask_embedding_and_loss_only_on_corrupted():
     torch.manual_seed(0)
-    obj = MaskedPatchPrediction(tiny_encoder())
+    obj = create_objective("mpp", tiny_encoder())
     loss, metrics = obj(torch.randn(4, 3, 16, 16))
     loss.backward()
     assert obj.mask_token.grad is not None and obj.mask_token.grad.abs().sum() > 0
@@ -131,7 +131,7 @@ def test_tiny_model_overfits_a_fixed_batch(target):
     blocks = torch.randint(0, 256, (4, 3, 4, 4), generator=g).float() / 255
     raw = blocks.repeat_interleave(4, dim=2).repeat_interleave(4, dim=3)  # (4, 3, 16, 16)
     images = normalise(raw)
-    obj = MaskedPatchPrediction(tiny_encoder(depth=2), target=target)
+    obj = create_objective("mpp", tiny_encoder(depth=2), target=target)
     opt = torch.optim.Adam(obj.parameters(), lr=2e-3)
     losses = []
     for _ in range(200):
@@ -147,12 +147,13 @@ def test_tiny_model_overfits_a_fixed_batch(target):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(target="hog"), "unknown MPP target 'hog'.*allowed"),
-        (dict(mask_ratio=1.5), "mask_ratio must be in"),
-        (dict(mask_token_prob=0.7), "must sum to 1"),
-        (dict(keep_prob=-0.1, mask_token_prob=1.0), "keep_prob must be in"),
+        (dict(target="hog"), "target='hog': Input should be 'mean_color', 'downsampled' or"),
+        (dict(mask_ratio=1.5), "mask_ratio=1.5: Input should be less than or equal to 1"),
+        (dict(mask_token_prob=0.7), "'mpp': mask_token_prob \\+ random_token_prob .* sum to 1"),
+        (dict(keep_prob=-0.1, mask_token_prob=1.0), "keep_prob=-0.1: Input should be greater"),
+        (dict(bits=9), "bits=9: Input should be less than or equal to 8"),
     ],
 )
 def test_bad_config_raises_valueerror(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        MaskedPatchPrediction(tiny_encoder(), **kwargs)
+        create_objective("mpp", tiny_encoder(), **kwargs)

@@ -1,5 +1,5 @@
 """The typed objective section (mpp/objectives/configs.py): one model per objective keyed on
-``name``, defaults equal to the constructors', HPM's base nested (its flat form read too), errors
+``name``, the only place its defaults live, HPM's base nested (its flat form read too), errors
 naming the key and the file, and a saved config that loads back to the same objective."""
 
 import inspect
@@ -16,20 +16,17 @@ from mpp.objectives.hpm import HPM_BASES
 
 
 @pytest.mark.parametrize("name", ["mpp", "mae", "hpm"])
-def test_each_sections_defaults_are_its_constructors(name):
-    """Two places hold the defaults (the typed section for configs, the constructor for the
-    library): they must not drift."""
-    params = inspect.signature(OBJECTIVES[name]).parameters
-    section = OBJECTIVE_CONFIGS[name]()
-    for key, value in section.kwargs().items():
-        if key == "base":
-            continue
-        default = (
-            params[key].default
-            if key in params
-            else inspect.signature(HPM_BASES["mae"]).parameters[key].default
-        )
-        assert value == default, (name, key)
+def test_each_default_lives_in_the_typed_section_alone(name):
+    """The constructors take every key of their section as a required keyword (no default that
+    could drift from the section's), and the section's arguments are exactly what they take."""
+    section = OBJECTIVE_CONFIGS[name]().kwargs()
+    params = dict(inspect.signature(OBJECTIVES[name]).parameters)
+    if name == "hpm":
+        # its base's keys are the base's constructor's (MAE by default)
+        params |= inspect.signature(HPM_BASES["mae"]).parameters
+    taken = {k: p for k, p in params.items() if p.kind is p.KEYWORD_ONLY}
+    assert [k for k, p in taken.items() if p.default is not p.empty] == []
+    assert set(section) - {"base"} == set(taken) - {"mean", "std"}
 
 
 def test_hpm_flat_and_nested_forms_are_one_config():
@@ -73,6 +70,16 @@ def test_hpm_flat_and_nested_forms_are_one_config():
             "objective.schedule: Input should be 'easy_to_hard'",
         ),
         ({"name": "beit"}, "objective.name: Input should be 'mpp', 'mae' or 'hpm' (got 'beit')"),
+        # checks of several keys, at load time too (they were the constructors')
+        (
+            {"name": "mpp", "mask_token_prob": 0.7},
+            "objective: mask_token_prob + random_token_prob + keep_prob must sum to 1",
+        ),
+        (
+            {"name": "mae", "decoder_dim": 64, "decoder_heads": 5},
+            "objective: decoder_dim 64 must be divisible by 4 (sin-cos positions) and by "
+            "decoder_heads 5",
+        ),
     ],
 )
 def test_a_bad_objective_key_is_named_with_the_file(tmp_path, digits16, objective, message):

@@ -11,17 +11,13 @@ import json
 import logging
 import sys
 
-from mpp.checkpoint.storage import CheckpointError, DiskFullError
 from mpp.cli import config_from_args, open_run_dir, run_parser
+from mpp.commands.job import finish
 from mpp.config import ConfigError, FinetuneConfig
-from mpp.data import DataError
 from mpp.parallel.distributed import device_type, from_rank0, init_distributed, world_from_env
 from mpp.submit import submit
-from mpp.train.nonfinite import NonFiniteLossError
 from mpp.train.plan import check_resume, plan_run
-from mpp.train.preemption import PREEMPTED_EXIT, Preempted
 from mpp.train.rng import seed_everything
-from mpp.train.runlock import release
 from mpp.transfer.finetune import build_classifier, run_finetune
 
 
@@ -51,24 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
-    try:
-        results = run_finetune(cfg, model, plan, run_dir, device, resume=args.resume)
-    except Preempted as e:
-        if rank == 0:
-            print(f"stopped: {e}", file=sys.stderr)
-        return PREEMPTED_EXIT
-    except (
-        NonFiniteLossError,
-        DataError,
-        DiskFullError,
-    ) as e:  # DataLoader workers wrap the message in a traceback
-        print(f"error: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
-        return 1
-    except CheckpointError as e:  # nothing intact to resume from: the files are named
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        release(run_dir)
+    status, results = finish(
+        lambda: run_finetune(cfg, model, plan, run_dir, device, resume=args.resume), run_dir, rank
+    )
+    if status:
+        return status
     if rank == 0:
         print(json.dumps({k: results[k] for k in ("top1", "top5", "epoch", "init")}))
     return 0

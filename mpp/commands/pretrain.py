@@ -12,18 +12,14 @@ import logging
 import sys
 
 from mpp.build import build_objective
-from mpp.checkpoint.storage import CheckpointError, DiskFullError
 from mpp.cli import config_from_args, open_run_dir, run_parser
+from mpp.commands.job import finish
 from mpp.config import ConfigError
-from mpp.data import DataError
 from mpp.parallel.distributed import device_type, from_rank0, init_distributed, world_from_env
 from mpp.submit import submit
 from mpp.tools.planner.cli import add_plan_arguments, plan_main
-from mpp.train.nonfinite import NonFiniteLossError
 from mpp.train.plan import check_resume, plan_run
-from mpp.train.preemption import PREEMPTED_EXIT, Preempted
 from mpp.train.rng import seed_everything
-from mpp.train.runlock import release
 from mpp.train.trainer import Trainer
 
 
@@ -61,24 +57,13 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
-    try:
-        state = Trainer(cfg, objective, plan, run_dir, device, resume=args.resume).train()
-    except Preempted as e:
-        if rank == 0:
-            print(f"stopped: {e}", file=sys.stderr)
-        return PREEMPTED_EXIT
-    except (
-        NonFiniteLossError,
-        DataError,
-        DiskFullError,
-    ) as e:  # DataLoader workers wrap the message in a traceback
-        print(f"error: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
-        return 1
-    except CheckpointError as e:  # nothing intact to resume from: the files are named
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        release(run_dir)
+    status, state = finish(
+        lambda: Trainer(cfg, objective, plan, run_dir, device, resume=args.resume).train(),
+        run_dir,
+        rank,
+    )
+    if status:
+        return status
     if rank == 0:
         print(
             f"done: {state.step} steps, {state.samples} images -> {run_dir}/metrics.jsonl, "

@@ -48,6 +48,15 @@ class _Decoder(BaseModel):
     attn_backend: Literal["auto", "xformers", "sdpa", "math"] = "auto"
     """The decoder's attention backend (as model.attn_backend)."""
 
+    @model_validator(mode="after")
+    def _heads_divide_the_width(self) -> _Decoder:
+        if self.decoder_dim % 4 or self.decoder_dim % self.decoder_heads:
+            raise ValueError(
+                f"decoder_dim {self.decoder_dim} must be divisible by 4 (sin-cos positions) and "
+                f"by decoder_heads {self.decoder_heads}"
+            )
+        return self
+
 
 class MPPConfig(_Section):
     """The ViT paper's masked patch prediction (mpp.objectives.mpp)."""
@@ -65,10 +74,19 @@ class MPPConfig(_Section):
     target: Literal[MPP_TARGETS] = "mean_color"
     """mean_color: each corrupted patch's mean colour class (the paper's); downsampled: a class per
     cell of the patch; pixel: L2 regression of its pixels."""
-    bits: int = Field(3, ge=1)
+    bits: int = Field(3, ge=1, le=8)
     """Bits per channel of the colour classes (3: 512 RGB classes)."""
     downsample_cells: int = Field(4, ge=1)
     """The downsampled target's cells per side."""
+
+    @model_validator(mode="after")
+    def _corruptions_sum_to_one(self) -> MPPConfig:
+        probs = (self.mask_token_prob, self.random_token_prob, self.keep_prob)
+        if abs(sum(probs) - 1.0) > 1e-6:
+            raise ValueError(
+                f"mask_token_prob + random_token_prob + keep_prob must sum to 1, got {probs}"
+            )
+        return self
 
     def build(
         self, encoder: VisionTransformer, mask: MaskGenerator | None, pixels: Pixels
@@ -202,6 +220,8 @@ def parse_objective(name: str, kwargs: dict[str, Any]) -> MPPConfig | MAEConfig 
         elif e["type"] == "union_tag_invalid":  # HPM's base
             tag, tags = e["ctx"]["tag"], sorted(HPM_BASE_CONFIGS)
             msg = f"unknown base {tag!r}; allowed: {tags}"
+        elif not e["loc"]:  # a check of several keys (a model validator): its own sentence
+            msg = e["msg"].removeprefix("Value error, ")
         else:
             loc = ".".join(str(x) for x in e["loc"] if str(x) not in OBJECTIVE_CONFIGS)
             msg = f"{loc}={e.get('input')!r}: {e['msg']}"

@@ -20,10 +20,10 @@ from torch import Tensor, nn
 from mpp.models.decoder import Decoder
 from mpp.models.vit import VisionTransformer
 from mpp.objectives.base import Objective, PerPatchObjective
-from mpp.objectives.hpm_mask import SCHEDULES, hard_patch_mask, hard_ratio_at
+from mpp.objectives.hpm_mask import hard_patch_mask, hard_ratio_at
 from mpp.objectives.mae import MaskedAutoencoder
 from mpp.objectives.mpp import MaskedPatchPrediction
-from mpp.ops import IMAGENET_MEAN, IMAGENET_STD, gather_tokens
+from mpp.ops import gather_tokens
 from mpp.parallel.ema import EMA, full_state
 
 # what HPM can wrap: objectives with a per-patch loss (mpp.objectives.base.PerPatchObjective)
@@ -120,41 +120,31 @@ class HardPatchesMining(Objective):
     def __init__(
         self,
         base: PerPatchObjective,
-        hard_ratio: float = 0.5,
-        schedule: str = "easy_to_hard",
-        pred_loss: str = "ranking",
-        pred_weight: float = 1.0,
-        momentum_start: float = 0.999,
-        momentum_end: float = 0.9999,
-        momentum_epochs: float = 100.0,
-        teacher_view: str = "visible",
-        decoder_dim: int = 512,
-        decoder_depth: int = 8,
-        decoder_heads: int = 16,
-        mlp_ratio: float = 4.0,
-        attn_backend: str = "auto",
-        mean: tuple[float, ...] = IMAGENET_MEAN,
-        std: tuple[float, ...] = IMAGENET_STD,
+        *,
+        hard_ratio: float,
+        schedule: str,
+        pred_loss: str,
+        pred_weight: float,
+        momentum_start: float,
+        momentum_end: float,
+        momentum_epochs: float,
+        teacher_view: str,
+        decoder_dim: int,
+        decoder_depth: int,
+        decoder_heads: int,
+        mlp_ratio: float,
+        attn_backend: str,
+        mean: tuple[float, ...],
+        std: tuple[float, ...],
     ) -> None:
+        """The keyword arguments' defaults and checks are ``mpp.objectives.configs.HPMConfig``'s
+        (``mpp.create_objective`` fills them); ``mean``/``std`` are the data's."""
         super().__init__()
         if not isinstance(base, PerPatchObjective):
             raise ValueError(
                 "HPM wraps an objective with a per-patch loss (mpp.objectives.base."
                 f"PerPatchObjective: {sorted(HPM_BASES)}), got {type(base).__name__}"
             )
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown HPM schedule {schedule!r}; allowed: {SCHEDULES}")
-        if pred_loss not in PRED_LOSSES:
-            raise ValueError(f"unknown HPM pred_loss {pred_loss!r}; allowed: {PRED_LOSSES}")
-        if teacher_view not in TEACHER_VIEWS:
-            raise ValueError(f"unknown HPM teacher_view {teacher_view!r}; allowed: {TEACHER_VIEWS}")
-        if not 0.0 <= hard_ratio <= 1.0:
-            raise ValueError(f"hard_ratio must be in [0, 1], got {hard_ratio}")
-        if pred_weight < 0:
-            raise ValueError(f"pred_weight must be >= 0, got {pred_weight}")
-        for key, m in {"momentum_start": momentum_start, "momentum_end": momentum_end}.items():
-            if not 0.0 <= m <= 1.0:
-                raise ValueError(f"{key} must be in [0, 1], got {m}")
         self.base = base
         # the loss predictor is the size of the pixel decoder, fed what the base hands it
         self.predictor = Decoder(

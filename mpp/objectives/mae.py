@@ -34,24 +34,19 @@ class MaskedAutoencoder(PerPatchObjective):
     def __init__(
         self,
         encoder: VisionTransformer,
-        mask_generator: MaskGenerator | None = None,
-        mask_ratio: float = 0.75,
-        decoder_dim: int = 512,
-        decoder_depth: int = 8,
-        decoder_heads: int = 16,
-        norm_pix_loss: bool = True,
-        mlp_ratio: float = 4.0,
-        attn_backend: str = "auto",
+        mask_generator: MaskGenerator | None,
+        *,
+        mask_ratio: float,
+        decoder_dim: int,
+        decoder_depth: int,
+        decoder_heads: int,
+        norm_pix_loss: bool,
+        mlp_ratio: float,
+        attn_backend: str,
     ) -> None:
+        """The keyword arguments' defaults and checks are ``mpp.objectives.configs.MAEConfig``'s
+        (``mpp.create_objective`` fills them)."""
         super().__init__()
-        if not 0.0 < mask_ratio < 1.0:
-            raise ValueError(
-                f"mask_ratio must be in (0, 1) (MAE needs visible and masked patches), got {mask_ratio}"
-            )
-        if decoder_dim % 4 or decoder_dim % decoder_heads:
-            raise ValueError(
-                f"decoder_dim {decoder_dim} must be divisible by 4 (sin-cos positions) and by decoder_heads {decoder_heads}"
-            )
         self.encoder = encoder
         self.mask_generator = mask_generator or RandomMask(encoder.grid_size, mask_ratio)
         if self.mask_generator.num_patches != encoder.num_patches:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from mpp.masking import MaskGenerator, RandomMask, mask_indices
 from mpp.models.vit import VisionTransformer
 from mpp.objectives.base import PerPatch, PerPatchObjective
-from mpp.ops import IMAGENET_MEAN, IMAGENET_STD, gather_tokens, patchify, unnormalize
+from mpp.ops import gather_tokens, patchify, unnormalize
 
 MPP_TARGETS = ("mean_color", "downsampled", "pixel")
 
@@ -63,34 +63,21 @@ class MaskedPatchPrediction(PerPatchObjective):
     def __init__(
         self,
         encoder: VisionTransformer,
-        mask_generator: MaskGenerator | None = None,
-        mask_ratio: float = 0.5,
-        mask_token_prob: float = 0.8,
-        random_token_prob: float = 0.1,
-        keep_prob: float = 0.1,
-        target: str = "mean_color",
-        bits: int = 3,
-        downsample_cells: int = 4,
-        mean: tuple[float, ...] = IMAGENET_MEAN,
-        std: tuple[float, ...] = IMAGENET_STD,
+        mask_generator: MaskGenerator | None,
+        *,
+        mask_ratio: float,
+        mask_token_prob: float,
+        random_token_prob: float,
+        keep_prob: float,
+        target: str,
+        bits: int,
+        downsample_cells: int,
+        mean: tuple[float, ...],
+        std: tuple[float, ...],
     ) -> None:
+        """The keyword arguments' defaults and checks are ``mpp.objectives.configs.MPPConfig``'s
+        (``mpp.create_objective`` fills them); ``mean``/``std`` are the data's."""
         super().__init__()
-        if target not in MPP_TARGETS:
-            raise ValueError(f"unknown MPP target {target!r}; allowed: {MPP_TARGETS}")
-        probs = {
-            "mask_token_prob": mask_token_prob,
-            "random_token_prob": random_token_prob,
-            "keep_prob": keep_prob,
-        }
-        for key, p in {"mask_ratio": mask_ratio, **probs}.items():
-            if not 0.0 <= p <= 1.0:
-                raise ValueError(f"{key} must be in [0, 1], got {p}")
-        if abs(sum(probs.values()) - 1.0) > 1e-6:
-            raise ValueError(
-                f"mask_token_prob + random_token_prob + keep_prob must sum to 1, got {probs}"
-            )
-        if not 1 <= bits <= 8:
-            raise ValueError(f"bits must be in [1, 8], got {bits}")
         self.encoder = encoder
         self.mask_generator = mask_generator or RandomMask(encoder.grid_size, mask_ratio)
         if self.mask_generator.num_patches != encoder.num_patches:
