@@ -1,6 +1,7 @@
 """The engine in-process: LR schedule, parameter groups, exact resume, the export."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,11 +10,13 @@ from safetensors.torch import load_file
 
 from mpp.build import build_objective
 from mpp.checkpoint.format import weights_only_loads
+from mpp.checkpoint.manager import Checkpointer
 from mpp.config import validate
 from mpp.hub.encoder_file import load_encoder_file
 from mpp.hub.pretrained import load_pretrained
 from mpp.models import create_vit
 from mpp.train.optim import build_optimizer, lr_at, param_groups, set_lr
+from mpp.train.plan import RunState
 
 
 def test_lr_schedule_warmup_then_cosine():
@@ -86,6 +89,49 @@ def test_per_group_lr_follows_schedule_times_lr_scale_on_the_engine_optimizer(st
         loss = engine(torch.randn(2, 3, 16, 16)).pow(2).mean()
         engine.backward(loss)
         engine.step()
+
+
+class WithRankState(torch.nn.Linear):
+    """A model with state outside its parameters, as HPM's fp32 EMA: its own per-rank file."""
+
+    def rank_state(self):
+        return {"ema": 2 * self.weight.detach()}
+
+    def load_rank_state(self, state):
+        self.loaded = state
+
+
+def test_every_entry_of_the_checkpoint_round_trips_in_the_format_on_disk(tmp_path, dist_group):
+    """Each entry of ``Checkpointer.states`` comes back from a save: the weights, the RunState, the
+    RNG and the per-rank state. The client_state keys are those of checkpoints written before the
+    mapping ("state", "rng": DeepSpeed keeps them beside its own), so those still load."""
+    import deepspeed
+
+    model = WithRankState(4, 4)
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters()),
+        config={"train_batch_size": 2, "steps_per_print": 10**9},
+    )
+    cfg = SimpleNamespace(train=SimpleNamespace(keep_last=1, ckpt_every=1, seed=0))
+    checkpointer = Checkpointer(engine, tmp_path, cfg, SimpleNamespace(grad_accum=1, micro_batch=2))
+    saved = RunState(
+        step=3, epoch=1, batch_in_epoch=5, samples=48, rollback_steps=[2], lr_scale=0.5
+    )
+    weights = model.weight.detach().clone()
+    checkpointer.save(saved)
+    draws = torch.rand(3)
+    with torch.no_grad():
+        model.weight.zero_()
+    state = RunState()
+    checkpointer.restore(tmp_path / "checkpoints", "step00000003", state)
+    assert state == saved and torch.equal(torch.rand(3), draws)
+    assert torch.equal(model.weight, weights) and torch.equal(model.loaded["ema"], 2 * weights)
+    tag = tmp_path / "checkpoints" / "step00000003"
+    with weights_only_loads():
+        files = torch.load(tag / "mp_rank_00_model_states.pt")
+    assert {"state", "rng"} <= files.keys() and (tag / "rank_state_00000.safetensors").is_file()
+    assert set(checkpointer.states(state)) == {"engine", "state", "rng", "rank_state"}
 
 
 def test_exact_resume_equals_straight_run(tmp_path, one_rank_run):

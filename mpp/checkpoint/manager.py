@@ -1,22 +1,18 @@
 """The ``Checkpointer``: a run's checkpoints saved, resumed, rolled back to, and its final
-``encoder.safetensors``. ``restore`` loads a checkpoint into this run whatever world size, micro
-batch or accumulation wrote it (the global batch stays: ``mpp.train.plan.check_resume``); another
-world size goes through ``mpp.checkpoint.elastic``.
-
-- The data position: an epoch's order does not depend on the world size (``mpp.data.order``),
-  so the step in the epoch carries over; the micro-batch count is rescaled to this run's
-  accumulation.
-- RNG: per-rank streams cannot carry over to other ranks; they are re-derived from
-  (seed, rank, step), so a given layout resumes the same way every time.
+``encoder.safetensors``. What a checkpoint holds is one declared mapping, ``Checkpointer.states``
+(torchtitan's idea), saved and loaded by one loop: a new part is one ``Stateful`` entry
+(docs/ARCHITECTURE.md §5.2). ``restore`` loads a checkpoint into this run whatever world size,
+micro batch or accumulation wrote it (the global batch stays: ``mpp.train.plan.check_resume``):
+each entry is told how the layout changed (``Loading``) and loads its part for this one.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,21 +29,145 @@ from mpp.train.rng import rng_state, seed_everything, set_rng_state
 
 log = logging.getLogger(__name__)
 
+# where an entry's part lives: DeepSpeed's own files, and rank_state_RANK.safetensors; any other
+# key is a key of DeepSpeed's client_state
+ENGINE, RANK_STATE = "engine", "rank_state"
+
+
+@dataclass
+class Loading:
+    """A checkpoint being loaded, as each ``Stateful`` entry is told it: where, the layout that
+    wrote it (``saved``, the ``COMPLETE`` marker: step, world size, accumulation) against this
+    run's ``plan``, the seed and this rank."""
+
+    root: str | Path
+    tag: str
+    plan: Plan
+    seed: int
+    rank: int = field(default_factory=dist.get_rank)
+    # DeepSpeed's client_state, read with the engine's files by its entry (the first)
+    client: dict = field(default_factory=dict)
+    saved: dict = field(init=False)
+    same: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.saved = ckpt.saved_layout(self.root, self.tag)
+        world = dist.get_world_size()
+        self.same = self.saved.get("world_size", world) == world
+
+    def part(self, key: str) -> Any:
+        """The saved part of the entry ``key`` (the engine's entry reads its own)."""
+        if key == RANK_STATE:
+            return ckpt.load_rank_state(self.root, self.tag)
+        return None if key == ENGINE else self.client[key]
+
+
+class Stateful(Protocol):
+    """An entry of ``Checkpointer.states``: its part of a checkpoint, and that part loaded back
+    into this run, told how the layout changed."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, sd: Any, at: Loading) -> None: ...
+
+
+@dataclass
+class EngineEntry:
+    """DeepSpeed's model, optimiser and lr schedule, in DeepSpeed's files (``engine.save_checkpoint``
+    in ``mpp.checkpoint.format.save_checkpoint``) with the client_state; another world size
+    through ``mpp.checkpoint.elastic``."""
+
+    engine: Any
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, sd: None, at: Loading) -> None:
+        if at.same or self.engine.zero_optimization_stage() == 0:
+            # a checkpoint is untrusted input
+            with ckpt.weights_only_loads():
+                _, at.client = self.engine.load_checkpoint(str(at.root), tag=at.tag)
+        else:
+            at.client = elastic.load_universal(self.engine, Path(at.root), at.tag)
+
+
+@dataclass
+class RunStateEntry:
+    """The ``RunState`` (step, data position, counters), loaded in place. An epoch's order does not
+    depend on the world size (``mpp.data.order``), so the step in the epoch carries over; the
+    micro-batch count is rescaled to this run's accumulation."""
+
+    state: RunState
+
+    def state_dict(self) -> dict:
+        return asdict(self.state)
+
+    def load_state_dict(self, sd: dict, at: Loading) -> None:
+        for key, value in asdict(RunState(**sd)).items():
+            setattr(self.state, key, value)
+        accum, now = at.saved.get("grad_accum", at.plan.grad_accum), at.plan.grad_accum
+        if accum != now or not at.same:
+            self.state.batch_in_epoch = math.ceil(self.state.batch_in_epoch / accum) * now
+
+
+class RngEntry:
+    """Every rank's RNG states (all-gathered). Per-rank streams cannot carry over to other ranks:
+    another world size re-derives them from (seed, rank, step), the same way every time."""
+
+    def state_dict(self) -> list:
+        rngs = [None] * dist.get_world_size()
+        dist.all_gather_object(rngs, rng_state())
+        return rngs
+
+    def load_state_dict(self, sd: list, at: Loading) -> None:
+        if at.same:
+            set_rng_state(sd[at.rank])
+        else:
+            seed_everything(at.seed + at.rank + 1_000_003 * at.saved["step"])
+
+
+@dataclass
+class RankStateEntry:
+    """The objective's per-rank state (HPM's fp32 EMA under bf16: whole below ZeRO-3, a shard at 3,
+    dropped on another world size)."""
+
+    engine: Any
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.engine.module.rank_state()
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor], at: Loading) -> None:
+        if not at.same and self.engine.zero_optimization_stage() == 3:
+            if sd and at.rank == 0:
+                log.warning(
+                    "elastic resume: the per-rank state of %s/%s (HPM's fp32 EMA) is ZeRO-3 shards of another "
+                    "world size: it restarts from the weights",
+                    at.root,
+                    at.tag,
+                )
+            sd = {}
+        self.engine.module.load_rank_state(sd)
+
 
 class Checkpointer:
     """``RUN/checkpoints``: a complete checkpoint every ``train.ckpt_every`` steps and at the end
     (``keep_last`` kept), on a stop signal, and the final encoder. Every rank calls every method."""
 
     def __init__(self, engine: Any, run_dir: Path, cfg: RunConfig, plan: Plan) -> None:
-        self.engine, self.objective, self.run_dir, self.cfg, self.plan = (
-            engine,
-            engine.module,
-            run_dir,
-            cfg,
-            plan,
-        )
-        self.root = run_dir / "checkpoints"
+        self.engine, self.objective, self.run_dir = engine, engine.module, run_dir
+        self.cfg, self.plan, self.root = cfg, plan, run_dir / "checkpoints"
         self.keep_last, self.interval = cfg.train.keep_last, cfg.train.ckpt_every
+
+    def states(self, state: RunState) -> dict[str, Stateful]:
+        """What a checkpoint holds, one entry each, saved and loaded in this order (the engine
+        first: its files carry the client_state), ``state`` the run state saved or loaded into.
+        The keys of an entry in the client_state are those of checkpoints before the mapping."""
+        return {
+            ENGINE: EngineEntry(self.engine),
+            "state": RunStateEntry(state),
+            "rng": RngEntry(),
+            RANK_STATE: RankStateEntry(self.engine),
+        }
 
     def resume(self, spec: str | None) -> RunState:
         """The run state to start from: ``spec`` (None, "auto" or a path) resolved on rank 0 to the
@@ -57,9 +177,7 @@ class Checkpointer:
         if isinstance(found, str):
             raise ckpt.CheckpointError(found)
         if found:  # any world size, micro batch or accumulation
-            state = restore(
-                self.engine, self.objective, found[0], found[1], self.plan, self.cfg.train.seed
-            )
+            self.restore(found[0], found[1], state)
             if dist.get_rank() == 0:
                 log.info("resumed from %s/%s at step %d", found[0], found[1], state.step)
         if dist.get_rank() == 0:
@@ -69,19 +187,33 @@ class Checkpointer:
         return state
 
     def save(self, state: RunState) -> None:
-        """A complete checkpoint: DeepSpeed's files, the run state, every rank's RNG states and the
-        objective's per-rank state."""
-        rngs = [None] * dist.get_world_size()
-        dist.all_gather_object(rngs, rng_state())
-        client = {"state": asdict(state), "rng": rngs}
+        """A complete checkpoint: every entry of ``states``."""
+        client = {key: entry.state_dict() for key, entry in self.states(state).items()}
+        rank_state = client.pop(RANK_STATE)
+        # DeepSpeed writes its own
+        del client[ENGINE]
         ckpt.save_checkpoint(
-            self.engine,
-            self.root,
-            state.step,
-            client,
-            self.keep_last,
-            rank_state=self.objective.rank_state(),
+            self.engine, self.root, state.step, client, self.keep_last, rank_state=rank_state
         )
+
+    def restore(self, root: str | Path, tag: str, state: RunState) -> None:
+        """Every rank: every entry of ``states`` loaded from ``root/tag`` for this run's layout,
+        the run state into ``state``."""
+        at = Loading(root, tag, self.plan, self.cfg.train.seed)
+        for key, entry in self.states(state).items():
+            entry.load_state_dict(at.part(key), at)
+        if at.rank == 0 and not at.same:
+            log.info(
+                "elastic resume: %s/%s written by %d rank(s) (micro batch %s), now %d (micro batch %d); "
+                "the epoch continues at step %d",
+                root,
+                tag,
+                at.saved["world_size"],
+                at.saved.get("micro_batch"),
+                dist.get_world_size(),
+                self.plan.micro_batch,
+                state.step,
+            )
 
     def maybe_save(self, state: RunState, stop: int, stop_request: StopRequest) -> None:
         """After an optimiser step: a checkpoint when due (every ``interval`` steps, and at ``stop``);
@@ -113,15 +245,11 @@ class Checkpointer:
         tag = from_rank0(_intact(self.root) if dist.get_rank() == 0 else None)
         if tag is None:
             raise NonFiniteLossError(f"{error}; no complete checkpoint to roll back to") from None
-        position = (
-            state.epoch,
-            state.batch_in_epoch,
-        )  # past the batch that failed (the caller advanced)
+        # past the batch that failed (the caller advanced)
+        position = state.epoch, state.batch_in_epoch
         lr_scale = state.lr_scale * t.rollback_lr_scale
         # maybe a resume's layout
-        loaded = restore(self.engine, self.objective, self.root, tag, self.plan, t.seed)
-        for key, value in asdict(loaded).items():
-            setattr(state, key, value)
+        self.restore(self.root, tag, state)
         state.epoch, state.batch_in_epoch = position
         state.rollback_steps, state.lr_scale = failed, lr_scale
         if dist.get_rank() == 0:
@@ -172,51 +300,3 @@ def encoder_kwargs(cfg: RunConfig, encoder: torch.nn.Module) -> dict:
     if encoder.num_classes > 0:
         kwargs.update(num_classes=encoder.num_classes, global_pool=encoder.global_pool)
     return kwargs
-
-
-def restore(
-    engine: Any, objective: torch.nn.Module, root: str | Path, tag: str, plan: Plan, seed: int
-) -> RunState:
-    """Every rank: the checkpoint's weights, optimiser, run state and RNG, for this run's layout."""
-    saved = ckpt.saved_layout(root, tag)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    same = saved.get("world_size", world) == world
-    if same or engine.zero_optimization_stage() == 0:
-        with ckpt.weights_only_loads():  # a checkpoint is untrusted input
-            _, client = engine.load_checkpoint(str(root), tag=tag)
-    else:
-        client = elastic.load_universal(engine, Path(root), tag)
-    state = RunState(**client["state"])
-    accum = saved.get("grad_accum", plan.grad_accum)
-    # the step in the epoch carries over, in this run's micro-batches
-    if accum != plan.grad_accum or not same:
-        state.batch_in_epoch = math.ceil(state.batch_in_epoch / accum) * plan.grad_accum
-    if same:
-        set_rng_state(client["rng"][rank])
-    else:
-        seed_everything(seed + rank + 1_000_003 * state.step)
-    # HPM's fp32 EMA under bf16: whole below ZeRO-3, a shard at 3
-    rank_state = ckpt.load_rank_state(root, tag)
-    if not same and engine.zero_optimization_stage() == 3:
-        if rank_state and rank == 0:
-            log.warning(
-                "elastic resume: the per-rank state of %s/%s (HPM's fp32 EMA) is ZeRO-3 shards of another "
-                "world size: it restarts from the weights",
-                root,
-                tag,
-            )
-        rank_state = {}
-    objective.load_rank_state(rank_state)
-    if rank == 0 and not same:
-        log.info(
-            "elastic resume: %s/%s written by %d rank(s) (micro batch %s), now %d (micro batch %d); "
-            "the epoch continues at step %d",
-            root,
-            tag,
-            saved["world_size"],
-            saved.get("micro_batch"),
-            world,
-            plan.micro_batch,
-            state.step,
-        )
-    return state
