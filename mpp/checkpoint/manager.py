@@ -110,9 +110,13 @@ class RunStateEntry:
             self.state.batch_in_epoch = math.ceil(self.state.batch_in_epoch / accum) * now
 
 
+@dataclass
 class RngEntry:
     """Every rank's RNG states (all-gathered). Per-rank streams cannot carry over to other ranks:
-    another world size re-derives them from (seed, rank, step), the same way every time."""
+    another world size re-derives them from (seed, rank, step), the same way every time; the step
+    is the run state's, loaded before this entry."""
+
+    state: RunState
 
     def state_dict(self) -> list:
         rngs = [None] * dist.get_world_size()
@@ -123,7 +127,7 @@ class RngEntry:
         if at.same:
             set_rng_state(sd[at.rank])
         else:
-            seed_everything(at.seed + at.rank + 1_000_003 * at.saved["step"])
+            seed_everything(at.seed + at.rank + 1_000_003 * self.state.step)
 
 
 @dataclass
@@ -165,7 +169,7 @@ class Checkpointer:
         return {
             ENGINE: EngineEntry(self.engine),
             "state": RunStateEntry(state),
-            "rng": RngEntry(),
+            "rng": RngEntry(state),
             RANK_STATE: RankStateEntry(self.engine),
         }
 

@@ -86,7 +86,7 @@ def run(
         )
     cuda = device == "cuda"
     s = dict(SETTINGS["cpu" if not cuda else "quick" if quick else "full"])
-    s["batch"] = batch or s["batch"]
+    s["batch"], s["profile"] = batch or s["batch"], profile
     # deepspeed.initialize needs a process group: this process is rank 0 of 1
     dev = init_distributed()
     if cuda:
@@ -104,7 +104,7 @@ def run(
     for name in OBJECTIVES:
         for backend in backends:
             for compiled in [False, True] if compile else [False]:
-                rows.append(measure_row(name, backend, compiled, s, dev, matmul, peak, profile))
+                rows.append(measure_row(name, backend, compiled, s, dev, matmul, peak))
     setting = {
         **s,
         "device": device,
@@ -126,7 +126,6 @@ def measure_row(
     dev: torch.device,
     matmul: tuple,
     peak: float | None,
-    profile: bool = False,
 ) -> dict[str, Any]:
     """One objective x attention x compile: built, timed through DeepSpeed's engine, released."""
     cuda = dev.type == "cuda"
@@ -135,7 +134,7 @@ def measure_row(
     # bf16 on the CPU as well: the check runs DeepSpeed's bf16 path that the GPU runs
     runner = EngineStep(step_config(name, s, backend, precision="bf16"), dev, compile=compiled)
     try:
-        row = measure(runner, s["rounds"], s["warmup"], matmul, profile)
+        row = measure(runner, s["rounds"], s["warmup"], matmul, s["profile"])
     finally:
         runner.close()
     if cuda:
