@@ -270,6 +270,17 @@ def test_gpu_step_times_the_deepspeed_bf16_step_against_the_datasheet_peak(tmp_p
         assert shares["matmul"] > 0 and 0.95 < sum(shares.values()) < 1.05, shares
 
 
+def test_gpu_step_overrides_reach_every_rows_config():
+    """``gpu-step --set KEY=VALUE``: the shipped config as pretraining would take the override."""
+    from mpp.tools.benchmarks.engine_step import step_config
+    from mpp.tools.benchmarks.gpu_step import SETTINGS
+
+    setting = {**SETTINGS["cpu"], "sets": ["deepspeed.zero_optimization.stage=0"]}
+    for name in ("mpp", "mae", "hpm"):
+        assert step_config(name, SETTINGS["cpu"]).zero_stage == 1
+        assert step_config(name, setting).zero_stage == 0
+
+
 def test_kernels_are_sorted_by_their_names():
     """What ``gpu-step --profile`` splits the GPU time by (kernel names an H200 printed)."""
     from mpp.tools.benchmarks.engine_step import kernel_kind

@@ -57,7 +57,9 @@ def step_config(
         "train.precision": precision,
         "data.train_shards": DUMMY_SHARDS,
     }
-    return load_config(f"{objective}_b16", [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
+    # the setting's own overrides (gpu-step --set) last: they win
+    sets = [f"{k}={json.dumps(v)}" for k, v in overrides.items()] + setting.get("sets", [])
+    return load_config(f"{objective}_b16", sets)
 
 
 class EngineStep:

@@ -57,6 +57,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--batch", type=int, help="images per step (default: the setting's)")
     p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every row, as pretraining takes it "
+        "(e.g. deepspeed.zero_optimization.stage=0 or train.skip_nonfinite=false)",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="also split each row's GPU time by kernel kind (torch.profiler): matmul, attention, "
@@ -76,6 +85,7 @@ def run(
     batch: int | None = None,
     device: str = "cuda",
     profile: bool = False,
+    sets: list[str] | None = None,
 ) -> dict[str, Any]:
     from mpp.parallel.distributed import init_distributed
 
@@ -86,7 +96,7 @@ def run(
         )
     cuda = device == "cuda"
     s = dict(SETTINGS["cpu" if not cuda else "quick" if quick else "full"])
-    s["batch"], s["profile"] = batch or s["batch"], profile
+    s["batch"], s["profile"], s["sets"] = batch or s["batch"], profile, sets or []
     # deepspeed.initialize needs a process group: this process is rank 0 of 1
     dev = init_distributed()
     if cuda:
@@ -170,7 +180,8 @@ def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def render(result: dict[str, Any]) -> str:
     s = result["setting"]
     head = (
-        f"{s['model']} {s['overrides'] or ''} batch {s['batch']}, DeepSpeed {s['precision']}, ZeRO stage "
+        f"{s['model']} {s['overrides'] or ''}{' '.join(s.get('sets', []))} batch {s['batch']}, "
+        f"DeepSpeed {s['precision']}, ZeRO stage "
         f"{s['zero_stage']}, TF32 {'on' if s['tf32'] else 'off'}; MFU peak: {s['peak_source']}"
     )
     goal_table = format_table(
