@@ -220,9 +220,10 @@ def parse_objective(name: str, kwargs: dict[str, Any]) -> MPPConfig | MAEConfig 
         elif e["type"] == "union_tag_invalid":  # HPM's base
             tag, tags = e["ctx"]["tag"], sorted(HPM_BASE_CONFIGS)
             msg = f"unknown base {tag!r}; allowed: {tags}"
-        elif not e["loc"]:  # a check of several keys (a model validator): its own sentence
-            msg = e["msg"].removeprefix("Value error, ")
         else:
             loc = ".".join(str(x) for x in e["loc"] if str(x) not in OBJECTIVE_CONFIGS)
-            msg = f"{loc}={e.get('input')!r}: {e['msg']}"
+            if e["type"] == "value_error":  # a check of several keys (a model validator)
+                msg = (f"{loc}: " if loc else "") + e["msg"].removeprefix("Value error, ")
+            else:
+                msg = f"{loc}={e.get('input')!r}: {e['msg']}"
         raise ValueError(f"objective {name!r}: {msg}") from None

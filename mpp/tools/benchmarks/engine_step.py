@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+import mpp
 from mpp.build import build_objective
 from mpp.config import Config, load_config
 from mpp.tools.benchmarks.common import interleaved_times, median
@@ -51,6 +52,8 @@ def step_config(
             if objective != "mpp"
             else {}
         ),
+        # the decoders too (MAE's, HPM's predictor): a row's attention is the whole step's
+        **({"objective.attn_backend": attn_backend} if objective != "mpp" else {}),
         "train.batch_size": setting["batch"],
         "train.max_micro_batch_size": None,
         "train.max_steps": 1,
@@ -129,7 +132,8 @@ def _short_path(filename: str) -> str:
     """A frame's file as its import path spells it (``deepspeed/runtime/utils.py``,
     ``mpp/train/step.py``): the longest ``sys.path`` entry above it cut off."""
     path = Path(filename).resolve()
-    roots = [Path(p or ".").resolve() for p in sys.path]
+    # mpp's own root too: an editable install imports it through a hook, not sys.path
+    roots = [Path(p or ".").resolve() for p in sys.path] + [Path(mpp.__file__).resolve().parents[1]]
     under = [r for r in roots if path.is_relative_to(r)]
     return str(path.relative_to(max(under, key=lambda r: len(r.parts)))) if under else filename
 

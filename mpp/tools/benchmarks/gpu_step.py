@@ -24,8 +24,9 @@ from mpp.tools.benchmarks.engine_step import EngineStep, measure, spec_peak, ste
 
 GOALS = {"mpp_mfu_min": 0.40, "mae_mfu_min": 0.30, "hpm_vs_mae_time_max": 2.0}
 OBJECTIVES = ("mpp", "mae", "hpm")
-# every setting's head width: ViT-B 768 / 12 heads, ViT-Ti 192 / 3
-HEAD_DIM = 64
+# the head widths of every setting: the encoders' (ViT-B 768 / 12, ViT-Ti 192 / 3) and MAE's
+# and HPM's decoders' (512 / 16, the tiny ones' 64 / 4 ... 16)
+HEAD_DIMS = (64, 32, 16)
 SETTINGS = {
     "full": dict(
         model="vit_base_patch16_224", overrides={}, batch=128, decoder={}, rounds=10, warmup=3
@@ -107,7 +108,11 @@ def run(
             f"measured: this CPU's bf16 {MATMUL_N['cpu']}^3 matmul (a code check, not a figure)"
         )
     # an importable xformers may still have no kernel (a wheel built for another torch)
-    refused = xformers_refusal(torch.bfloat16, HEAD_DIM, dev) if cuda else "no CUDA"
+    refused = (
+        next(filter(None, (xformers_refusal(torch.bfloat16, d, dev) for d in HEAD_DIMS)), "")
+        if cuda
+        else "no CUDA"
+    )
     backends = ["sdpa"] + ([] if refused else ["xformers"])
     matmul = matmul_roofline(MATMUL_N[device], dev, torch.bfloat16)
     rows = []
@@ -180,7 +185,7 @@ def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def render(result: dict[str, Any]) -> str:
     s = result["setting"]
     head = (
-        f"{s['model']} {s['overrides'] or ''}{' '.join(s.get('sets', []))} batch {s['batch']}, "
+        f"{s['model']} {s['overrides'] or ''} {' '.join(s.get('sets', []))} batch {s['batch']}, "
         f"DeepSpeed {s['precision']}, ZeRO stage "
         f"{s['zero_stage']}, TF32 {'on' if s['tf32'] else 'off'}; MFU peak: {s['peak_source']}"
     )
