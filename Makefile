@@ -1,9 +1,12 @@
 # One entry point. `make test` and `make demo` create .venv themselves.
 # On a machine without an NVIDIA GPU the CPU build of torch is installed first, pinned,
-# so that no dependency drags in the multi-GB CUDA wheels.
+# so that no dependency drags in the multi-GB CUDA wheels; with one, the `gpu` extra.
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
+# on a GPU machine: the torch the xformers wheel was built for (pyproject's `gpu` extra), from
+# PyTorch's index for its CUDA (README, "GPU install")
+TORCH_GPU_INDEX ?= https://download.pytorch.org/whl/cu128
 STAMP     := $(VENV)/.installed
 # the venv's tools first: DeepSpeed JIT-builds a comm op with whichever ninja is on PATH, and two
 # ninja versions sharing its build cache rebuild it (30-100 s) each time they alternate
@@ -16,7 +19,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q "$(TORCH_CPU)"; fi
-	$(PY) -m pip install -q -e '.[test]'
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install -q -e '.[test,gpu]' --extra-index-url $(TORCH_GPU_INDEX); \
+	else $(PY) -m pip install -q -e '.[test]'; fi
 	touch $@
 
 # two pytest workers, a test file each at a time (its module fixtures run once): the suite's

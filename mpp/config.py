@@ -38,8 +38,10 @@ DERIVED_DS_KEYS = {
     "train_micro_batch_size_per_gpu": "train.micro_batch_size",
     "gradient_accumulation_steps": "train.micro_batch_size",
     "gradient_clipping": "optim.grad_clip",
-    "bf16": "train.precision",
-    "fp16": "train.precision",
+    "bf16.enabled": "train.precision",
+    "fp16.enabled": "train.precision",
+    "torch_autocast.enabled": "train.precision",
+    "torch_autocast.dtype": "train.precision",
     "optimizer": "optim",
     "scheduler": "optim (the engine computes warm-up + cosine per iteration)",
 }
@@ -274,8 +276,11 @@ class TrainConfig(_Section):
     """Complete checkpoints kept; older ones are removed once a newer one is complete."""
     seed: int = 0
     """Initial weights, masks and augmentation: the same seed gives the same run."""
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """Auto: bf16 on CUDA, fp32 on CPU."""
+    precision: Literal["auto", "fp32", "bf16", "bf16-autocast", "fp16"] = "auto"
+    """bf16: DeepSpeed's (a bf16 module, fp32 master weights in the optimiser); bf16-autocast: fp32
+    weights, the forward under torch.autocast in bf16 (timm's and MAE's AMP; DeepSpeed's
+    torch_autocast). Auto: on CUDA bf16-autocast at ZeRO stage 0 (the multi-tensor path, and
+    the same 16 bytes per parameter), bf16 at stages 1-3 (2-byte weights); fp32 on CPU."""
     max_bad_steps: int = Field(10, ge=0)
     """Non-finite losses skipped before the run stops (or rolls back)"""
     on_nonfinite: Literal["skip", "rollback", "stop"] = (
@@ -348,7 +353,9 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         for key, owner in DERIVED_DS_KEYS.items():
-            if key in self.deepspeed:
+            section, _, leaf = key.partition(".")
+            held = self.deepspeed.get(section) if leaf else self.deepspeed
+            if isinstance(held, dict) and (leaf or section) in held:
                 raise ValueError(f"deepspeed.{key} is derived from {owner}; set it there")
         stage = self.zero_stage
         if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage <= 3:
@@ -402,7 +409,9 @@ class RunConfig(_Section):
     def resolved_precision(self, device_type: str) -> str:
         p = self.train.precision
         if p == "auto":
-            return "bf16" if device_type == "cuda" else "fp32"
+            if device_type != "cuda":
+                return "fp32"
+            return "bf16-autocast" if self.zero_stage == 0 else "bf16"
         if device_type != "cuda" and p == "fp16":
             raise ValueError(
                 "train.precision 'fp16' needs a GPU (the CPU accelerator runs fp32 and bf16)"
@@ -419,6 +428,7 @@ class RunConfig(_Section):
             accum,
             self.optim.grad_clip,
             self.resolved_precision(device_type),
+            guarded=self.train.skip_nonfinite,
         )
 
 

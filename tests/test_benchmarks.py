@@ -243,8 +243,9 @@ def test_gpu_step_code_runs_on_the_cpu(tmp_path, capsys):
     r = json.loads(out.read_text())
     s = r["setting"]
     assert s["device"] == "cpu" and s["model"] == "vit_tiny_patch16_64"
-    # the training path: DeepSpeed's bf16 mode at the shipped configs' ZeRO stage, TF32 untouched
-    assert s["precision"] == "bf16" and s["zero_stage"] == 1 and s["tf32"] is False
+    # the training path: the recipes' ZeRO stage 0 and the precision it takes on a GPU (fp32
+    # weights under bf16 autocast), TF32 untouched
+    assert s["precision"] == "bf16-autocast" and s["zero_stage"] == 0 and s["tf32"] is False
     assert "measured" in s["peak_source"] and s["peak_flops"] is None
     assert [row["objective"] for row in r["rows"]] == ["mpp", "mae", "hpm"]
     for row in r["rows"]:
@@ -255,12 +256,12 @@ def test_gpu_step_code_runs_on_the_cpu(tmp_path, capsys):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_gpu_step_times_the_deepspeed_bf16_step_against_the_datasheet_peak(tmp_path):
+def test_gpu_step_times_the_recipes_step_against_the_datasheet_peak(tmp_path):
     out = tmp_path / "gpu.json"
     assert main(["gpu-step", "--quick", "--profile", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     s = r["setting"]
-    assert s["precision"] == "bf16" and s["tf32"] is False
+    assert s["precision"] == "bf16-autocast" and s["tf32"] is False
     assert s["peak_flops"] is None or "datasheet" in s["peak_source"]
     for row in r["rows"]:
         # mpp's own: the finite check's one; DeepSpeed's ZeRO optimiser makes its own (named)
@@ -275,10 +276,13 @@ def test_gpu_step_overrides_reach_every_rows_config():
     from mpp.tools.benchmarks.engine_step import step_config
     from mpp.tools.benchmarks.gpu_step import SETTINGS
 
-    setting = {**SETTINGS["cpu"], "sets": ["deepspeed.zero_optimization.stage=0"]}
+    setting = {**SETTINGS["cpu"], "sets": ["deepspeed.zero_optimization.stage=1"]}
     for name in ("mpp", "mae", "hpm"):
-        assert step_config(name, SETTINGS["cpu"]).zero_stage == 1
-        assert step_config(name, setting).zero_stage == 0
+        shipped = step_config(name, SETTINGS["cpu"])
+        assert shipped.zero_stage == 0 and shipped.train.precision == "bf16-autocast"
+        # the precision a GPU takes at the row's stage: DeepSpeed's bf16 at ZeRO-1
+        assert step_config(name, setting).zero_stage == 1
+        assert step_config(name, setting).train.precision == "bf16"
 
 
 def test_kernels_are_sorted_by_their_names():
@@ -295,6 +299,52 @@ def test_kernels_are_sorted_by_their_names():
         "void at::native::vectorized_elementwise_kernel<4, GeluCUDAKernelImpl>": "elementwise",
     }
     assert {name: kernel_kind(name) for name in names} == names
+
+
+def test_host_engine_ops_stay_flat_in_the_tensor_count_and_under_budget(tmp_path, capsys):
+    """``mpp bench host`` on 2 ranks (the real engine, ZeRO and precision as the recipe ships):
+    MAE at depth 6 and 12 (180 and 252 parameter tensors). The engine's non-view ops per step (a
+    kernel launch each on a GPU) do not grow with the tensor count, the step stays under its
+    committed budget, and every phase and source is counted."""
+    from mpp.tools.benchmarks.host import BUDGET
+
+    r = run_suite(tmp_path, capsys, "host", "--recipes", "mae", "--depths", "6,12")
+    d6, d12 = r["rows"]
+    assert (d6["depth"], d12["depth"]) == (6, 12) and d12["param_tensors"] - d6[
+        "param_tensors"
+    ] == 72
+    assert d12["zero_stage"] == 0 and d12["precision"] == "bf16-autocast"
+    assert d12["engine_kernel_ops_per_step"] <= 1.2 * d6["engine_kernel_ops_per_step"]
+    assert d12["ops_per_step"] <= BUDGET["mae"]
+    assert d12["ops_per_step"] == sum(p["ops"] for p in d12["phases"].values())
+    # the objective grows with depth, the engine's views (flattening the gradients) too
+    assert d12["objective_ops_per_step"] > 1.3 * d6["objective_ops_per_step"]
+    assert "mpp/parallel/stage0.py:allreduce_gradients" in d12["sources"]
+    (goal,) = r["goals"]
+    assert goal["met"] is True and goal["engine_growth"] <= 1.2
+
+
+def test_host_check_catches_a_per_tensor_loop(dist_group, monkeypatch):
+    """The same measurement in this process (one rank) with a deliberate per-tensor loop after
+    each optimiser step, as an unfused EMA or a per-parameter check would add: its goal fails."""
+    import mpp.tools.benchmarks.engine_step as engine_step
+    from mpp.tools.benchmarks.host import goals, measure_recipe
+
+    after = engine_step.after_optimizer_step
+
+    def per_tensor_loop(engine):
+        after(engine)
+        with torch.no_grad():
+            for p in engine.module.parameters():
+                p.mul_(1.0)
+
+    clean = [measure_recipe("mae", d, [], steps=1, warmup=1) for d in (6, 12)]
+    monkeypatch.setattr(engine_step, "after_optimizer_step", per_tensor_loop)
+    broken = [measure_recipe("mae", d, [], steps=1, warmup=1) for d in (6, 12)]
+    assert goals(clean)[0]["met"] is True
+    (goal,) = goals(broken)
+    assert goal["met"] is False and goal["engine_growth"] > 1.2
+    assert broken[1]["phases"]["after_step"]["ops"] >= broken[1]["param_tensors"]
 
 
 def test_cli_lists_every_suite():

@@ -15,7 +15,12 @@ from mpp.tools.benchmarks.engine_step import spec_peak
 from mpp.tools.doctor import FAIL, NEEDS_GPU, PASS, VERDICTS, WARN, Row
 from mpp.tools.doctor.engine_gpu import memory_row, mfu_row, sync_row
 from mpp.tools.doctor.engine_run import plan_for
-from mpp.tools.doctor.environment import parse_xformers_info, xformers_build_problems
+from mpp.tools.doctor.environment import (
+    parse_xformers_info,
+    xformers_build_problems,
+    xformers_fix,
+    xformers_row,
+)
 from mpp.tools.doctor.parity import TOLERANCE, NoKernel, parity_row, relative_error, sdpa_with
 
 CPU = torch.device("cpu")
@@ -122,6 +127,7 @@ XFORMERS_INFO = """xFormers 0.0.35
 memory_efficient_attention.cutlassF-pt:            available
 memory_efficient_attention.fa3F@0.0.0:             unavailable
 pytorch.version:                                   2.13.0+cpu
+build.cuda_version:                                1208
 build.torch_version:                               2.10.0+cu128
 build.python_version:                              3.10.19
 build.env.TORCH_CUDA_ARCH_LIST:                    7.5 8.0+PTX 8.0 9.0a
@@ -133,10 +139,50 @@ def test_xformers_build_is_checked_against_torch_python_and_gpu():
     assert info["build.torch_version"] == "2.10.0+cu128"
     assert info["memory_efficient_attention.cutlassF-pt"] == "available"
     assert (
-        xformers_build_problems(info, "2.10.0+cu128", "3.10.4", "9.0") == []
+        xformers_build_problems(info, "2.10.0+cu128", "12.8", "3.10.4", "9.0") == []
     )  # an H100: sm 9.0a built
-    problems = xformers_build_problems(info, "2.13.0+cu128", "3.11.7", "12.0")
+    problems = xformers_build_problems(info, "2.13.0+cu128", "12.8", "3.11.7", "12.0")
     assert len(problems) == 3 and "torch 2.10.0+cu128" in problems[0] and "sm 12.0" in problems[2]
+    # the right torch for another CUDA (13.0: another libcudart), or a CPU torch
+    assert xformers_build_problems(info, "2.10.0+cu130", "13.0", "3.10.4", None) == [
+        "CUDA 12.8 (here 13.0)"
+    ]
+    assert (
+        "CUDA 12.8 (here none" in xformers_build_problems(info, "2.10.0", None, "3.10.4", None)[0]
+    )
+
+
+# what xformers 0.0.35's wheel (torch 2.10.0+cu128) asks for
+FIX_0035 = 'pip install "torch==2.10.0" --index-url https://download.pytorch.org/whl/cu128'
+
+
+def test_the_xformers_fix_installs_the_torch_the_wheel_was_built_for():
+    assert xformers_fix(parse_xformers_info(XFORMERS_INFO)) == FIX_0035
+    built = {"build.torch_version": "2.11.0+cu130", "build.cuda_version": "1300"}
+    assert xformers_fix(built) == (
+        'pip install "torch==2.11.0" --index-url https://download.pytorch.org/whl/cu130'
+    )
+    # no local label: the tag from build.cuda_version; no build at all: 0.0.35's own
+    assert xformers_fix({"build.torch_version": "2.8.0", "build.cuda_version": "1206"}).endswith(
+        'torch==2.8.0" --index-url https://download.pytorch.org/whl/cu126'
+    )
+    assert xformers_fix({}) == FIX_0035
+
+
+def test_the_xformers_row_prints_the_fix_for_this_install():
+    """The real wheel under the real torch: here xformers 0.0.35 (built for 2.10.0+cu128) under
+    the CPU torch 2.13.0, so the row ends with the command that installs torch 2.10.0."""
+    row = xformers_row()
+    assert row.values, row.reason  # xformers is a dependency: installed and answering
+    built = row.values["build"]["build.torch_version"]
+    if built == torch.__version__:  # e.g. a GPU machine installed with the gpu extra
+        assert "fix" not in row.values and "fix:" not in row.reason
+        return
+    version, _, tag = built.partition("+")
+    fix = f'pip install "torch=={version}" --index-url https://download.pytorch.org/whl/{tag}'
+    assert row.verdict == WARN and row.values["fix"] == fix and row.reason.endswith(f"; fix: {fix}")
+    if row.values["version"] == "xFormers 0.0.35":
+        assert fix == FIX_0035
 
 
 def test_spec_peaks_are_datasheet_dense_bf16_by_device_name():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpp.config import Config, FinetuneConfig, load_config
+from mpp.config import Config, ConfigError, FinetuneConfig, load_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # the training configs: not the probes' (linear_*) nor the ablation specs (a "grid")
@@ -72,9 +72,17 @@ def test_deepspeed_config_for_gpus(stage):
     cfg.deepspeed = {"zero_optimization": {"stage": stage}}
     ds = cfg.deepspeed_config(8, "cuda")
     assert ds["timers"] == {"throughput": {"enabled": False}}
-    assert ds["bf16"] == {"enabled": True} and ds["communication_data_type"] == "fp32"
+    # MAE clips nothing: DeepSpeed's own default would clip at 1.0
+    assert ds["gradient_clipping"] == 0.0
+    if stage == 0:  # auto: fp32 weights under bf16 autocast, the multi-tensor path
+        assert ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"} and "bf16" not in ds
+    else:  # mpp's finite-loss check guards: no per-gradient overflow check of DeepSpeed's
+        assert ds["bf16"] == {"enabled": True, "check_grad_overflow": False}
+        assert ds["communication_data_type"] == "fp32" and "torch_autocast" not in ds
     assert ("data_types" in ds) == (stage >= 2)
     zero = ds["zero_optimization"]
+    # nothing clips, so no fp64 norm of every gradient (DeepSpeed takes the key at stages 1/2)
+    assert zero.get("compute_grad_norm") == (False if stage in (1, 2) else None)
     assert zero.get("overlap_comm") == (
         True if stage in (1, 2) else None
     )  # DeepSpeed's own default at 3
@@ -90,6 +98,40 @@ def test_deepspeed_config_for_gpus(stage):
     assert (
         ds["zero_optimization"]["overlap_comm"] is False and ds["communication_data_type"] == "bf16"
     )
+
+
+def test_the_users_precision_keys_survive_and_the_derived_ones_are_refused(tmp_path):
+    """``deepspeed.bf16`` / ``torch_autocast`` keys other than what ``train.precision`` decides reach
+    DeepSpeed (``derive`` used to replace the section with ``{"enabled": true}``); ``enabled`` and
+    the autocast dtype are refused, naming the key and the file; clipping is DeepSpeed's only
+    where ``optim.grad_clip`` says so."""
+    cfg = shipped("mae_b16")
+    cfg.deepspeed = {"zero_optimization": {"stage": 1}, "bf16": {"check_grad_overflow": True}}
+    assert cfg.deepspeed_config(8, "cuda")["bf16"] == {"enabled": True, "check_grad_overflow": True}
+    safe = ["torch.nn.Linear"]
+    cfg.deepspeed = {"torch_autocast": {"lower_precision_safe_modules": safe}}
+    assert cfg.deepspeed_config(8, "cuda")["torch_autocast"] == {
+        "lower_precision_safe_modules": safe,
+        "enabled": True,
+        "dtype": "bfloat16",
+    }
+    cfg.train.skip_nonfinite = False  # no check of mpp's: DeepSpeed's own stays on
+    cfg.deepspeed = {"zero_optimization": {"stage": 1}}
+    assert cfg.deepspeed_config(8, "cuda")["bf16"] == {"enabled": True}
+    mpp_cfg = shipped("mpp_b16")  # clips at 1.0: the norm is needed
+    mpp_cfg.deepspeed = {"zero_optimization": {"stage": 2}}
+    ds = mpp_cfg.deepspeed_config(8, "cuda")
+    assert ds["gradient_clipping"] == 1.0 and "compute_grad_norm" not in ds["zero_optimization"]
+    for section, key in [("bf16", "enabled"), ("torch_autocast", "dtype"), ("fp16", "enabled")]:
+        path = tmp_path / f"{section}.json"
+        raw = json.loads((CONFIGS / "mae_b16.json").read_text())
+        raw["deepspeed"][section] = {key: True}
+        raw["data"]["train_shards"] = "x-{000000..000001}.tar"
+        path.write_text(json.dumps(raw))
+        with pytest.raises(
+            ConfigError, match=rf"{path.name}.*deepspeed\.{section}\.{key} is derived"
+        ):
+            load_config(str(path))
 
 
 def test_zero_offload_runs_with_our_optimizer(tmp_path, digits16, dist_group):

@@ -1,6 +1,8 @@
 """DeepSpeed's config, derived from ours: the batch split, clipping and precision, and the
-settings the GPU path needs that DeepSpeed does not default to (issue 22 §5). A key the user set
-in the ``deepspeed`` section wins over every default here."""
+settings the GPU path needs that DeepSpeed does not default to (issue 22 §5), or defaults to
+per-tensor host work that mpp does not need (issue 36, ``mpp bench host``). A key the user set
+in the ``deepspeed`` section wins over every default here (``bf16``/``fp16`` too, but for
+``enabled``, which ``train.precision`` decides)."""
 
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ def derive(
     accum: int,
     grad_clip: float | None,
     precision: str,
+    guarded: bool = True,
 ) -> dict[str, Any]:
-    """The dict for ``deepspeed.initialize(config=...)`` from the config's ``deepspeed`` section."""
+    """The dict for ``deepspeed.initialize(config=...)`` from the config's ``deepspeed`` section.
+    ``guarded``: mpp's own finite-loss check runs every micro-step (``train.skip_nonfinite``)."""
     ds = copy.deepcopy(user)
     ds.update(
         train_batch_size=batch,
@@ -26,29 +30,46 @@ def derive(
         zero_allow_untested_optimizer=True,  # a plain torch Adam/AdamW, so per-group lr stays ours
     )
     zero = ds.setdefault("zero_optimization", {"stage": 0})
-    if grad_clip is not None:
-        ds["gradient_clipping"] = grad_clip
+    stage = zero.get("stage", 0)
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none") != "none"
+    # always written: DeepSpeed's own default is 1.0 (deepspeed/runtime/constants.py), so a recipe
+    # without clipping (MAE, HPM) had its gradients clipped to norm 1 and a norm computed per step
+    ds["gradient_clipping"] = grad_clip or 0.0
     # DeepSpeed's throughput timer is on by default and synchronizes the device in every
     # forward and every step() (deepspeed/utils/timer.py): two host syncs per micro-step
     ds.setdefault("timers", {"throughput": {"enabled": False}})
-    if zero.get("stage", 0) > 0:
+    if stage > 0:
         # 5e8-element buckets exceed ViT-B's 86M parameters, so the reduction would start only
         # after the whole backward; at stage 3 the fp32 bucket alone held 1.86 GiB per GPU
         # (python -m mpp.tools.planner, measured on the engine), more than ZeRO-1's whole model states
         zero.setdefault("reduce_bucket_size", int(5e7))
-    if zero.get("stage", 0) in (1, 2):
+    if stage in (1, 2):
         zero.setdefault("overlap_comm", True)  # stage 3 overlaps by default, stages 1/2 do not
-    if (zero.get("offload_optimizer") or {}).get("device", "none") != "none":
+        # nothing clips, so nothing needs the global norm, which ZeRO computes per gradient in
+        # fp64 (mpp logs none); DeepSpeed refuses this with offload, and at stage 1 with fp32
+        # accumulation
+        if not grad_clip and not offload and "data_types" not in ds:
+            zero.setdefault("compute_grad_norm", False)
+    if offload:
         # ZeRO-Offload asks for DeepSpeedCPUAdam by default; torch's fused CPU Adam/AdamW
         # keeps our per-group lr and needs no JIT build
         ds.setdefault("zero_force_ds_cpu_optimizer", False)
     if precision == "bf16":
-        ds["bf16"] = {"enabled": True}
-        ds.update(
-            {k: v for k, v in bf16_reduction_dtypes(zero.get("stage", 0)).items() if k not in ds}
-        )
+        bf16 = ds["bf16"] = {**ds.get("bf16", {}), "enabled": True}
+        if guarded:
+            # bf16 has fp32's range, so an inf gradient comes from a non-finite loss, which
+            # mpp's check already stops on every rank; DeepSpeed's own check costs 7 ops per
+            # gradient and a host sync (deepspeed/runtime/utils.py has_inf_or_nan)
+            bf16.setdefault("check_grad_overflow", False)
+        ds.update({k: v for k, v in bf16_reduction_dtypes(stage).items() if k not in ds})
+    elif precision == "bf16-autocast":
+        ds["torch_autocast"] = {
+            **ds.get("torch_autocast", {}),
+            "enabled": True,
+            "dtype": "bfloat16",
+        }
     elif precision == "fp16":
-        ds["fp16"] = {"enabled": True}
+        ds["fp16"] = {**ds.get("fp16", {}), "enabled": True}
     return ds
 
 

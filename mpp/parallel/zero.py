@@ -21,9 +21,11 @@ def local_tensors(p: nn.Parameter) -> list[Tensor]:
     rank as well, and the forward reads that copy; it is refreshed from the shard only after the
     *next* optimiser step, so it is returned too (measured: without it an EMA lags a step).
     Two parameters of the same shape get the same partitioning, so their lists pair up. On one
-    rank the shard may be the full data itself: returned once (an EMA would otherwise apply twice)."""
+    rank the shard may be the full data itself: returned once (an EMA would otherwise apply twice).
+    An unpartitioned parameter is returned itself (write to it under ``torch.no_grad``): ``.data``
+    would dispatch an op per parameter per step, and ZeRO-1/2 re-point it after every step."""
     if not is_partitioned(p):
-        return [p.data]
+        return [p]
     whole = p.data.numel() == p.ds_numel and p.data.data_ptr() != p.ds_tensor.data_ptr()
     return [p.ds_tensor, p.data] if whole else [p.ds_tensor]
 

@@ -24,7 +24,7 @@ from mpp.checkpoint.manager import Checkpointer
 from mpp.config import RunConfig
 from mpp.data import make_train_loader
 from mpp.ops import normalize
-from mpp.parallel import zero
+from mpp.parallel import stage0, zero
 from mpp.train.metrics import MetricLog
 from mpp.train.monitor import build_monitor
 from mpp.train.nonfinite import NonFiniteLossError, all_finite, skip_bad_step
@@ -64,7 +64,7 @@ class Trainer:
         # ranks draw different masks; data has its own seeds
         seed_everything(cfg.train.seed + self.rank)
         self.stop = min(plan.total_steps, cfg.train.stop_at_step or plan.total_steps)
-        self.engine, self.optimizer = start_engine(cfg, objective, plan)
+        self.engine, self.optimizer = start_engine(cfg, objective, plan.ds_config)
         self.objective = self.engine.module
         self.checkpointer = Checkpointer(self.engine, run_dir, cfg, plan)
         self.state = self.checkpointer.resume(resume)
@@ -207,15 +207,18 @@ class Trainer:
 
 
 def start_engine(
-    cfg: RunConfig, objective: torch.nn.Module, plan: Plan
+    cfg: RunConfig, objective: torch.nn.Module, ds_config: dict
 ) -> tuple[Any, torch.optim.Optimizer]:
-    """``deepspeed.initialize`` with our optimiser; compiled when ``model.compile``."""
+    """``deepspeed.initialize`` with our optimiser; at ZeRO stage 0 with fp32 weights its gradient
+    all-reduce and clipping in multi-tensor ops (``mpp.parallel.stage0``); compiled when
+    ``model.compile``."""
     import deepspeed
 
     optimizer = build_optimizer(cfg, objective)
     engine, optimizer, _, _ = deepspeed.initialize(
-        model=objective, optimizer=optimizer, config=plan.ds_config
+        model=objective, optimizer=optimizer, config=ds_config
     )
+    stage0.use_multi_tensor_path(engine)
     if cfg.model.compile:  # the training forward has no graph break (tests/test_compile.py)
         engine.compile()
     return engine, optimizer

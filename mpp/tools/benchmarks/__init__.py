@@ -17,6 +17,7 @@ SUITES = {
     "data": "mpp.tools.benchmarks.data",
     "zero": "mpp.tools.benchmarks.zero",
     "gpu-step": "mpp.tools.benchmarks.gpu_step",
+    "host": "mpp.tools.benchmarks.host",
     "preview": "mpp.tools.benchmarks.preview",
     "monitor": "mpp.tools.benchmarks.monitor",
 }

@@ -30,19 +30,23 @@ from mpp.config import Config, load_config
 from mpp.tools.benchmarks.common import interleaved_times, median
 from mpp.tools.benchmarks.flops import step_flops
 from mpp.tools.planner.hardware import spec_peak  # noqa: F401  (gpu_step and the doctor take it from here)
-from mpp.train.optim import build_optimizer
 from mpp.train.plan import RunState
-from mpp.train.trainer import after_optimizer_step, micro_step, to_device
+from mpp.train.trainer import after_optimizer_step, micro_step, start_engine, to_device
 
 # validated by the config, never read: the step's images are made on the device
 DUMMY_SHARDS = "unused-{000000..000000}.tar"
 
 
 def step_config(
-    objective: str, setting: dict, attn_backend: str = "auto", precision: str = "auto"
+    objective: str, setting: dict, attn_backend: str = "auto", precision: str = "as on a GPU"
 ) -> Config:
     """``configs/{objective}_b16.json`` at the setting's model, decoder and batch, one rank, micro
-    batch = batch (no accumulation), everything else (optimiser, ZeRO stage, precision) as shipped."""
+    batch = batch (no accumulation), everything else (optimiser, ZeRO stage) as shipped; the
+    precision the recipe takes on a GPU (its ``auto`` resolved for CUDA) on any device, unless
+    given or set (``setting["sets"]`` win over everything)."""
+    if precision == "as on a GPU":
+        cfg = step_config(objective, setting, attn_backend, "auto")
+        precision = cfg.resolved_precision("cuda")
     overrides = {
         "model.name": setting["model"],
         "model.attn_backend": attn_backend,
@@ -67,31 +71,28 @@ def step_config(
 
 class EngineStep:
     """One objective under ``deepspeed.initialize`` (a process group must exist: one rank is
-    enough) and ``step()``: one micro-step, the trainer's own ``micro_step`` and ``after_optimizer_step``."""
+    enough; on more, ``train.batch_size`` is split between them) and ``step()``: one micro-step, the trainer's own ``micro_step`` and ``after_optimizer_step``."""
 
     def __init__(self, cfg: Config, device: torch.device, compile: bool = False) -> None:
-        import deepspeed
-
         torch.manual_seed(cfg.train.seed)
         objective = build_objective(cfg)
-        optimizer = build_optimizer(cfg, objective)
-        ds_config = cfg.deepspeed_config(1, device.type)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=objective, optimizer=optimizer, config=ds_config
-        )
+        world = torch.distributed.get_world_size()
+        ds_config = cfg.deepspeed_config(world, device.type)
         if compile:
-            self.engine.compile()  # DeepSpeed's own torch.compile of the module it wraps
+            cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"compile": True})})
+        self.engine, self.optimizer = start_engine(cfg, objective, ds_config)
         self.cfg, self.device, self.model = cfg, device, self.engine.module
-        self.precision = "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
+        self.precision = cfg.resolved_precision(device.type)
         self.zero_stage = ds_config["zero_optimization"].get("stage", 0)
         # half-way through the schedule: HPM's teacher runs (k > 0), as in all but its first steps
         self.model.set_progress(50.0, 100.0)
         img = self.model.encoder.patch_embed.img_size
         gen = torch.Generator().manual_seed(0)
         # the loader's uint8 batch, already on the device: the data path is the launcher run's to measure
-        self.images = torch.randint(
-            0, 256, (cfg.train.batch_size, 3, *img), dtype=torch.uint8, generator=gen
-        ).to(device)
+        micro, _ = cfg.micro_batch(world)
+        self.images = torch.randint(0, 256, (micro, 3, *img), dtype=torch.uint8, generator=gen).to(
+            device
+        )
         self.state = RunState()
         self.check_finite = cfg.train.skip_nonfinite
         self.flops_per_image = step_flops(self.model).step
@@ -170,9 +171,10 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "elementwise")
 
 
-def kernel_shares(runner: EngineStep, steps: int = 3) -> dict[str, float]:
+def kernel_shares(runner: EngineStep, steps: int = 3) -> tuple[dict[str, float], float]:
     """Where ``steps`` steps spend the GPU's time, from torch.profiler's kernel records: each kind's
-    share of the wall time, and ``idle`` (the GPU running no kernel: the host is the limit)."""
+    share of the wall time, and ``idle`` (the GPU running no kernel: the host is the limit); and
+    the kernels launched per step."""
     from torch.profiler import ProfilerActivity, profile
 
     runner.step()
@@ -184,12 +186,14 @@ def kernel_shares(runner: EngineStep, steps: int = 3) -> dict[str, float]:
         torch.cuda.synchronize(runner.device)
         wall_us = (time.perf_counter() - start) * 1e6
     busy: Counter = Counter()
+    kernels = 0
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             busy[kernel_kind(e.name)] += e.device_time_total
+            kernels += 1
     shares = {kind: round(us / wall_us, 3) for kind, us in busy.most_common()}
     shares["idle"] = round(max(0.0, 1 - sum(busy.values()) / wall_us), 3)
-    return shares
+    return shares, kernels / steps
 
 
 def measure(
@@ -227,5 +231,5 @@ def measure(
         ]
         row["host_syncs"] = syncs
         if profile:
-            row["gpu_time"] = kernel_shares(runner)
+            row["gpu_time"], row["kernels_per_step"] = kernel_shares(runner)
     return row

@@ -1,10 +1,13 @@
 """gpu-step: the real training step of MPP, MAE and HPM (ViT-B/16, 224 px) on one GPU:
-DeepSpeed's engine in the shipped configs' bf16 mode, images/s, MFU against the GPU's spec-sheet
-peak, peak memory and host syncs per step; xformers against SDPA; optionally under torch.compile.
+DeepSpeed's engine as the shipped configs set it (ZeRO stage 0, bf16 autocast, mpp's multi-tensor
+gradient path), images/s, MFU against the GPU's spec-sheet peak, peak memory, host syncs and
+kernels per step; xformers against SDPA; optionally under torch.compile (``--compile``) and under
+issue 36's other levers (``--levers``: DeepSpeed's ZeRO-1 bf16 path as mpp now sets it, and as it
+ran before).
 
 Each row is ``mpp.tools.benchmarks.engine_step``: the objective from configs/{objective}_b16.json at
-the setting's batch on one rank, stepped as mpp.train.trainer steps it (DeepSpeed's bf16: bf16 module,
-fp32 master weights; TF32 off, as training leaves it). MFU = model FLOPs (mpp.tools.benchmarks.flops)
+the setting's batch on one rank, stepped as mpp.train.trainer steps it, in the precision the
+recipe takes on a GPU (TF32 off, as training leaves it). MFU = model FLOPs (mpp.tools.benchmarks.flops)
 ÷ the dense bf16 peak of the GPU's datasheet (mpp.tools.planner.hardware.SPEC_BF16_DENSE: H100 SXM 989 TFLOP/s),
 never a figure measured here; the bf16 matmul it measures is its own column. Recorded by hand on
 a GPU machine, never in CI; without CUDA it refuses with exit code 2 (--device cpu runs the same
@@ -50,6 +53,21 @@ SETTINGS = {
     ),
 }
 MATMUL_N = {"cuda": 8192, "cpu": 256}
+# issue 36 §2's levers, each a row's config overrides beside the recipe as shipped (ZeRO stage 0,
+# bf16 autocast, mpp's multi-tensor gradient path): DeepSpeed's ZeRO-1 bf16 path with the
+# per-tensor work mpp now turns off, and as it ran before (its overflow check, a gradient norm,
+# and DeepSpeed's default clip at 1.0, which MAE and HPM used to get)
+LEVERS = {
+    "shipped": [],
+    "zero1-bf16": ["deepspeed.zero_optimization.stage=1", "train.precision=bf16"],
+    "zero1-bf16-before": [
+        "deepspeed.zero_optimization.stage=1",
+        "train.precision=bf16",
+        'deepspeed.bf16={"check_grad_overflow": true}',
+        "deepspeed.zero_optimization.compute_grad_norm=true",
+        "optim.grad_clip=1.0",
+    ],
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,6 +83,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="a config override for every row, as pretraining takes it "
         "(e.g. deepspeed.zero_optimization.stage=0 or train.skip_nonfinite=false)",
+    )
+    p.add_argument(
+        "--levers",
+        action="store_true",
+        help="also each row under the other levers: " + ", ".join(LEVERS),
     )
     p.add_argument(
         "--profile",
@@ -87,6 +110,7 @@ def run(
     device: str = "cuda",
     profile: bool = False,
     sets: list[str] | None = None,
+    levers: bool = False,
 ) -> dict[str, Any]:
     from mpp.parallel.distributed import init_distributed
 
@@ -116,10 +140,13 @@ def run(
     backends = ["sdpa"] + ([] if refused else ["xformers"])
     matmul = matmul_roofline(MATMUL_N[device], dev, torch.bfloat16)
     rows = []
-    for name in OBJECTIVES:
-        for backend in backends:
-            for compiled in [False, True] if compile else [False]:
-                rows.append(measure_row(name, backend, compiled, s, dev, matmul, peak))
+    for lever in LEVERS if levers else ["shipped"]:
+        setting = {**s, "sets": [*LEVERS[lever], *s["sets"]]}
+        for name in OBJECTIVES:
+            for backend in backends:
+                for compiled in [False, True] if compile else [False]:
+                    row = measure_row(name, backend, compiled, setting, dev, matmul, peak)
+                    rows.append({"lever": lever, **row})
     setting = {
         **s,
         "device": device,
@@ -147,7 +174,7 @@ def measure_row(
     # the matmul's buffers stay out of the peak
     base = torch.cuda.memory_allocated(dev) if cuda else 0
     # bf16 on the CPU as well: the check runs DeepSpeed's bf16 path that the GPU runs
-    runner = EngineStep(step_config(name, s, backend, precision="bf16"), dev, compile=compiled)
+    runner = EngineStep(step_config(name, s, backend), dev, compile=compiled)
     try:
         row = measure(runner, s["rounds"], s["warmup"], matmul, s["profile"])
     finally:
@@ -161,18 +188,24 @@ def measure_row(
 
 
 def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (attention, compiled): MPP and MAE MFU, HPM's step time ÷ MAE's, against GOALS."""
+    """Per (lever, attention, compiled): MPP and MAE MFU, HPM's step time ÷ MAE's, against GOALS."""
     out = []
-    for key in sorted({(r["attention"], r["compiled"]) for r in rows}):
-        by = {r["objective"]: r for r in rows if (r["attention"], r["compiled"]) == key}
+    keys = dict.fromkeys((r.get("lever", "shipped"), r["attention"], r["compiled"]) for r in rows)
+    for key in keys:
+        by = {
+            r["objective"]: r
+            for r in rows
+            if (r.get("lever", "shipped"), r["attention"], r["compiled"]) == key
+        }
         hpm_vs_mae = by["hpm"]["step_s"] / by["mae"]["step_s"]
         mfu_met = None not in (by["mpp"]["mfu"], by["mae"]["mfu"]) and (
             by["mpp"]["mfu"] >= GOALS["mpp_mfu_min"] and by["mae"]["mfu"] >= GOALS["mae_mfu_min"]
         )
         out.append(
             {
-                "attention": key[0],
-                "compiled": key[1],
+                "lever": key[0],
+                "attention": key[1],
+                "compiled": key[2],
                 "mpp_mfu": by["mpp"]["mfu"],
                 "mae_mfu": by["mae"]["mfu"],
                 "hpm_vs_mae_time": hpm_vs_mae,
@@ -192,6 +225,7 @@ def render(result: dict[str, Any]) -> str:
     goal_table = format_table(
         result["goals"],
         [
+            ("lever", "lever", ""),
             ("attention", "attention", ""),
             ("compiled", "compile", ""),
             ("mpp_mfu", "MPP MFU (>= 0.40)", ".3f"),
@@ -208,9 +242,12 @@ def render(result: dict[str, Any]) -> str:
         + format_table(
             result["rows"],
             [
+                ("lever", "lever", ""),
                 ("objective", "objective", ""),
                 ("attention", "attention", ""),
                 ("compiled", "compile", ""),
+                ("precision", "precision", ""),
+                ("zero_stage", "ZeRO", ""),
                 ("step_s", "s/step", ".4f"),
                 ("imgs_per_sec", "img/s", ".0f"),
                 ("tflops_per_s", "TFLOP/s", ".0f"),
@@ -218,6 +255,7 @@ def render(result: dict[str, Any]) -> str:
                 ("matmul_tflops_per_s", "bf16 mm TFLOP/s", ".0f"),
                 ("peak_mem_gib", "peak GiB", ".1f"),
                 ("host_syncs_per_step", "host syncs/step", ""),
+                ("kernels_per_step", "kernels/step", ""),
             ],
         )
         + profile_table(result["rows"])
@@ -231,7 +269,10 @@ def profile_table(rows: list[dict[str, Any]]) -> str:
         return ""
     kinds = ["matmul", "attention", "elementwise", "optimizer", "communication", "idle"]
     table = [
-        {"row": f"{r['objective']} {r['attention']}{' compiled' if r['compiled'] else ''}"}
+        {
+            "row": f"{r.get('lever', 'shipped')} {r['objective']} {r['attention']}"
+            + (" compiled" if r["compiled"] else "")
+        }
         | {k: r["gpu_time"].get(k, 0.0) for k in kinds}
         for r in rows
     ]

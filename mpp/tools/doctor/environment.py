@@ -58,11 +58,15 @@ def cuda_row() -> Row:
 def bf16_row() -> Row:
     if not torch.cuda.is_available():
         return needs_gpu(
-            SECTION, "bf16", "checks the GPU computes in bf16 (precision auto = bf16 on CUDA)"
+            SECTION, "bf16", "checks the GPU computes in bf16 (precision auto is bf16 on CUDA)"
         )
     if torch.cuda.is_bf16_supported(including_emulation=False):
         return Row(
-            SECTION, "bf16", PASS, "native bf16: precision auto trains in DeepSpeed's bf16 mode"
+            SECTION,
+            "bf16",
+            PASS,
+            "native bf16: precision auto trains under bf16 autocast at ZeRO stage 0, in "
+            "DeepSpeed's bf16 mode at stages 1-3",
         )
     return Row(
         SECTION,
@@ -82,14 +86,28 @@ def parse_xformers_info(text: str) -> dict[str, str]:
     return info
 
 
+def built_cuda(info: dict[str, str]) -> str | None:
+    """The CUDA the wheel was built with, as ``torch.version.cuda`` spells it (1208 -> "12.8")."""
+    code = info.get("build.cuda_version", "")
+    return f"{int(code) // 100}.{int(code) % 100}" if code.isdigit() else None
+
+
 def xformers_build_problems(
-    info: dict[str, str], torch_version: str, python: str, capability: str | None
+    info: dict[str, str],
+    torch_version: str,
+    torch_cuda: str | None,
+    python: str,
+    capability: str | None,
 ) -> list[str]:
-    """What in the wheel's build does not match this torch, Python and GPU (sm ``capability``)."""
+    """What in the wheel's build does not match this torch (and its CUDA), Python and GPU
+    (sm ``capability``)."""
     problems = []
     built_torch = info.get("build.torch_version", "")
     if built_torch.split("+")[0] != torch_version.split("+")[0]:
         problems.append(f"torch {built_torch or '?'} (here {torch_version})")
+    cuda = built_cuda(info)
+    if cuda and cuda != torch_cuda:
+        problems.append(f"CUDA {cuda} (here {torch_cuda or 'none: a CPU torch'})")
     built_py = info.get("build.python_version", "")
     if built_py.rsplit(".", 1)[0] != python.rsplit(".", 1)[0]:
         problems.append(f"Python {built_py or '?'} (here {python})")
@@ -97,6 +115,15 @@ def xformers_build_problems(
     if capability and arch and capability not in arch.replace("+PTX", "").replace("a", "").split():
         problems.append(f"sm {arch} (this GPU: sm {capability})")
     return problems
+
+
+def xformers_fix(info: dict[str, str]) -> str:
+    """The pip command that installs the torch the wheel was built for, read off its build
+    (2.10.0+cu128: torch==2.10.0 from PyTorch's cu128 index); xformers 0.0.35's where it has none."""
+    version, _, tag = (info.get("build.torch_version") or "2.10.0+cu128").partition("+")
+    cuda = built_cuda(info)
+    tag = tag or (f"cu{cuda.replace('.', '')}" if cuda else "cu128")
+    return f'pip install "torch=={version}" --index-url https://download.pytorch.org/whl/{tag}'
 
 
 def xformers_row() -> Row:
@@ -120,7 +147,9 @@ def xformers_row() -> Row:
         if torch.cuda.is_available()
         else None
     )
-    problems = xformers_build_problems(info, torch.__version__, platform.python_version(), cap)
+    problems = xformers_build_problems(
+        info, torch.__version__, torch.version.cuda, platform.python_version(), cap
+    )
     ops = {
         k.split(".", 1)[1]: v
         for k, v in info.items()
@@ -142,6 +171,9 @@ def xformers_row() -> Row:
         )
     # its own C++/CUDA kernels do not load; the "-pt" ops left call PyTorch's own kernels
     reason = f"built for {', '.join(problems)}: its own kernels do not load; ops left: {', '.join(usable) or 'none'}"
+    if any(p.startswith(("torch ", "CUDA ")) for p in problems):
+        values["fix"] = xformers_fix(info)
+        reason += f"; fix: {values['fix']}"
     return Row(SECTION, "xformers wheel", WARN, reason, values)
 
 

@@ -25,6 +25,7 @@ from torch.utils.flop_counter import (
 )
 
 from mpp.tools.planner.hardware import GPU, ring_bytes_per_s
+from mpp.tools.planner.memory import weight_bytes
 
 aten = torch.ops.aten
 
@@ -116,7 +117,7 @@ def comm_bytes(
     all-reduces them in the backward of every micro-batch; ZeRO-3 reduce-scatters them every
     micro-batch; ZeRO-1/2 all-gather the updated parameters after the step; ZeRO-3 gathers them
     in every forward and backward (HPM's teacher: its forward)."""
-    n, w = ranks, 4 if precision == "fp32" else 2
+    n, w = ranks, weight_bytes(precision)
     share = (n - 1) / n
     grads, params = 4 * trainable, w * trainable
     if n == 1:

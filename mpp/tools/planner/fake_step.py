@@ -23,7 +23,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from mpp.tools.planner.cost import OpCosts, flop_counter
 from mpp.tools.planner.memory import PeakTracker, materialize
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# the weights' dtype of each train.precision (bf16-autocast: fp32 weights, the step under autocast)
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "bf16-autocast": torch.float32,
+}
 
 
 def build_on_meta(cfg: Any) -> torch.nn.Module:
@@ -138,7 +144,8 @@ def run(config: str, overrides: list[str], micro: list[int], dtype: str) -> dict
         "frozen": [p.numel() for p in meta.parameters() if not p.requires_grad],
     }
     img_size = meta.encoder.patch_embed.img_size[0]
-    with fake_mode():
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bf16-autocast")
+    with fake_mode(), autocast:
         objective = materialize(meta, DTYPES[dtype])
         steps = [
             {"micro": b, "activation_bytes": activation_peak(objective, b, img_size)} for b in micro

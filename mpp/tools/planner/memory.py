@@ -102,6 +102,12 @@ def zero_settings(ds_config: dict[str, Any]) -> dict[str, Any]:
     return settings
 
 
+def weight_bytes(precision: str) -> int:
+    """Bytes of a weight (and its gradient) in the module: 4 where the weights stay fp32 (fp32, and
+    bf16-autocast, which casts them per op), 2 in DeepSpeed's bf16 and fp16 modes."""
+    return 4 if precision in ("fp32", "bf16-autocast") else 2
+
+
 def model_states(
     trainable: list[int],
     frozen: list[int],
@@ -124,12 +130,13 @@ def model_states(
       stage 3: (w + 16)/N (also the fp32 accumulation partition) + either the optimiser's fp32
                gradient partition (4/N, at the step) or the gathered parameters (one prefetch
                bucket, in forward and backward), whichever is larger, + the small persistent ones.
-    fp32: the same without the master copy and with 4-byte gradients.
+    fp32 and bf16-autocast (fp32 weights): the same without the master copy and with 4-byte
+    gradients.
     Buffers: two reduce buckets of w bytes per element at stages 1/2 with overlap_comm (one
     without); one fp32 bucket at stage 3. Frozen parameters: their w copy (partitioned at stage
     3); with ``ema`` also the fp32 average beside a low-precision teacher (``mpp.parallel.ema``)."""
     z, n = zero_settings(ds_config), ranks
-    w = 4 if precision == "fp32" else 2
+    w = weight_bytes(precision)
     P, F = sum(trainable), sum(frozen)
     opt = 16 if w == 2 else 12  # fp32 master (mixed precision only), fp32 gradient, moments
     stage = z["stage"]
