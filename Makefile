@@ -34,8 +34,8 @@ demo: $(STAMP)
 	$(RUN) $(PY) -m mpp.demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check mpp pretrain downstream tests
-	$(VENV)/bin/ruff format --check mpp pretrain downstream tests
+	$(VENV)/bin/ruff check mpp pretrain downstream tests benchmarks
+	$(VENV)/bin/ruff format --check mpp pretrain downstream tests benchmarks
 
 clean:
 	rm -rf $(VENV) runs .cache

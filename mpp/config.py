@@ -133,6 +133,10 @@ class DataConfig(_Section):
     """RandomResizedCrop's range of aspect ratios."""
     hflip: float = Field(0.5, ge=0.0, le=1.0)
     """The probability of a horizontal flip."""
+    decode: Literal["auto", "cpu", "gpu"] = "auto"
+    """Training JPEGs decoded by the loader's workers (cpu) or in a batch on the GPU with nvJPEG
+    (gpu: torchvision's; the workers still read them and draw each crop, mpp.data.device_decode);
+    auto: the GPU where torchvision's nvJPEG runs. Other formats are decoded by the workers."""
     channels: int = Field(3, gt=0)
     """What every sample holds (mpp.data.transforms): its channels; the layout of arrays whose shape
     cannot say; for data that is not 8-bit, the values that map to [0, 1] ("auto": the observed

@@ -341,10 +341,50 @@ def test_host_check_catches_a_per_tensor_loop(dist_group, monkeypatch):
     clean = [measure_recipe("mae", d, [], steps=1, warmup=1) for d in (6, 12)]
     monkeypatch.setattr(engine_step, "after_optimizer_step", per_tensor_loop)
     broken = [measure_recipe("mae", d, [], steps=1, warmup=1) for d in (6, 12)]
-    assert goals(clean)[0]["met"] is True
+    assert goals(clean)[0]["met"] is True, (
+        goals(clean),
+        [(r["engine_kernel_ops_per_step"], r["sources"], r["phases"]) for r in clean],
+    )
     (goal,) = goals(broken)
     assert goal["met"] is False and goal["engine_growth"] > 1.2
     assert broken[1]["phases"]["after_step"]["ops"] >= broken[1]["param_tensors"]
+
+
+def test_decode_quick_measures_every_worker_path(tmp_path, capsys):
+    """``mpp bench decode``: a decode worker's img/s per path, for both JPEG sizes; the worker's
+    share under ``data.decode=gpu`` (a header parsed, no pixels) is far cheaper than decoding."""
+    r = run_suite(tmp_path, capsys, "decode")
+    assert [row["source"] for row in r["rows"]] == ["256px", "500x375"]
+    for row in r["rows"]:
+        cpu, deferred = row["cpu (PIL, draft)"], row["gpu: worker's share"]
+        assert cpu > 0 and row["cpu (PIL, no draft)"] > 0 and deferred > 3 * cpu
+    assert r["setting"]["img_size"] == 224
+
+
+def test_the_gpu_check_dry_run_runs_every_step(tmp_path):
+    """``benchmarks/gpu_check.py --dry-run``: each step of the GPU check in its small form on the
+    CPU (gpu-step with every lever, the decode suite, the CUDA tests collected), one JSON; without
+    ``--dry-run`` on a machine without CUDA it says so and exits 2."""
+    out = tmp_path / "gc"
+    r = run_cli(["python", "benchmarks/gpu_check.py", "--dry-run", "--out", str(out)], timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((out / "gpu-check.json").read_text())
+    steps = {s["name"]: s for s in summary["steps"]}
+    assert list(steps) == ["doctor", "gpu-step 128 levers", "decode", "cuda tests"]
+    assert all(s["rc"] == 0 for s in steps.values()) and summary["dry_run"] is True
+    rows = steps["gpu-step 128 levers"]["result"]["rows"]
+    got = {row["lever"]: (row["zero_stage"], row["precision"]) for row in rows}
+    assert got == {
+        "shipped": (0, "bf16-autocast"),
+        "zero1-bf16": (1, "bf16"),
+        "zero1-bf16-before": (1, "bf16"),
+    }
+    assert all(row["step_s"] > 0 and "error" not in row for row in rows)
+    assert "tests collected" in steps["cuda tests"]["last_line"]
+    assert "| gpu-step 128 levers | 0 |" in r.stdout
+    if not torch.cuda.is_available():
+        refused = run_cli(["python", "benchmarks/gpu_check.py", "--out", str(out)], timeout=60)
+        assert refused.returncode == 2 and "no CUDA GPU" in refused.stdout
 
 
 def test_cli_lists_every_suite():

@@ -181,6 +181,30 @@ def test_arrays_resize_and_reencode(tmp_path):
     assert name.endswith(".webp") and Image.open(io.BytesIO(data)).size == (45, 30)  # short side 30
 
 
+def test_max_side_shrinks_only_larger_images_and_keeps_the_rest_byte_for_byte(tmp_path):
+    """``mpp shards --max-side 256``: a 500 x 375 JPEG is stored at 256 x 192 (a CPU worker
+    decodes it about twice as fast, BENCHMARKS "decode"), a 200 x 150 one and a PNG within the
+    bound byte-for-byte, each in its own format."""
+    src = tmp_path / "src" / "cls"
+    src.mkdir(parents=True)
+    big, small = encode(random_image(0, 375, 500)), encode(random_image(1, 150, 200))
+    png = encode(random_image(2, 100, 80), "PNG")
+    for name, data in (("big.jpg", big), ("small.jpg", small), ("p.png", png)):
+        (src / name).write_bytes(data)
+    shards_main([str(tmp_path / "src"), str(tmp_path / "out"), "--max-side", "256", "--seed", "-1"])
+    members = {
+        n: v
+        for path in sorted((tmp_path / "out").glob("*.tar"))
+        for n, v in tar_members(str(path)).items()
+    }
+    stored = {n.rsplit(".", 1)[1]: v for n, v in members.items() if not n.endswith(".cls")}
+    images = [v for n, v in sorted(members.items()) if not n.endswith(".cls")]
+    sizes = sorted(Image.open(io.BytesIO(v)).size for v in images)
+    assert sizes == [(80, 100), (200, 150), (256, 192)]
+    assert small in images and png in images and big not in images
+    assert set(stored) == {"jpg", "png"}
+
+
 def test_expand_shards_forms(tmp_path):
     assert expand_shards("a-{000..002}.tar") == ["a-000.tar", "a-001.tar", "a-002.tar"]
     assert expand_shards("a-{0..1}.tar,b-{x,y}.tar") == ["a-0.tar", "a-1.tar", "b-x.tar", "b-y.tar"]

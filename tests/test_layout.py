@@ -262,28 +262,6 @@ def test_files_and_functions_stay_small():
         warnings.warn(f"long: {item}", stacklevel=1)
 
 
-MAX_PARAMETERS = 7
-
-
-def test_functions_take_few_parameters():
-    """No function of mpp/ (``__init__`` aside) takes more than 7 parameters, counting positional
-    and keyword-only ones but not ``self``/``cls``, ``*args`` or ``**kwargs``: a failure names
-    each. An options object or a method on the state it threads is usually the seam."""
-    too_many = []
-    for name, path in MODULES.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (
-                isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                and node.name != "__init__"
-            ):
-                a = node.args
-                n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs)
-                n -= bool(a.args) and a.args[0].arg in ("self", "cls")
-                if n > MAX_PARAMETERS:
-                    too_many.append(f"{name}.{node.name}: {n} parameters")
-    assert not too_many, "\n".join(too_many)
-
-
 def test_objectives_never_name_deepspeed_internals():
     """ZeRO-3's partitioning is the engine's business (mpp.parallel.zero, mpp.parallel.ema), not an objective's."""
     for path in (PACKAGE / "objectives").glob("*.py"):

@@ -10,6 +10,7 @@ Evaluation: the shard list split by rank then by worker, one exact pass.
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import random
 import signal
@@ -149,6 +150,8 @@ class StreamConfig:
     shard_keys: tuple[frozenset[str], ...] | None = None
     # what every sample holds: channels, layout, value range (mpp.data.transforms)
     pixels: PixelFormat = RGB
+    # training only: JPEGs left for the device to decode (data.decode=gpu, mpp.data.device_decode)
+    defer_jpeg: bool = False
 
 
 class _Stream(IterableDataset):
@@ -186,7 +189,9 @@ class _TrainStream(_Stream):
             select_image, errors=errors, with_labels=c.with_labels, num_classes=c.num_classes
         )
         aug = Augmentation(c.crop_scale, c.crop_ratio, c.hflip, c.randaug)
-        augment = partial(train_transform, img_size=c.img_size, aug=aug, fmt=c.pixels)
+        augment = partial(
+            train_transform, img_size=c.img_size, aug=aug, fmt=c.pixels, defer_jpeg=c.defer_jpeg
+        )
         first = c.rank * c.batch_size * accum  # the rank's first stream
         streams: dict[int, Iterator] = {}
         for group in range(accum):  # this worker's part of every micro-batch group
@@ -209,7 +214,7 @@ class _TrainStream(_Stream):
                 next(streams[first + group * c.batch_size + i])
                 for i in split(c.batch_size, num_workers, worker)
             ]
-            batch = collate(part, with_keys=c.with_keys) if part else {}
+            batch = collate(part, with_keys=c.with_keys, img_size=c.img_size) if part else {}
             yield {**batch, "_worker": worker, "_skipped": errors.skipped}
         yield {"_worker": worker, "_skipped": errors.skipped, "_end": True}
 
@@ -393,6 +398,14 @@ def _join(parts: list[dict]) -> dict:
     # one copy, pinned
     out = torch.empty(shape, dtype=images[0].dtype, pin_memory=torch.cuda.is_available())
     batch = {"image": torch.cat(images, out=out)}
+    offsets = itertools.accumulate([0] + [len(x) for x in images])
+    deferred = [
+        (start + i, *rest)
+        for p, start in zip(parts, offsets, strict=False)
+        for i, *rest in p.get("deferred", ())
+    ]
+    if deferred:
+        batch["deferred"] = deferred
     if "label" in parts[0]:
         batch["label"] = torch.cat([p["label"] for p in parts])
     if "key" in parts[0]:

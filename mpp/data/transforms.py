@@ -220,18 +220,32 @@ class Augmentation:
     randaug: tuple[int, int] | None = None
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """A JPEG left for the device to decode (``data.decode=gpu``, ``mpp.data.device_decode``):
+    its bytes, and the crop box and flip drawn for it here, as the CPU path would have drawn them."""
+
+    data: torch.Tensor  # (n,) uint8, the encoded file
+    box: Box
+    flip: bool
+
+
 def train_transform(
     data: bytes,
     img_size: int,
     rng: random.Random,
     aug: Augmentation = Augmentation(),
     fmt: PixelFormat = RGB,
-) -> np.ndarray:
+    defer_jpeg: bool = False,
+) -> np.ndarray | Deferred:
     """Encoded bytes -> RandomResizedCrop (bicubic) + horizontal flip [+ RandAugment(n, m), 8-bit
-    RGB only] -> (S, S, C) view, uint8 or float32 (``fmt``)."""
+    RGB only] -> (S, S, C) view, uint8 or float32 (``fmt``). ``defer_jpeg``: an RGB or grey JPEG
+    (RGB data, no RandAugment) is only parsed here, its box and flip drawn: a ``Deferred``."""
     img = decode(data, fmt)
     box = random_resized_crop_box(*_size(img), rng, aug.scale, aug.ratio)
     flip = rng.random() < aug.hflip
+    if defer_jpeg and deferrable(img, fmt, aug):
+        return Deferred(torch.frombuffer(bytearray(data), dtype=torch.uint8), box, flip)
     array = crop_resize(img, box, img_size, fmt.channels)
     if aug.randaug is not None and aug.randaug[0] > 0:
         from .randaug import rand_augment
@@ -244,6 +258,18 @@ def train_transform(
     return array[:, ::-1] if flip else array  # a view: the copy into the batch does the flip
 
 
+def deferrable(img: Image.Image | np.ndarray, fmt: PixelFormat, aug: Augmentation) -> bool:
+    """What nvJPEG decodes to what the CPU path makes: a baseline or progressive RGB or grey JPEG
+    (not CMYK), for 3-channel 8-bit data without RandAugment (PIL ops on the host)."""
+    return (
+        isinstance(img, Image.Image)
+        and img.format == "JPEG"
+        and img.mode in ("RGB", "L")
+        and fmt == RGB
+        and not (aug.randaug and aug.randaug[0] > 0)
+    )
+
+
 def eval_transform(
     data: bytes, img_size: int, rng: random.Random | None = None, fmt: PixelFormat = RGB
 ) -> np.ndarray:
@@ -252,20 +278,33 @@ def eval_transform(
     return crop_resize(img, center_crop_box(*_size(img), img_size), img_size, fmt.channels)
 
 
-def collate(samples: list[tuple[np.ndarray, int | None, str]], with_keys: bool = False) -> dict:
+def collate(
+    samples: list[tuple[np.ndarray | Deferred, int | None, str]],
+    with_keys: bool = False,
+    img_size: int | None = None,
+) -> dict:
     """List of (HWC array, label, key) -> {"image": (B, C, H, W) contiguous, "label": (B,)}: uint8
-    when every sample is, else float32 in [0, 1] (an 8-bit sample divided by 255)."""
-    h, w, c = samples[0][0].shape
-    floats = any(s[0].dtype != np.uint8 for s in samples)
+    when every sample is, else float32 in [0, 1] (an 8-bit sample divided by 255). ``Deferred``
+    samples (RGB uint8, ``img_size``) leave their place in "image" empty and are listed under
+    "deferred" as (place, bytes, box, flip) for the device to fill."""
+    arrays = [s[0] for s in samples if not isinstance(s[0], Deferred)]
+    h, w, c = arrays[0].shape if arrays else (img_size, img_size, 3)
+    floats = any(a.dtype != np.uint8 for a in arrays)
     images = torch.empty((len(samples), c, h, w), dtype=torch.float32 if floats else torch.uint8)
     out = images.numpy()
+    deferred = []
     for i, (array, _, _) in enumerate(samples):
+        if isinstance(array, Deferred):
+            deferred.append((i, array.data, array.box, array.flip))
+            continue
         # the one copy per image: HWC (maybe flipped) -> CHW
         if floats and array.dtype == np.uint8:
             out[i] = array.transpose(2, 0, 1) / np.float32(255)
         else:
             out[i] = array.transpose(2, 0, 1)
     batch = {"image": images}
+    if deferred:
+        batch["deferred"] = deferred
     if samples[0][1] is not None:
         batch["label"] = torch.tensor([s[1] for s in samples], dtype=torch.int64)
     if with_keys:

@@ -85,12 +85,24 @@ def _png_able(array: np.ndarray) -> bool:
 @dataclass(frozen=True)
 class ImageEncoding:
     """What each image is stored as. Encoded input is kept byte-for-byte unless ``resize`` (the
-    short side, re-encoding in the same format) or ``reencode`` ('jpeg' | 'png' | 'webp') asks;
-    ``quality`` is JPEG's and WebP's when re-encoding. Arrays are PNG-encoded (lossless)."""
+    short side, re-encoding in the same format), ``max_side`` (images whose longer side exceeds
+    it, shrunk to it: FFCV's max_resolution; arrays and TIFFs are kept as they are) or
+    ``reencode`` ('jpeg' | 'png' | 'webp') asks; ``quality`` is JPEG's and WebP's when
+    re-encoding. Arrays are PNG-encoded (lossless)."""
 
     resize: int | None = None
     reencode: str | None = None
     quality: int = 95
+    max_side: int | None = None
+
+
+def _new_size(size: tuple[int, int], e: ImageEncoding) -> tuple[int, int] | None:
+    """The stored size of an image of ``size`` under ``resize`` and ``max_side``; None: as it is."""
+    w, h = size
+    scale = e.resize / min(w, h) if e.resize is not None else 1.0
+    if e.max_side is not None and max(w, h) * scale > e.max_side:
+        scale = e.max_side / max(w, h)
+    return None if scale == 1.0 else (max(1, round(w * scale)), max(1, round(h * scale)))
 
 
 @dataclass(frozen=True)
@@ -128,9 +140,12 @@ def encode_image(image: ImageLike, encoding: ImageEncoding | None = None) -> tup
             if resize is not None or reencode is not None:
                 raise ValueError(f"{fmt} samples are kept as they are (no resize or re-encoding)")
             return image, _EXT[fmt]
-        if fmt is not None and resize is None and reencode in (None, fmt):
+        kept = fmt is not None and reencode in (None, fmt)
+        if kept and resize is None and e.max_side is None:
             return image, _EXT[fmt]
-        img = Image.open(io.BytesIO(image))
+        img = Image.open(io.BytesIO(image))  # the header: the size, no pixels yet
+        if kept and _new_size(img.size, e) is None:
+            return image, _EXT[fmt]
     else:
         fmt = None
         array = image if isinstance(image, Image.Image) else np.asarray(image)
@@ -144,9 +159,8 @@ def encode_image(image: ImageLike, encoding: ImageEncoding | None = None) -> tup
     target = reencode or fmt or "png"  # arrays and unknown formats: PNG, lossless
     if target not in _EXT:
         raise ValueError(f"reencode must be one of {sorted(_EXT)}, got {target!r}")
-    if resize is not None:
-        scale = resize / min(img.size)
-        size = (max(1, round(img.width * scale)), max(1, round(img.height * scale)))
+    size = _new_size(img.size, e)
+    if size is not None:
         if img.format == "JPEG":
             img.draft("RGB", size)  # decode at 1/2..1/8 scale when that still covers `size`
         img = img.convert("RGB") if img.mode not in ("RGB", "L") else img

@@ -9,8 +9,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from mpp.config import ConfigError, RunConfig
-from mpp.data import StreamConfig, digits_shards, expand_shards
+from mpp.data import StreamConfig, device_decode, digits_shards, expand_shards
 from mpp.data.census import Census, census
 from mpp.data.labels import LabelledSubset, choose, from_key_file, label_index
 from mpp.data.stats import pixel_stats
@@ -86,6 +88,10 @@ def plan_run(
             "micro-batch keeps the gradients of its earlier ones in DeepSpeed's buffers",
             accum,
         )
+    try:
+        defer_jpeg = device_decode.resolve(cfg.data.decode, torch.device(dev_type))
+    except ValueError as e:
+        raise fail("data.decode", str(e)) from None
     stream = StreamConfig(
         batch_size=micro,
         img_size=img_size,
@@ -98,6 +104,7 @@ def plan_run(
         shard_sizes=tuple(sizes),
         shard_keys=subset.keys if subset is not None else None,
         pixels=pixel_format(cfg.data),
+        defer_jpeg=defer_jpeg,
         **cfg.stream_settings(),
     )
     return Plan(

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from mpp.checkpoint.manager import Checkpointer
 from mpp.config import RunConfig
-from mpp.data import make_train_loader
+from mpp.data import device_decode, make_train_loader
 from mpp.ops import normalize
 from mpp.parallel import stage0, zero
 from mpp.train.metrics import MetricLog
@@ -87,6 +87,8 @@ class Trainer:
         self.stop_request = StopRequest()
         # one loader, its workers kept across epochs (MAE's 1600 epochs would restart them 1600 times)
         self.loader = train_loader(cfg, plan, self.rank, run_dir)
+        # data.decode=gpu: the workers' JPEGs decoded here, on the device
+        self.decode = device_decode.nvjpeg(device) if plan.stream.defer_jpeg else None
         self.skipped_before = 0  # bad samples this rank skipped in finished epochs
         self.skipped, self.data_wait = 0, 0.0
 
@@ -136,7 +138,7 @@ class Trainer:
             self.state.epoch + self.state.batch_in_epoch / self.plan.micro_per_epoch,
             self.plan.total_epochs,
         )
-        batch = to_device(batch, self.device, self.cfg.data.mean, self.cfg.data.std)
+        batch = to_device(batch, self.device, self.cfg.data.mean, self.cfg.data.std, self.decode)
         out = micro_step(self.engine, batch, self.state, self.cfg.train.skip_nonfinite)
         if out is None:  # a non-finite loss on some rank: every rank skips it
             return skip_bad_step(self.state, self.cfg.train, self.rank)
@@ -262,13 +264,19 @@ def train_loader(cfg: RunConfig, plan: Plan, rank: int, run_dir: Path) -> Any:
     )
 
 
-def to_device(batch: dict, device: torch.device, mean, std) -> dict:
+def to_device(
+    batch: dict, device: torch.device, mean, std, decode: device_decode.Decoder | None = None
+) -> dict:
     """The loader's uint8 images normalised on the device, in fp32 whatever the precision (the
-    model casts them at its patch embedding; targets come from the exact pixels); tensors moved."""
+    model casts them at its patch embedding; targets come from the exact pixels); tensors moved.
+    JPEGs the workers left undecoded (``data.decode=gpu``) are decoded there by ``decode`` first."""
+    deferred = batch.pop("deferred", None)
     out = {
         k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
         for k, v in batch.items()
     }
+    if deferred:
+        out["image"] = device_decode.fill_deferred(out["image"], deferred, decode)
     out["image"] = normalize(out["image"], mean, std)
     return out
 

@@ -15,6 +15,7 @@ SUITES = {
     "cpu-step": "mpp.tools.benchmarks.step",
     "attention": "mpp.tools.benchmarks.attention",
     "data": "mpp.tools.benchmarks.data",
+    "decode": "mpp.tools.benchmarks.decode",
     "zero": "mpp.tools.benchmarks.zero",
     "gpu-step": "mpp.tools.benchmarks.gpu_step",
     "host": "mpp.tools.benchmarks.host",

@@ -85,6 +85,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(e.g. deepspeed.zero_optimization.stage=0 or train.skip_nonfinite=false)",
     )
     p.add_argument(
+        "--objectives",
+        default=",".join(OBJECTIVES),
+        help="comma-separated, of mpp,mae,hpm (the goals need all three)",
+    )
+    p.add_argument(
         "--levers",
         action="store_true",
         help="also each row under the other levers: " + ", ".join(LEVERS),
@@ -111,6 +116,7 @@ def run(
     profile: bool = False,
     sets: list[str] | None = None,
     levers: bool = False,
+    objectives: str = ",".join(OBJECTIVES),
 ) -> dict[str, Any]:
     from mpp.parallel.distributed import init_distributed
 
@@ -142,16 +148,20 @@ def run(
     rows = []
     for lever in LEVERS if levers else ["shipped"]:
         setting = {**s, "sets": [*LEVERS[lever], *s["sets"]]}
-        for name in OBJECTIVES:
+        for name in [o for o in objectives.split(",") if o]:
             for backend in backends:
                 for compiled in [False, True] if compile else [False]:
-                    row = measure_row(name, backend, compiled, setting, dev, matmul, peak)
+                    try:
+                        row = measure_row(name, backend, compiled, setting, dev, matmul, peak)
+                    except Exception as e:  # one lever that fails on this machine: the rest stand
+                        row = {"objective": name, "attention": backend, "compiled": compiled}
+                        row["error"] = f"{e.__class__.__name__}: {e}"[:500]
                     rows.append({"lever": lever, **row})
     setting = {
         **s,
         "device": device,
-        "precision": rows[0]["precision"],
-        "zero_stage": rows[0]["zero_stage"],
+        "precision": rows[0].get("precision"),
+        "zero_stage": rows[0].get("zero_stage"),
         "peak_flops": peak,
         "peak_source": source,
         "tf32": torch.backends.cuda.matmul.allow_tf32,
@@ -196,7 +206,10 @@ def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             r["objective"]: r
             for r in rows
             if (r.get("lever", "shipped"), r["attention"], r["compiled"]) == key
+            and "error" not in r
         }
+        if set(by) != set(OBJECTIVES):
+            continue  # a row failed: its error is in the rows
         hpm_vs_mae = by["hpm"]["step_s"] / by["mae"]["step_s"]
         mfu_met = None not in (by["mpp"]["mfu"], by["mae"]["mfu"]) and (
             by["mpp"]["mfu"] >= GOALS["mpp_mfu_min"] and by["mae"]["mfu"] >= GOALS["mae_mfu_min"]
@@ -255,7 +268,8 @@ def render(result: dict[str, Any]) -> str:
                 ("matmul_tflops_per_s", "bf16 mm TFLOP/s", ".0f"),
                 ("peak_mem_gib", "peak GiB", ".1f"),
                 ("host_syncs_per_step", "host syncs/step", ""),
-                ("kernels_per_step", "kernels/step", ""),
+                ("kernels_per_step", "kernels/step", ".0f"),
+                ("error", "error", ""),
             ],
         )
         + profile_table(result["rows"])

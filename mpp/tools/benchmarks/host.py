@@ -68,12 +68,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---- counting, in each rank -----------------------------------------------------------------
 
 
+# DeepSpeed's stand-in for F.linear (ZeRO-3 installs it, and leaves it installed in the process):
+# the model's own matmuls, attributed to whoever called them
+TRANSPARENT = ("/deepspeed/runtime/zero/linear.py",)
+
+
 def _source(frame) -> str:
     """Who dispatched an op: the innermost frame in deepspeed's or mpp's code (``package/file.py:
     function``), ``torch.optim`` for the optimiser's own, ``autograd`` for the backward's
     (the C++ engine runs them under torch.autograd's Python entry)."""
     while frame is not None:
         path = frame.f_code.co_filename.replace(os.sep, "/")
+        if path.endswith(TRANSPARENT):
+            frame = frame.f_back
+            continue
         for marker, name in (
             ("/torch/optim/", "torch.optim"),
             ("/torch/autograd/graph.py", "autograd"),

@@ -1,0 +1,84 @@
+"""JPEGs decoded on the GPU (``data.decode``): the loader's workers still read the tar members, keep
+the global order and draw each sample's crop box and flip (``mpp.data.transforms.Deferred``), so
+every-sample-once, elastic and exact resume hold unchanged; the training process decodes the
+batch's JPEGs in one batched nvJPEG call (``torchvision.io.decode_jpeg(..., device="cuda")``) and
+crops, resizes (bicubic, antialiased, as PIL's) and flips each on the device. Anything else (PNG,
+TIFF, arrays, CMYK JPEGs, RandAugment) is decoded by the workers as before.
+
+    decode = device_decoder(device)                 # None: this machine decodes on the CPU
+    images = fill_deferred(batch["image"].to(device), batch["deferred"], decode)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+# encoded files (n,) uint8 on the host -> decoded (3, H, W) uint8 on the device
+Decoder = Callable[[list[Tensor]], list[Tensor]]
+
+
+def nvjpeg_refusal(device: torch.device) -> str:
+    """Why this process cannot decode JPEGs on ``device`` ("" when it can): no CUDA device, or no
+    torchvision with nvJPEG (one tiny decode tried, as the xformers check does)."""
+    if device.type != "cuda":
+        return f"device {device.type} is not a GPU"
+    try:
+        import io
+
+        from PIL import Image
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        buffer = io.BytesIO()
+        Image.new("RGB", (16, 16), (10, 20, 30)).save(buffer, "JPEG")
+        data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        decode_jpeg([data], mode=ImageReadMode.RGB, device=device)
+    except Exception as e:  # ImportError, or a torchvision built without nvJPEG
+        return f"torchvision's nvJPEG decode is not available ({e.__class__.__name__}: {e})"
+    return ""
+
+
+def resolve(mode: str, device: torch.device) -> bool:
+    """``data.decode`` -> whether the JPEGs are decoded on ``device``: gpu (or an error saying
+    why not), cpu, or auto (on a GPU: the GPU where nvJPEG runs, with one log line either way)."""
+    if mode == "cpu" or (mode == "auto" and device.type != "cuda"):
+        return False
+    why_not = nvjpeg_refusal(device)
+    if mode == "gpu" and why_not:
+        raise ValueError(f"data.decode=gpu: {why_not}")
+    where = "the GPU (nvJPEG)" if not why_not else f"the CPU: {why_not}"
+    log.info("data.decode=%s: training JPEGs decoded on %s", mode, where)
+    return not why_not
+
+
+def nvjpeg(device: torch.device) -> Decoder:
+    """torchvision's batched nvJPEG decode onto ``device``, grey JPEGs as RGB."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    def decode(files: list[Tensor]) -> list[Tensor]:
+        return decode_jpeg(files, mode=ImageReadMode.RGB, device=device)
+
+    return decode
+
+
+def fill_deferred(
+    images: Tensor, deferred: Sequence[tuple[int, Tensor, tuple, bool]], decode: Decoder
+) -> Tensor:
+    """``images`` (B, 3, S, S) uint8 on the device with each deferred sample's place filled: its
+    JPEG decoded, the box cropped, resized to S x S (bicubic, antialiased, rounded as PIL rounds)
+    and flipped. Boxes are whole pixels (RandomResizedCrop's)."""
+    size = images.shape[-2:]
+    decoded = decode([data for _, data, _, _ in deferred])
+    for (place, _, box, flip), image in zip(deferred, decoded, strict=True):
+        left, top, right, bottom = (int(v) for v in box)
+        crop = image[None, :, top:bottom, left:right].float()  # (1, 3, h, w)
+        out = F.interpolate(crop, size=size, mode="bicubic", antialias=True, align_corners=False)
+        out = out.round_().clamp_(0, 255)[0]
+        images[place] = (out.flip(-1) if flip else out).to(torch.uint8)
+    return images
