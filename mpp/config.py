@@ -359,6 +359,11 @@ class RunConfig(_Section):
         for key, owner in DERIVED_DS_KEYS.items():
             section, _, leaf = key.partition(".")
             held = self.deepspeed.get(section) if leaf else self.deepspeed
+            if leaf and held is not None and not isinstance(held, dict):
+                raise ValueError(
+                    f"deepspeed.{section} must be an object of DeepSpeed's keys; its {leaf} is "
+                    f"derived from {owner}"
+                )
             if isinstance(held, dict) and (leaf or section) in held:
                 raise ValueError(f"deepspeed.{key} is derived from {owner}; set it there")
         stage = self.zero_stage

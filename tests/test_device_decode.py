@@ -42,18 +42,9 @@ def encode(array: np.ndarray, fmt: str = "JPEG", grey: bool = False) -> bytes:
     return buf.getvalue()
 
 
-def pil_decoder(files: list[torch.Tensor]) -> list[torch.Tensor]:
-    """nvJPEG's interface (encoded uint8 tensors -> (3, H, W) uint8), decoded in full by PIL."""
-    out = []
-    for f in files:
-        image = Image.open(io.BytesIO(f.numpy().tobytes())).convert("RGB")
-        out.append(torch.from_numpy(np.array(image)).permute(2, 0, 1))
-    return out
-
-
 def deferred_batch(samples: list[Deferred]) -> torch.Tensor:
     batch = collate([(d, None, f"k{i}") for i, d in enumerate(samples)], img_size=S)
-    return device_decode.fill_deferred(batch["image"], batch["deferred"], pil_decoder)
+    return device_decode.fill_deferred(batch["image"], batch["deferred"], device_decode.on_host)
 
 
 def test_deferred_jpegs_crop_resize_and_flip_as_the_cpu_path():
@@ -69,7 +60,7 @@ def test_deferred_jpegs_crop_resize_and_flip_as_the_cpu_path():
         data = encode(photo(w, h, i, grey), grey=grey)
         cpu.append(train_transform(data, S, random.Random(f"s{i}")))
         d = train_transform(data, S, random.Random(f"s{i}"), defer_jpeg=True)
-        assert isinstance(d, Deferred) and d.data.dtype == torch.uint8
+        assert isinstance(d, Deferred) and d.data == data
         deferred.append(d)
         image = Image.open(io.BytesIO(data)).convert("RGB")
         resized = np.asarray(image.resize((S, S), Image.Resampling.BICUBIC, box=d.box))
@@ -90,13 +81,43 @@ def test_only_what_nvjpeg_decodes_as_the_cpu_path_is_deferred():
     array = photo(64, 48, 0)
     rng = lambda: random.Random(0)  # noqa: E731
     assert isinstance(train_transform(encode(array), S, rng(), defer_jpeg=True), Deferred)
+    truncated = encode(array)[:-200]  # cut: the workers' decode fails and skips it, as ever
     for data in (encode(array, "PNG"), cmyk_jpeg(array)):
         assert isinstance(train_transform(data, S, rng(), defer_jpeg=True), np.ndarray)
+    with pytest.raises(OSError):  # PIL: image file is truncated
+        train_transform(truncated, S, rng(), defer_jpeg=True)
     from mpp.data.transforms import Augmentation
 
     randaug = Augmentation(randaug=(2, 9))
     out = train_transform(encode(array), S, rng(), aug=randaug, defer_jpeg=True)
     assert isinstance(out, np.ndarray)
+
+
+def test_a_file_nvjpeg_refuses_is_decoded_on_the_host_and_one_nothing_reads_is_black(caplog):
+    """nvJPEG's batch call fails as a whole when one file is beyond it: then file by file, the
+    failing ones by PIL on the host, and one that nothing decodes becomes a black image with a
+    warning naming its key (the step goes on; the workers skip what fails their own parse)."""
+    good = [encode(photo(120, 90, i)) for i in range(3)]
+    header = good[0][:600]  # a JPEG header, then garbage: parses, never decodes
+    broken = header + bytes(range(256)) * 8 + b"\xff\xd9"
+    entries = [(i, data, (0, 0, 60, 60), False, f"k{i}") for i, data in enumerate([*good, broken])]
+    calls = []
+
+    def picky(files):  # nvJPEG's behaviour: one file it cannot read fails the whole call
+        calls.append(len(files))
+        if len(files) > 1 or files[0].numel() == len(good[2]):
+            raise RuntimeError("nvjpeg: unsupported")
+        return device_decode.on_host(files)
+
+    images = torch.full((4, 3, S, S), 7, dtype=torch.uint8)
+    with caplog.at_level("WARNING"):
+        out = device_decode.fill_deferred(images, entries, picky)
+    assert calls == [4, 1, 1, 1, 1]  # the batch, then each file
+    reference = device_decode.fill_deferred(
+        torch.zeros(3, 3, S, S, dtype=torch.uint8), entries[:3], device_decode.on_host
+    )
+    assert torch.equal(out[:3], reference)  # k2 by the host fallback, the same pixels
+    assert int(out[3].max()) == 0 and "sample k3: cannot decode" in caplog.text
 
 
 def cmyk_jpeg(array: np.ndarray) -> bytes:
@@ -139,11 +160,14 @@ def test_the_loader_carries_deferred_jpegs_to_their_place_in_the_batch(tmp_path)
         for a, b in zip(cpu, gpu, strict=True):
             assert a["key"] == b["key"] and torch.equal(a["label"], b["label"])
             places = [p for p, *_ in b.get("deferred", [])]
+            assert [k for *_, k in b.get("deferred", [])] == [b["key"][p] for p in places]
             assert places == [i for i, k in enumerate(b["key"]) if is_jpeg(k, shards)]
             pngs = [i for i in range(len(b["key"])) if i not in places]
             assert torch.equal(a["image"][pngs], b["image"][pngs])
             if places:
-                filled = device_decode.fill_deferred(b["image"].clone(), b["deferred"], pil_decoder)
+                filled = device_decode.fill_deferred(
+                    b["image"].clone(), b["deferred"], device_decode.on_host
+                )
                 diff = (filled[places].float() - a["image"][places].float()).abs()
                 assert diff.mean() < 3.0, diff.mean()
 
@@ -174,6 +198,7 @@ def test_data_decode_gpu_without_a_gpu_is_refused_naming_the_key(digits16, tmp_p
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (nvJPEG)")
 def test_nvjpeg_fills_the_batch_as_pil_does_on_a_gpu():
     """On a GPU: torchvision's nvJPEG batch decode, the crops on the device, against PIL's."""
+    pytest.importorskip("torchvision", reason="the gpu extra's torchvision brings nvJPEG")
     device = torch.device("cuda")
     assert device_decode.nvjpeg_refusal(device) == "", device_decode.nvjpeg_refusal(device)
     samples = [

@@ -81,8 +81,12 @@ def test_deepspeed_config_for_gpus(stage):
         assert ds["communication_data_type"] == "fp32" and "torch_autocast" not in ds
     assert ("data_types" in ds) == (stage >= 2)
     zero = ds["zero_optimization"]
-    # nothing clips, so no fp64 norm of every gradient (DeepSpeed takes the key at stages 1/2)
-    assert zero.get("compute_grad_norm") == (False if stage in (1, 2) else None)
+    # left to DeepSpeed: compute_grad_norm=false refuses checkpoints saved with a clip of 1.0
+    assert "compute_grad_norm" not in zero
+    if stage > 0:  # under autocast every gradient is reduced in fp32 too
+        cfg.train.precision = "bf16-autocast"
+        autocast = cfg.deepspeed_config(8, "cuda")["torch_autocast"]
+        assert autocast["lower_precision_safe_modules"] == []
     assert zero.get("overlap_comm") == (
         True if stage in (1, 2) else None
     )  # DeepSpeed's own default at 3
@@ -122,16 +126,44 @@ def test_the_users_precision_keys_survive_and_the_derived_ones_are_refused(tmp_p
     mpp_cfg.deepspeed = {"zero_optimization": {"stage": 2}}
     ds = mpp_cfg.deepspeed_config(8, "cuda")
     assert ds["gradient_clipping"] == 1.0 and "compute_grad_norm" not in ds["zero_optimization"]
-    for section, key in [("bf16", "enabled"), ("torch_autocast", "dtype"), ("fp16", "enabled")]:
+    for section, key in [("bf16", "enabled"), ("torch_autocast", "dtype"), ("fp16", True)]:
         path = tmp_path / f"{section}.json"
         raw = json.loads((CONFIGS / "mae_b16.json").read_text())
-        raw["deepspeed"][section] = {key: True}
+        # a key of it, or a bare value where DeepSpeed's object goes ("fp16": true)
+        raw["deepspeed"][section] = {key: True} if isinstance(key, str) else key
         raw["data"]["train_shards"] = "x-{000000..000001}.tar"
         path.write_text(json.dumps(raw))
-        with pytest.raises(
-            ConfigError, match=rf"{path.name}.*deepspeed\.{section}\.{key} is derived"
-        ):
+        said = rf"\.{key} is derived" if isinstance(key, str) else " must be an object"
+        with pytest.raises(ConfigError, match=rf"{path.name}.*deepspeed\.{section}{said}"):
             load_config(str(path))
+
+
+def test_a_resume_in_another_precision_is_refused_naming_the_key(tmp_path):
+    """The weights' dtype and the optimizer's states differ between DeepSpeed's bf16 and bf16
+    autocast: a checkpoint is resumed in the precision it was trained in, or refused before
+    anything starts, naming train.precision, both values and what to set. A checkpoint from
+    before issue 36 states no precision: its run's "auto" was bf16 on a GPU."""
+    from mpp.checkpoint.format import MARKER, tag_for
+    from mpp.train.plan import check_resume
+
+    cfg = shipped("mae_b16")
+    cfg.train.output_dir = str(tmp_path / "run")
+    cfg.train.precision = "bf16-autocast"
+    tag = tmp_path / "run" / "checkpoints" / tag_for(10)
+    tag.mkdir(parents=True)
+    layout = {"step": 10, "batch_size": 4096, "zero_stage": 1, "world_size": 8}
+    said = r"train\.precision.*bf16-autocast.*trained in bf16 at stage 1.*set train\.precision=bf16"
+    for saved, refused in [
+        ({}, True),
+        ({"precision": "bf16"}, True),
+        ({"precision": "bf16-autocast"}, False),
+    ]:
+        (tag / MARKER).write_text(json.dumps({**layout, **saved}))
+        if refused:
+            with pytest.raises(ConfigError, match=said):
+                check_resume(cfg, "auto")
+        else:
+            check_resume(cfg, "auto")
 
 
 def test_zero_offload_runs_with_our_optimizer(tmp_path, digits16, dist_group):

@@ -103,7 +103,18 @@ def layout(engine: Any) -> dict:
         "grad_accum": engine.gradient_accumulation_steps(),
         "batch_size": engine.train_batch_size(),
         "zero_stage": int(engine.zero_optimization_stage()),
+        "precision": engine_precision(engine),
     }
+
+
+def engine_precision(engine: Any) -> str:
+    """The ``train.precision`` an engine runs (what a resume must keep: the weights' dtype and
+    the optimizer's states differ between them)."""
+    if engine.bfloat16_enabled():
+        return "bf16"
+    if engine.fp16_enabled():
+        return "fp16"
+    return "bf16-autocast" if engine.torch_autocast_enabled() else "fp32"
 
 
 def saved_layout(ckpt_root: str | Path, tag: str) -> dict:

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 # encoded files (n,) uint8 on the host -> decoded (3, H, W) uint8 on the device
 Decoder = Callable[[list[Tensor]], list[Tensor]]
+Entry = tuple[int, bytes, tuple, bool, str]  # (place in the batch, file, box, flip, key)
 
 
 def nvjpeg_refusal(device: torch.device) -> str:
@@ -58,24 +59,75 @@ def resolve(mode: str, device: torch.device) -> bool:
 
 
 def nvjpeg(device: torch.device) -> Decoder:
-    """torchvision's batched nvJPEG decode onto ``device``, grey JPEGs as RGB."""
+    """torchvision's batched nvJPEG decode onto ``device``, grey JPEGs as RGB. Called on a side
+    stream that first waits for the current one: nvJPEG allocates its outputs on the calling
+    stream and decodes on a private one without waiting (pytorch/vision#9606), so on the training
+    stream the caching allocator could hand it memory that queued kernels still read."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
+    side = torch.cuda.Stream(device)
+
     def decode(files: list[Tensor]) -> list[Tensor]:
-        return decode_jpeg(files, mode=ImageReadMode.RGB, device=device)
+        current = torch.cuda.current_stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            images = decode_jpeg(files, mode=ImageReadMode.RGB, device=device)
+        current.wait_stream(side)
+        for image in images:
+            image.record_stream(current)
+        return images
 
     return decode
 
 
-def fill_deferred(
-    images: Tensor, deferred: Sequence[tuple[int, Tensor, tuple, bool]], decode: Decoder
-) -> Tensor:
+def on_host(files: list[Tensor]) -> list[Tensor]:
+    """The same interface on the CPU, through PIL: each file's (3, H, W) uint8 (grey as RGB)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    out = []
+    for f in files:
+        image = Image.open(io.BytesIO(f.numpy().tobytes())).convert("RGB")
+        out.append(torch.from_numpy(np.array(image)).permute(2, 0, 1))
+    return out
+
+
+def decode_each(files: list[Tensor], keys: list[str], decode: Decoder, device) -> list[Tensor]:
+    """The batch in one call; if it fails (one file nvJPEG cannot read: arithmetic coding,
+    lossless, damage past the header), file by file, those failing again by PIL on the host, and
+    a file nothing decodes as a black image, with a warning naming its key."""
+    try:
+        return decode(files)
+    except Exception:
+        pass
+    out = []
+    for f, key in zip(files, keys, strict=True):
+        try:
+            out.append(decode([f])[0])
+            continue
+        except Exception:
+            pass
+        try:
+            out.append(on_host([f])[0].to(device))
+        except Exception as e:
+            log.warning("sample %s: cannot decode (%r): a black image in its place", key, e)
+            out.append(torch.zeros(3, 1, 1, dtype=torch.uint8, device=device))
+    return out
+
+
+def fill_deferred(images: Tensor, deferred: Sequence[Entry], decode: Decoder) -> Tensor:
     """``images`` (B, 3, S, S) uint8 on the device with each deferred sample's place filled: its
     JPEG decoded, the box cropped, resized to S x S (bicubic, antialiased, rounded as PIL rounds)
     and flipped. Boxes are whole pixels (RandomResizedCrop's)."""
     size = images.shape[-2:]
-    decoded = decode([data for _, data, _, _ in deferred])
-    for (place, _, box, flip), image in zip(deferred, decoded, strict=True):
+    files = [torch.frombuffer(bytearray(entry[1]), dtype=torch.uint8) for entry in deferred]
+    decoded = decode_each(files, [entry[4] for entry in deferred], decode, images.device)
+    for (place, _, box, flip, _), image in zip(deferred, decoded, strict=True):
+        if image.shape[-2:] == (1, 1):  # nothing decoded it
+            images[place] = 0
+            continue
         left, top, right, bottom = (int(v) for v in box)
         crop = image[None, :, top:bottom, left:right].float()  # (1, 3, h, w)
         out = F.interpolate(crop, size=size, mode="bicubic", antialias=True, align_corners=False)

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         type=int,
         default=None,
         help="re-encode images whose longer side exceeds this to it (others kept as they are): "
-        "decoding a 500 x 375 JPEG costs a CPU worker about twice a 256-px one",
+        "a CPU worker crops 1.6x as many 256-px JPEGs a second as 500 x 375 ones",
     )
     parser.add_argument("--reencode", choices=["jpeg", "png", "webp"], default=None)
     parser.add_argument(

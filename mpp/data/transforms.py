@@ -225,7 +225,7 @@ class Deferred:
     """A JPEG left for the device to decode (``data.decode=gpu``, ``mpp.data.device_decode``):
     its bytes, and the crop box and flip drawn for it here, as the CPU path would have drawn them."""
 
-    data: torch.Tensor  # (n,) uint8, the encoded file
+    data: bytes  # the encoded file (bytes cross the worker queue pickled, not one shm each)
     box: Box
     flip: bool
 
@@ -244,8 +244,8 @@ def train_transform(
     img = decode(data, fmt)
     box = random_resized_crop_box(*_size(img), rng, aug.scale, aug.ratio)
     flip = rng.random() < aug.hflip
-    if defer_jpeg and deferrable(img, fmt, aug):
-        return Deferred(torch.frombuffer(bytearray(data), dtype=torch.uint8), box, flip)
+    if defer_jpeg and deferrable(img, fmt, aug) and complete_jpeg(data):
+        return Deferred(bytes(data), box, flip)
     array = crop_resize(img, box, img_size, fmt.channels)
     if aug.randaug is not None and aug.randaug[0] > 0:
         from .randaug import rand_augment
@@ -270,6 +270,12 @@ def deferrable(img: Image.Image | np.ndarray, fmt: PixelFormat, aug: Augmentatio
     )
 
 
+def complete_jpeg(data: bytes) -> bool:
+    """The file ends in JPEG's end-of-image marker (trailing padding allowed): a truncated one is
+    decoded by the workers, whose failure skips the sample as any corrupt image's does."""
+    return data.rstrip(b"\x00")[-2:] == b"\xff\xd9"
+
+
 def eval_transform(
     data: bytes, img_size: int, rng: random.Random | None = None, fmt: PixelFormat = RGB
 ) -> np.ndarray:
@@ -286,16 +292,16 @@ def collate(
     """List of (HWC array, label, key) -> {"image": (B, C, H, W) contiguous, "label": (B,)}: uint8
     when every sample is, else float32 in [0, 1] (an 8-bit sample divided by 255). ``Deferred``
     samples (RGB uint8, ``img_size``) leave their place in "image" empty and are listed under
-    "deferred" as (place, bytes, box, flip) for the device to fill."""
+    "deferred" as (place, bytes, box, flip, key) for the device to fill."""
     arrays = [s[0] for s in samples if not isinstance(s[0], Deferred)]
     h, w, c = arrays[0].shape if arrays else (img_size, img_size, 3)
     floats = any(a.dtype != np.uint8 for a in arrays)
     images = torch.empty((len(samples), c, h, w), dtype=torch.float32 if floats else torch.uint8)
     out = images.numpy()
     deferred = []
-    for i, (array, _, _) in enumerate(samples):
+    for i, (array, _, key) in enumerate(samples):
         if isinstance(array, Deferred):
-            deferred.append((i, array.data, array.box, array.flip))
+            deferred.append((i, array.data, array.box, array.flip, key))
             continue
         # the one copy per image: HWC (maybe flipped) -> CHW
         if floats and array.dtype == np.uint8:

@@ -9,7 +9,7 @@ import random
 import re
 import tarfile
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -86,7 +86,8 @@ def _png_able(array: np.ndarray) -> bool:
 class ImageEncoding:
     """What each image is stored as. Encoded input is kept byte-for-byte unless ``resize`` (the
     short side, re-encoding in the same format), ``max_side`` (images whose longer side exceeds
-    it, shrunk to it: FFCV's max_resolution; arrays and TIFFs are kept as they are) or
+    it, shrunk to it: FFCV's max_resolution; 8-bit images only, arrays, TIFFs and 16-bit PNGs
+    are kept as they are) or
     ``reencode`` ('jpeg' | 'png' | 'webp') asks; ``quality`` is JPEG's and WebP's when
     re-encoding. Arrays are PNG-encoded (lossless)."""
 
@@ -96,11 +97,13 @@ class ImageEncoding:
     max_side: int | None = None
 
 
-def _new_size(size: tuple[int, int], e: ImageEncoding) -> tuple[int, int] | None:
-    """The stored size of an image of ``size`` under ``resize`` and ``max_side``; None: as it is."""
-    w, h = size
+def _new_size(img: Image.Image, e: ImageEncoding) -> tuple[int, int] | None:
+    """The stored size of ``img`` under ``resize`` and ``max_side`` (8-bit RGB and grey images
+    only: 16-bit, float and other modes are kept as they are); None: as it is."""
+    w, h = img.size
     scale = e.resize / min(w, h) if e.resize is not None else 1.0
-    if e.max_side is not None and max(w, h) * scale > e.max_side:
+    eight_bit = img.mode in ("RGB", "L", "P", "RGBA", "LA", "CMYK", "YCbCr")
+    if e.max_side is not None and eight_bit and max(w, h) * scale > e.max_side:
         scale = e.max_side / max(w, h)
     return None if scale == 1.0 else (max(1, round(w * scale)), max(1, round(h * scale)))
 
@@ -144,7 +147,7 @@ def encode_image(image: ImageLike, encoding: ImageEncoding | None = None) -> tup
         if kept and resize is None and e.max_side is None:
             return image, _EXT[fmt]
         img = Image.open(io.BytesIO(image))  # the header: the size, no pixels yet
-        if kept and _new_size(img.size, e) is None:
+        if kept and _new_size(img, e) is None:
             return image, _EXT[fmt]
     else:
         fmt = None
@@ -159,7 +162,8 @@ def encode_image(image: ImageLike, encoding: ImageEncoding | None = None) -> tup
     target = reencode or fmt or "png"  # arrays and unknown formats: PNG, lossless
     if target not in _EXT:
         raise ValueError(f"reencode must be one of {sorted(_EXT)}, got {target!r}")
-    size = _new_size(img.size, e)
+    # arrays are the user's pixels: resized when asked, never by max_side
+    size = _new_size(img, replace(e, max_side=None) if isinstance(image, np.ndarray) else e)
     if size is not None:
         if img.format == "JPEG":
             img.draft("RGB", size)  # decode at 1/2..1/8 scale when that still covers `size`

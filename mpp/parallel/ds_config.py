@@ -45,11 +45,9 @@ def derive(
         zero.setdefault("reduce_bucket_size", int(5e7))
     if stage in (1, 2):
         zero.setdefault("overlap_comm", True)  # stage 3 overlaps by default, stages 1/2 do not
-        # nothing clips, so nothing needs the global norm, which ZeRO computes per gradient in
-        # fp64 (mpp logs none); DeepSpeed refuses this with offload, and at stage 1 with fp32
-        # accumulation
-        if not grad_clip and not offload and "data_types" not in ds:
-            zero.setdefault("compute_grad_norm", False)
+    # not set: zero_optimization.compute_grad_norm=false (no fp64 norm per gradient where
+    # nothing clips) makes DeepSpeed refuse every ZeRO-1/2 checkpoint saved with its default
+    # clip of 1.0, i.e. all of them before issue 36; the recipes run stage 0, where it is moot
     if offload:
         # ZeRO-Offload asks for DeepSpeedCPUAdam by default; torch's fused CPU Adam/AdamW
         # keeps our per-group lr and needs no JIT build
@@ -57,17 +55,20 @@ def derive(
     if precision == "bf16":
         bf16 = ds["bf16"] = {**ds.get("bf16", {}), "enabled": True}
         if guarded:
-            # bf16 has fp32's range, so an inf gradient comes from a non-finite loss, which
-            # mpp's check already stops on every rank; DeepSpeed's own check costs 7 ops per
-            # gradient and a host sync (deepspeed/runtime/utils.py has_inf_or_nan)
+            # bf16 has fp32's range: a non-finite gradient almost always comes with a
+            # non-finite loss, which mpp's check stops on every rank before the backward.
+            # DeepSpeed's own check, 7 ops per gradient and a host sync (runtime/utils.py
+            # has_inf_or_nan), would also skip the rare step whose loss is finite and whose
+            # gradients are not (a sqrt at 0): set it true to have that too
             bf16.setdefault("check_grad_overflow", False)
         ds.update({k: v for k, v in bf16_reduction_dtypes(stage).items() if k not in ds})
     elif precision == "bf16-autocast":
-        ds["torch_autocast"] = {
-            **ds.get("torch_autocast", {}),
-            "enabled": True,
-            "dtype": "bfloat16",
-        }
+        autocast = {**ds.get("torch_autocast", {}), "enabled": True, "dtype": "bfloat16"}
+        if stage > 0:
+            # DeepSpeed reduces the gradients of its "lower precision safe" modules (Linear,
+            # Conv) in bf16 at ZeRO 1-3; none listed: every gradient reduced in fp32, as above
+            autocast.setdefault("lower_precision_safe_modules", [])
+        ds["torch_autocast"] = autocast
     elif precision == "fp16":
         ds["fp16"] = {**ds.get("fp16", {}), "enabled": True}
     return ds

@@ -17,6 +17,7 @@ from mpp.data.census import Census, census
 from mpp.data.labels import LabelledSubset, choose, from_key_file, label_index
 from mpp.data.stats import pixel_stats
 from mpp.data.transforms import PixelFormat, pixel_format
+from mpp.parallel.distributed import device_type
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +228,16 @@ def check_resume(cfg: RunConfig, resume: str | None) -> None:
     except FileNotFoundError:
         return  # said by the engine on every rank
     saved = saved_layout(*found) if found else {}
+    now = cfg.resolved_precision(device_type())
+    # checkpoints before issue 36 say no precision: there "auto" was bf16 on a GPU
+    was = saved.get("precision", "bf16" if now == "bf16-autocast" and saved else now)
+    if was != now:
+        raise _failer(cfg)(
+            "train.precision",
+            f"{now} (ZeRO stage {cfg.zero_stage}), but the checkpoint {found[0]}/{found[1]} was "
+            f"trained in {was} at stage {saved.get('zero_stage')}: set train.precision={was} (and "
+            f"deepspeed.zero_optimization.stage={saved.get('zero_stage')}) to go on with it",
+        )
     if saved.get("batch_size", cfg.train.batch_size) != cfg.train.batch_size:
         raise _failer(cfg)(
             "train.batch_size",

@@ -100,7 +100,8 @@ class Trainer:
         """The loop (``Preempted`` on a stop signal); then the final encoder, exported."""
         try:
             if self.state.step == 0:  # the monitor's baseline: the encoder as initialised
-                values = self.monitor(self.objective, 0)
+                with self.autocast():
+                    values = self.monitor(self.objective, 0)
                 self.metrics.write(self.state, self.plan, values, section="monitor")
             while not self.done:
                 try:
@@ -161,15 +162,23 @@ class Trainer:
                 self.bar.set_postfix(
                     loss=f"{record['loss']:.4f}", ips=f"{record['imgs_per_sec']:.1f}"
                 )
-            # every train.preview_every steps
-            self.preview(self.objective, self.state.step, self.metrics.reporters)
-            last = self.state.step == self.stop
-            values = self.monitor(self.objective, self.state.step, last)
+            with self.autocast():  # every train.preview_every / monitor_every steps
+                self.preview(self.objective, self.state.step, self.metrics.reporters)
+                last = self.state.step == self.stop
+                values = self.monitor(self.objective, self.state.step, last)
             self.metrics.write(self.state, self.plan, values, section="monitor")
         if self.evaluate is not None and self.evaluation_due(stepped, epoch_done):
-            self.metrics.write(self.state, self.plan, self.evaluate(self.engine, self.state))
+            with self.autocast():
+                values = self.evaluate(self.engine, self.state)
+            self.metrics.write(self.state, self.plan, values)
         if stepped:
             self.checkpointer.maybe_save(self.state, self.stop, self.stop_request)
+
+    def autocast(self) -> torch.autocast:
+        """The forwards outside the engine's (monitor, preview, evaluation) in its precision:
+        under ``bf16-autocast`` the module's weights are fp32, and they would run in fp32."""
+        enabled = self.engine.torch_autocast_enabled()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
     def evaluation_due(self, stepped: bool, epoch_done: bool) -> bool:
         """Every epoch (or ``evaluate_every`` optimiser steps), and after the last step."""

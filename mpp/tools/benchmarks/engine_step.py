@@ -106,8 +106,13 @@ class EngineStep:
         after_optimizer_step(self.engine)
 
     def close(self) -> None:
+        from deepspeed.runtime import torch_autocast
+
         self.engine.destroy()
         del self.engine, self.optimizer, self.model
+        # a torch_autocast engine leaves this set for the process, and every later ZeRO engine
+        # then reduces in each parameter's own dtype: the next row is measured as a run runs
+        torch_autocast.TORCH_AUTOCAST_INITIALIZED = False
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
