@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -187,7 +186,6 @@ def main(argv: list[str] | None = None) -> int:
             print("gpu_check: no CUDA GPU here; --dry-run runs the small forms on the CPU")
             return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(args.out / "torch_extensions"))
     records = []
     print("| step | exit | time | figures |\n|---|---|---|---|")
     for s in steps(args.out, args.dry_run):

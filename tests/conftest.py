@@ -1,7 +1,9 @@
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -65,6 +67,16 @@ def tiny_config(digits, **sections) -> dict:
     for key, value in sections.items():
         cfg[key].update(value)
     return cfg
+
+
+def write_tar(path, members: list[tuple[str, bytes]]) -> str:
+    """A plain tar of (member name, bytes), as tools other than ours write shards."""
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return str(path)
 
 
 def zero(stage: int) -> dict:

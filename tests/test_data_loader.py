@@ -14,6 +14,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from conftest import write_tar
 from PIL import Image
 
 from mpp.data import (
@@ -30,15 +31,6 @@ def encode(seed: int, fmt: str = "JPEG", h: int = 24, w: int = 32) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(array).save(buf, fmt)
     return buf.getvalue()
-
-
-def write_tar(path, members: list[tuple[str, bytes]]) -> str:
-    with tarfile.open(path, "w") as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return str(path)
 
 
 def make_shards(folder, counts: list[int], prefix: str = "s") -> tuple[list[str], dict[str, int]]:

@@ -12,7 +12,7 @@ import tarfile
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import tiny_config, write_tar
 from PIL import Image
 
 from mpp.config import Config, ConfigError
@@ -93,7 +93,9 @@ def test_only_what_nvjpeg_decodes_as_the_cpu_path_is_deferred():
     assert isinstance(out, np.ndarray)
 
 
-def test_a_file_nvjpeg_refuses_is_decoded_on_the_host_and_one_nothing_reads_is_black(caplog):
+def test_a_file_nvjpeg_refuses_is_decoded_on_the_host_and_one_nothing_reads_is_black(
+    monkeypatch,
+):
     """nvJPEG's batch call fails as a whole when one file is beyond it: then file by file, the
     failing ones by PIL on the host, and one that nothing decodes becomes a black image with a
     warning naming its key (the step goes on; the workers skip what fails their own parse)."""
@@ -110,29 +112,21 @@ def test_a_file_nvjpeg_refuses_is_decoded_on_the_host_and_one_nothing_reads_is_b
         return device_decode.on_host(files)
 
     images = torch.full((4, 3, S, S), 7, dtype=torch.uint8)
-    with caplog.at_level("WARNING"):
-        out = device_decode.fill_deferred(images, entries, picky)
+    warned = []  # the module's logger itself: another test's logging set-up may stop propagation
+    monkeypatch.setattr(device_decode.log, "warning", lambda *a: warned.append(a[0] % a[1:]))
+    out = device_decode.fill_deferred(images, entries, picky)
     assert calls == [4, 1, 1, 1, 1]  # the batch, then each file
     reference = device_decode.fill_deferred(
         torch.zeros(3, 3, S, S, dtype=torch.uint8), entries[:3], device_decode.on_host
     )
     assert torch.equal(out[:3], reference)  # k2 by the host fallback, the same pixels
-    assert int(out[3].max()) == 0 and "sample k3: cannot decode" in caplog.text
+    assert int(out[3].max()) == 0 and "sample k3: cannot decode" in warned[0]
 
 
 def cmyk_jpeg(array: np.ndarray) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(array).convert("CMYK").save(buf, "JPEG")
     return buf.getvalue()
-
-
-def write_tar(path, members: list[tuple[str, bytes]]) -> str:
-    with tarfile.open(path, "w") as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return str(path)
 
 
 def test_the_loader_carries_deferred_jpegs_to_their_place_in_the_batch(tmp_path):

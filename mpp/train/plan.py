@@ -227,8 +227,13 @@ def check_resume(cfg: RunConfig, resume: str | None) -> None:
         found = resolve_resume(resume, Path(_output_dir(cfg)) / "checkpoints", verified=False)
     except FileNotFoundError:
         return  # said by the engine on every rank
-    saved = saved_layout(*found) if found else {}
-    now = cfg.resolved_precision(device_type())
+    if not found:
+        return
+    saved = saved_layout(*found)
+    try:
+        now = cfg.resolved_precision(device_type())
+    except ValueError:  # fp16 on a CPU: plan_run says so, naming the key
+        return
     # checkpoints before issue 36 say no precision: there "auto" was bf16 on a GPU
     was = saved.get("precision", "bf16" if now == "bf16-autocast" and saved else now)
     if was != now:
