@@ -85,6 +85,7 @@ def pretrain(
     output_dir: str | Path | None = None,
     *,
     resume: str | None = None,
+    restart: bool = False,
     overrides: dict[str, Any] | list[str] | None = None,
     **sections: dict[str, Any],
 ) -> Path:
@@ -94,7 +95,7 @@ def pretrain(
     from mpp.commands.pretrain import main
     from mpp.config import Config
 
-    argv = _argv(config, output_dir, overrides, sections) + (["--resume", resume] if resume else [])
+    argv = _argv(config, output_dir, overrides, sections) + _start(resume, restart)
     run_dir = _run_dir(argv, Config)
     _check(main(argv), "pretrain", run_dir)
     return run_dir
@@ -106,6 +107,7 @@ def finetune(
     output_dir: str | Path | None = None,
     *,
     resume: str | None = None,
+    restart: bool = False,
     overrides: dict[str, Any] | list[str] | None = None,
     **sections: dict[str, Any],
 ) -> dict[str, Any]:
@@ -120,10 +122,18 @@ def finetune(
         overrides = [*overrides, *[f"{k}={json.dumps(v)}" for k, v in extra.items()]]
     else:
         overrides = {**(overrides or {}), **extra}
-    argv = _argv(config, output_dir, overrides, sections) + (["--resume", resume] if resume else [])
+    argv = _argv(config, output_dir, overrides, sections) + _start(resume, restart)
     run_dir = _run_dir(argv, FinetuneConfig)
     _check(main(argv), "finetune", run_dir)
     return {**json.loads((run_dir / "results.json").read_text()), "run_dir": str(run_dir)}
+
+
+def _start(resume: str | None, restart: bool) -> list[str]:
+    """The CLI's flags for where a run starts: by default a run directory that holds a
+    checkpoint goes on from it; ``restart`` moves what is there aside and starts over."""
+    if resume and restart:
+        raise ValueError("resume and restart: choose one (restart moves the earlier run aside)")
+    return (["--resume", resume] if resume else []) + (["--restart"] if restart else [])
 
 
 def _check(code: int, what: str, run_dir: Path) -> None:

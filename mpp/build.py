@@ -7,15 +7,19 @@ builds the mask generator.
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 from mpp.checkpoint.storage import CheckpointError
 from mpp.config import Config, ConfigError, ModelConfig
-from mpp.hub.pretrained import init_objective, load_into, read_model_kwargs
+from mpp.hub.pretrained import init_objective, init_record, load_into, read_model_kwargs
 from mpp.masking import MaskGenerator
-from mpp.models.vit import VisionTransformer, create_vit
+from mpp.models.vit import VisionTransformer, create_vit, vit_config
 from mpp.objectives import Objective
 from mpp.objectives.configs import HPMConfig
+
+log = logging.getLogger(__name__)
 
 
 def build_encoder(cfg: Any, **overrides: Any) -> VisionTransformer:
@@ -39,31 +43,62 @@ def build_encoder(cfg: Any, **overrides: Any) -> VisionTransformer:
     except ValueError as e:
         raise ConfigError(f"{source}: model: {e}") from None
     encoder.set_grad_checkpointing(cfg.model.grad_checkpointing)
+    # the run's config.json states the size it trains, not only a variant name that implies it
+    cfg.model.img_size = cfg.model.img_size or encoder.patch_embed.img_size[0]
+    cfg.model.patch_size = cfg.model.patch_size or encoder.patch_embed.patch_size
     if init != "scratch":
         try:
             load_into(encoder, init, cfg.model.init_chans_policy)
+            read = init_record(init)
         except (
             FileNotFoundError,
             ValueError,
             CheckpointError,
         ) as e:  # CheckpointError: damaged files, named
             raise ConfigError(f"{source}: init: {e}") from None
+        if read.get("init_finished") is False and os.environ.get("RANK", "0") == "0":
+            log.warning(
+                "init %s: that pretraining run did not finish: this run starts from %s (step %s)",
+                init,
+                read["init_read"],
+                read.get("init_step", "?"),
+            )
     return encoder
 
 
-# what a weights file can state that a variant name does not; the others come with model.name
-FILE_FACTS = ("norm_eps", "qkv_bias")
+# what a weights file can state that a variant name does not (a 64-px run of a 32-px variant); the
+# others come with model.name
+FILE_FACTS = ("img_size", "patch_size", "norm_eps", "qkv_bias")
 
 
 def adopt_stated_architecture(model: ModelConfig, weights: str) -> None:
-    """The LayerNorm eps and qkv bias ``weights`` states (a Hugging Face folder's layer_norm_eps,
-    a run's metadata) where the config leaves them unset, written into the config so the run's
-    config.json and its exported encoder state them too. A config that sets another value is
-    left as it is: loading the weights then fails naming both (``mpp.hub.pretrained``)."""
+    """The image and patch size, LayerNorm eps and qkv bias ``weights`` states (a run's
+    config.json or metadata, a Hugging Face folder's layer_norm_eps) where the config leaves them
+    unset, written into the config so the run's config.json and its exported encoder state them
+    too. A config that sets another image size gets the position embeddings resampled (one log
+    line, ``load_into``); another value of the others fails naming both."""
     stated = read_model_kwargs(weights)
+    try:
+        implied = vit_config(model.name)
+    except ValueError:  # named by create_vit, as a model error
+        implied = {}
     for key in FILE_FACTS:
         if getattr(model, key) is None and stated.get(key) is not None:
             setattr(model, key, stated[key])
+            if (
+                key in implied
+                and implied[key] != stated[key]
+                and os.environ.get("RANK", "0") == "0"
+            ):
+                log.info(
+                    "model.%s %s from %s (%s implies %s; set model.%s to choose)",
+                    key,
+                    stated[key],
+                    weights,
+                    model.name,
+                    implied[key],
+                    key,
+                )
 
 
 def build_objective(cfg: Config) -> Objective:

@@ -5,6 +5,9 @@ directory they open. The CLIs stay a page each: parse -> config -> model -> plan
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import time
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -32,8 +35,17 @@ def run_parser(
     )
     p.add_argument("--output-dir", help="the run directory (default: the config's output_dir)")
     if resume:
-        p.add_argument(
-            "--resume", help="'auto' (newest complete checkpoint of this run) or a checkpoint path"
+        g = p.add_mutually_exclusive_group()
+        g.add_argument(
+            "--resume",
+            help="'auto' (newest complete checkpoint of this run) or a checkpoint path; "
+            "by default a run directory that holds a complete checkpoint goes on from it",
+        )
+        g.add_argument(
+            "--restart",
+            action="store_true",
+            help="start over in the run directory: what an earlier run left there is moved "
+            "aside to RUN.before-<time>, not deleted",
         )
     p.add_argument(
         "--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS
@@ -88,25 +100,64 @@ def config_from_args(args: argparse.Namespace, cls: type[BaseModel] = Config):
     resume = getattr(args, "resume", None)
     if resume not in (None, "auto") and not Path(resume).exists():
         raise ConfigError(f"--resume {resume}: no such checkpoint")
+    if getattr(args, "restart", False) and getattr(args, "submit", None):
+        # a job's requeue runs its command again: it would start over each time
+        raise ConfigError(
+            "--restart with --submit: a requeued job would start over again; name a new "
+            "--output-dir (or move the run directory aside) instead"
+        )
     return cfg
 
 
-def open_run_dir(cfg, rank: int) -> Path:
+def resume_of(cfg, args: argparse.Namespace, rank: int) -> str | None:
+    """Where the run starts: ``--resume`` as given; with ``--restart`` from scratch; else from
+    the run directory's newest complete checkpoint when it holds one (said in one line), so the
+    same command run again goes on rather than starting over. ConfigError when the checkpoint
+    cannot be resumed with this config (``check_resume``)."""
+    from mpp.train.plan import check_resume, newest_checkpoint
+
+    if args.resume or args.restart or (tag := newest_checkpoint(cfg)) is None:
+        check_resume(cfg, args.resume)
+        return args.resume
+    check_resume(cfg, "auto")  # a refusal first, not "going on" and then a refusal
+    run_dir = run_dir_of(cfg)
+    if rank == 0:
+        print(
+            f"{run_dir} holds a checkpoint ({tag}): going on from it (--restart starts over, "
+            "--output-dir names a new run)",
+            file=sys.stderr,
+        )
+    return "auto"
+
+
+def open_run_dir(cfg, rank: int, restart: bool = False) -> Path:
     """The run directory, created by rank 0, held by this job (``mpp.train.runlock``: RunHeld, a
     ConfigError, on every rank when another live job holds it) and the resolved config saved in
-    it. A collective under a process group."""
+    it; with ``restart`` what an earlier run left there moved aside first (``RUN.before-<UTC
+    time>``). A collective under a process group."""
     from mpp.parallel.distributed import from_rank0
-    from mpp.train.runlock import RunHeld, hold
+    from mpp.train.runlock import RunHeld, hold, release
 
     run_dir = run_dir_of(cfg)
     held = None
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
         try:
+            if restart and run_dir.is_dir() and any(run_dir.iterdir()):
+                hold(run_dir)  # not from under a live job
+                stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+                aside = run_dir.with_name(f"{run_dir.name}.before-{stamp}")
+                if aside.exists():
+                    aside = aside.with_name(f"{aside.name}-{os.getpid()}")
+                release(run_dir)
+                run_dir.rename(aside)
+                print(f"--restart: the earlier run moved to {aside}", file=sys.stderr)
+            run_dir.mkdir(parents=True, exist_ok=True)
             hold(run_dir)
             save_config(cfg, run_dir / "config.json")
         except RunHeld as e:
             held = str(e)
+        except OSError as e:  # a directory that cannot be moved or made: said on every rank
+            held = f"{run_dir}: {e.strerror or e}"
     if held := from_rank0(held):
         raise RunHeld(held)
     return run_dir

@@ -10,7 +10,9 @@ the batch, precision and clipping keys are derived from ``train``/``optim`` (one
 from __future__ import annotations
 
 import copy
+import difflib
 import json
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -616,7 +618,10 @@ def resolve_config_path(path: str | Path) -> Path:
     for cand in (CONFIG_DIR / p.name, CONFIG_DIR / f"{p.name}.json"):
         if p.parent == Path(".") and cand.is_file():
             return cand
-    raise ConfigError(f"{path}: config file not found (looked here and in {CONFIG_DIR})")
+    shipped = ", ".join(sorted(c.stem for c in CONFIG_DIR.glob("*.json")))
+    raise ConfigError(
+        f"{path}: config file not found (looked here and in {CONFIG_DIR}); shipped: {shipped}"
+    )
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -644,7 +649,35 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
-def _format_error(err: ValidationError, source: str) -> str:
+def key_paths(cls: type[BaseModel], prefix: str = "") -> set[str]:
+    """Every key a config of ``cls`` takes, dotted (``train.max_steps``), tagged unions' too."""
+    paths = set()
+    for name, field in cls.model_fields.items():
+        paths.add(prefix + name)
+        for section in _sections_in(field.annotation):
+            paths |= key_paths(section, f"{prefix}{name}.")
+    return paths
+
+
+def _sections_in(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [s for a in typing.get_args(annotation) for s in _sections_in(a)]
+
+
+def _did_you_mean(key: str, cls: type[BaseModel]) -> str:
+    near = difflib.get_close_matches(key, sorted(key_paths(cls)), n=1, cutoff=0.75)
+    return f" (did you mean {near[0]}?)" if near else ""
+
+
+def _format_error(
+    err: ValidationError,
+    source: str,
+    cls: type[BaseModel] | None = None,
+    overrides: list[str] = (),
+) -> str:
+    """The first error in one line: where (the file, or the ``--set`` that made it), the key,
+    what is wrong; an unknown key with the nearest known one."""
     e = err.errors()[0]
     parts = [str(x) for x in e["loc"] if not str(x).startswith("function-after")]
     # a typed union's tag (objective.mae.mask_ratio, objective.hpm.base.mpp.bits,
@@ -654,24 +687,33 @@ def _format_error(err: ValidationError, source: str) -> str:
     loc = ".".join(parts)
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
-        msg = "unknown key"
+        msg = "unknown key" + (_did_you_mean(loc, cls) if cls is not None else "")
     elif e["type"] == "union_tag_invalid":  # objective.name, base.name, masking.strategy
         tags = [t.strip() for t in e["ctx"]["expected_tags"].split(",")]
         loc, msg = (
             f"{loc}.{e['ctx']['discriminator'].strip(chr(39))}",
             f"Input should be {', '.join(tags[:-1])} or {tags[-1]} (got {e['ctx']['tag']!r})",
         )
-        return f"{source}: {loc}: {msg}"
     elif "input" in e and e["type"] not in ("missing", "value_error"):
         msg += f" (got {e['input']!r})"
+    for item in overrides:  # a key that came from the command line is reported as such
+        key = item.split("=", 1)[0].strip()
+        unknown_section = e["type"] == "extra_forbidden" and key.startswith(loc + ".")
+        if loc and (loc == key or loc.startswith(key + ".") or unknown_section):
+            source = f"--set {item} (over {source})"
     return f"{source}: {loc}: {msg}" if loc else f"{source}: {msg}"
 
 
-def validate(raw: dict[str, Any], source: str = "<config>", cls: type[BaseModel] = Config) -> Any:
+def validate(
+    raw: dict[str, Any],
+    source: str = "<config>",
+    cls: type[BaseModel] = Config,
+    overrides: list[str] = (),
+) -> Any:
     try:
         return cls.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_format_error(err, source)) from None
+        raise ConfigError(_format_error(err, source, cls, overrides)) from None
 
 
 def load_config(
@@ -686,7 +728,7 @@ def load_config(
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: expected a JSON object at the top level")
     raw = apply_overrides(raw, overrides or [])
-    cfg = validate(raw, str(p), cls)
+    cfg = validate(raw, str(p), cls, overrides or [])
     cfg._source = str(p)
     return cfg
 

@@ -14,8 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
-from conftest import REPO, cli_env, free_port
+from conftest import REPO, cli_env, free_port, read_metrics
+from PIL import Image
 
 import mpp
 
@@ -24,8 +26,8 @@ PUBLIC = {
     "load_encoder": ["source"],
     "create_objective": ["name", "encoder", "mask_generator", "mean", "std", "kwargs"],
     "load_config": ["path", "overrides", "cls"],
-    "pretrain": ["config", "output_dir", "resume", "overrides", "sections"],
-    "finetune": ["config", "init", "output_dir", "resume", "overrides", "sections"],
+    "pretrain": ["config", "output_dir", "resume", "restart", "overrides", "sections"],
+    "finetune": ["config", "init", "output_dir", "resume", "restart", "overrides", "sections"],
 }
 
 
@@ -197,23 +199,73 @@ def test_a_wheel_works_from_an_empty_directory(tmp_path):
         "--module",
         "mpp.commands.pretrain",
     ]
-    r = run(
+    # a user's own images: 4 class folders of 64-px JPEGs and PNGs written by PIL
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 12), ("val", 3)):
+        for c in range(4):
+            folder = empty / "photos" / split / f"class{c}"
+            folder.mkdir(parents=True)
+            for i in range(count):
+                pixels = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8) // (c + 1)
+                img = Image.fromarray(pixels).resize((64, 64), Image.Resampling.BICUBIC)
+                img.save(folder / f"{i}.{'jpg' if i % 2 else 'png'}")
+    assert run("mpp", "shards", "--help").stdout.startswith("usage: mpp shards")
+    specs = {}
+    for split in ("train", "val"):
+        r = run("mpp", "shards", f"photos/{split}", "data", "--prefix", split, "--max-count", "16")
+        assert r.returncode == 0, r.stderr[-2000:]
+        specs[split] = r.stdout.split(" to ")[-1].strip()  # "wrote N samples, 4 classes to SPEC"
+    assert specs["train"] == "data/train-{000000..000002}.tar", specs
+
+    own = ["--set", f"data.train_shards={specs['train']}", "--set", "train.monitor_every=0"]
+    pretrain = [
         *cmd,
         "--config",
         "mae_demo",
+        *own,
         "--set",
-        "train.max_steps=3",
+        "model.img_size=64",
         "--set",
-        "train.monitor_every=0",
+        "train.log_every=1",
+    ]
+    pretrain += [
+        "--set",
+        "train.batch_size=8",
+        "--set",
+        "train.ckpt_every=2",
         "--output-dir",
         "run",
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    metrics = [
-        json.loads(line) for line in (empty / "run" / "metrics.jsonl").read_text().splitlines()
     ]
-    assert [m["step"] for m in metrics if "loss" in m][-1] == 3
-    assert json.loads((empty / "run" / "config.json").read_text())["name"] == "mae_demo"
+    r = run(*pretrain, "--set", "train.max_steps=2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "going on from it" not in r.stderr
+    # the same command again, further: it goes on from its checkpoint, saying so
+    r = run(*pretrain, "--set", "train.max_steps=4")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "run holds a checkpoint (step00000002): going on from it" in r.stderr
+    steps = [m["step"] for m in read_metrics(empty / "run") if "loss" in m]
+    assert steps == [1, 2, 3, 4], steps
+    assert json.loads((empty / "run" / "config.json").read_text())["model"]["img_size"] == 64
+
+    # k-NN with the shipped config, which leaves the size unset: 64 px from init
+    knn = ["mpp", "knn", "--config", "linear_demo", "--set", "init=run", *own[:2]]
+    r = run(*knn, "--set", f"data.val_shards={specs['val']}", "--output-dir", "knn")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((empty / "knn" / "config.json").read_text())["model"]["img_size"] == 64
+    res = json.loads((empty / "knn" / "results.json").read_text())
+    assert res["init_finished"] is True and res["init_step"] == 4 and res["num_val"] == 12
+
+    # exported with the user's usual permissions, reloaded by transformers at 64 px
+    r = run("mpp", "export", "run", "--format", "hf", "--out", "hf")
+    assert r.returncode == 0, r.stderr[-2000:]
+    from transformers import ViTModel
+
+    hf = ViTModel.from_pretrained(empty / "hf")
+    assert hf.config.image_size == 64 and hf.config.patch_size == 4  # mae_demo's variant
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in [*(empty / "hf").iterdir(), empty / "run" / "encoder.safetensors"]:
+        assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f
 
 
 def test_a_config_key_explains_itself_from_its_docstring():

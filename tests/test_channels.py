@@ -198,3 +198,65 @@ def test_auto_statistics_agree_with_numpy_on_the_same_files(tmp_path):
     every8 = np.stack(eight).reshape(-1, 3) / 255
     assert s8.value_range == (0.0, 255.0)
     np.testing.assert_allclose(s8.mean, every8.mean(0), rtol=1e-9)
+
+
+def test_data_that_needs_a_range_is_refused_before_anything_starts(tmp_path):
+    """Each decodable dtype (8-bit JPEG, 16-bit PNG, 4-band uint16 and int16 TIFF, float32 npy),
+    with each of data.mean / std / value_range unset, set and "auto": anything but 8-bit with no
+    value_range is refused in one line naming data.value_range, whatever else is "auto" (it once
+    ended every rank in a TypeError from the statistics' log line); the rest plans."""
+    import itertools
+
+    from mpp.config import ConfigError, load_config
+    from mpp.train.plan import plan_run
+
+    jpeg = io.BytesIO()
+    Image.fromarray(RNG.integers(0, 256, (20, 24, 3), dtype=np.uint8)).save(jpeg, format="JPEG")
+    kinds = {  # name: (bytes, channels, dtype, the range to state)
+        "jpeg": (jpeg.getvalue(), 3, "uint8", [0, 255]),
+        "png16": (png16(RNG.integers(0, 65536, (20, 24))), 1, "uint16", [0, 65535]),
+        "tif_u16": (tiff(BANDS), 4, "uint16", [0, 65535]),
+        "tif_i16": (tiff(BANDS.astype(np.int16)), 4, "int16", [-32768, 32767]),
+        "npy_f32": (npy(RNG.random((20, 24, 2), dtype=np.float32)), 2, "float32", [0, 1]),
+    }
+    seen = {"refused": 0, "named mean/std": 0, "planned": 0}
+    settings = ("unset", "set", "auto")
+    for name, (data, c, dtype, stated) in kinds.items():
+        eight_bit = dtype == "uint8"
+        shards = write_shards(
+            [(data, 0)] * 4, tmp_path / name, name, options=WriterOptions(progress=False)
+        )
+        spec = str(tmp_path / name / f"{name}-{{000000..{len(shards) - 1:06d}}}.tar")
+        for mean, std, vr in itertools.product(settings, repeat=3):
+            sets = [f'data.train_shards="{spec}"', f"data.channels={c}", "train.batch_size=2"]
+            sets += ["train.max_steps=1", "data.num_workers=0"]
+            for key, how, value in (
+                ("mean", mean, [0.5] * c),
+                ("std", std, [0.25] * c),
+                ("value_range", vr, stated),
+            ):
+                if how != "unset":
+                    sets.append(f"data.{key}=" + ('"auto"' if how == "auto" else str(value)))
+            case = f"{name} mean={mean} std={std} value_range={vr}"
+            try:
+                cfg = load_config("mpp_demo", sets)
+                cfg.data.check_pixels()
+                plan_run(cfg, 1, "cpu", 32)
+            except (ConfigError, ValueError) as e:
+                message = str(e)
+                assert len(message.splitlines()) == 1, case
+                if vr == "unset" and not eight_bit and (c == 3 or "unset" not in (mean, std)):
+                    assert "data.value_range: unset, but" in message, (case, message)
+                    assert f"holds {dtype} images" in message, (case, message)
+                    seen["refused"] += 1
+                else:  # ImageNet's 3 values for other channel counts: named too
+                    assert c != 3 and "unset" in (mean, std), (case, message)
+                    assert "data.mean" in message or "data.std" in message, (case, message)
+                    seen["named mean/std"] += 1
+                continue
+            assert eight_bit or vr != "unset", case
+            seen["planned"] += 1
+    # the 4 kinds that are not 8-bit have 1, 2 or 4 channels: of their 27 cases, the 15 with an
+    # unset mean or std meet ImageNet's 3 values first; of the other 12, the 4 with no range are
+    # refused and 8 plan. The JPEG plans all 27.
+    assert seen == {"refused": 4 * 4, "named mean/std": 4 * 15, "planned": 27 + 4 * 8}, seen

@@ -205,6 +205,7 @@ def test_finetune_and_probes_through_the_clis(zero3_finetune, one_rank_probes, t
     out, pre_dir = zero3_finetune["run"], zero3_finetune["init"]
     res = json.loads((out / "results.json").read_text())
     assert {"top1", "top5", "epoch", "init"} <= res.keys() and res["init"] == str(pre_dir)
+    assert res["init_read"] == str(pre_dir / "encoder.safetensors") and res["init_finished"]
     assert res["last"]["num_val"] == 45  # every rank's share, every val sample once
     assert 0.0 <= res["top1"] <= 100.0 and res["top5"] >= res["top1"]
     assert (out / "model_best.safetensors").is_file() and (out / "model_last.safetensors").is_file()
@@ -261,3 +262,54 @@ def test_hpm_recipes_match_the_official_scripts():
     assert (
         load_config("finetune_b16", digits, cls=FinetuneConfig).optim.layer_decay == 0.65
     )  # MAE's
+
+
+def test_downstream_follows_its_encoder_and_says_what_it_read(tmp_path, digits16):
+    """A pretraining run at 32 px of the 16-px variant (python pretrain/run.py, 4 steps); k-NN
+    with a config that leaves model.img_size unset takes 32 from it (its config.json says so, no
+    resampling); set to 16 on purpose, the position embeddings are resampled with one line; from
+    the same run stopped early (no export, a stop recorded) one warning, and results.json says
+    which checkpoint it read and that the run had not finished."""
+    import shutil
+
+    pre = tmp_path / "pre"
+    cfg = tiny_config(digits16, model={"img_size": 32}, train={"max_steps": 4, "ckpt_every": 2})
+    path = tmp_path / "pre.json"
+    path.write_text(json.dumps(cfg))
+    r = run_cli(["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(pre)])
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    probe = {
+        "name": "p",
+        "model": {"name": "vit_tiny_patch4_16", "depth": 2, "embed_dim": 32, "num_heads": 2},
+        "data": {"train_shards": digits16["train"], "val_shards": digits16["val"]},
+    }
+    probe_path = tmp_path / "probe.json"
+    probe_path.write_text(json.dumps(probe))
+
+    def knn(init, out, *sets):
+        cmd = ["python", "downstream/knn.py", "--config", str(probe_path), "--set", f"init={init}"]
+        r = run_cli([*cmd, *[a for s in sets for a in ("--set", s)], "--output-dir", str(out)])
+        assert r.returncode == 0, r.stderr[-3000:]
+        saved = json.loads((out / "config.json").read_text())
+        return r.stderr, json.loads((out / "results.json").read_text()), saved
+
+    err, res, saved = knn(pre, tmp_path / "k32")
+    assert saved["model"]["img_size"] == 32 and "resampled" not in err, err[-2000:]
+    assert res["init_read"] == str(pre / "encoder.safetensors")
+    assert res["init_step"] == 4 and res["init_finished"] is True
+
+    err, _, saved = knn(pre, tmp_path / "k16", "model.img_size=16")
+    assert saved["model"]["img_size"] == 16
+    lines = [x for x in err.splitlines() if "position embeddings resampled" in x]
+    assert len(lines) == 1 and "from its 8x8 patches to the model's 4x4" in lines[0], err[-2000:]
+
+    stopped = tmp_path / "stopped"
+    shutil.copytree(pre, stopped)
+    (stopped / "encoder.safetensors").unlink()
+    (stopped / "preempted.json").write_text('{"step": 4, "signal": "SIGINT"}\n')
+    err, res, _ = knn(stopped, tmp_path / "k_stopped")
+    warned = [x for x in err.splitlines() if "did not finish" in x]
+    assert len(warned) == 1, err[-2000:]
+    assert res["init_finished"] is False and res["init_step"] == 4
+    assert res["init_read"] == str(stopped / "checkpoints" / "step00000004")

@@ -29,6 +29,8 @@ from conftest import (
 from PIL import Image
 from test_downstream import Payload
 
+from mpp.checkpoint.format import complete_tags
+
 
 def last_per_step(metrics: list[dict]) -> dict[int, dict]:
     """A resumed run appends: the last record of each step is the one that stands."""
@@ -209,6 +211,30 @@ def test_a_pickled_payload_in_a_checkpoint_is_refused_on_resume(
     )
     assert r.returncode != 0 and "Weights only load failed" in r.stderr
     assert not mark.exists()
+
+
+def test_the_same_command_goes_on_and_restart_moves_the_earlier_run_aside(tmp_path, one_rank_run):
+    """A copy of the suite's one-process run (8 steps, checkpoints at 4, 6, 8), its command run
+    again with no --resume, then with --restart: nothing of an earlier invocation is deleted."""
+    run = tmp_path / "run"
+    shutil.copytree(one_rank_run["run"], run)
+    cmd = ["python", "pretrain/run.py", "--config", str(one_rank_run["config"])]
+    cmd += ["--output-dir", str(run)]
+    r = run_cli([*cmd, "--set", "train.max_steps=10"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"{run} holds a checkpoint (step00000008): going on from it" in r.stderr
+    assert [m["step"] for m in read_metrics(run)] == list(range(1, 11))  # 9 and 10 added
+
+    r = run_cli([*cmd, "--set", "train.max_steps=2", "--restart"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    (aside,) = tmp_path.glob("run.before-*")
+    assert f"--restart: the earlier run moved to {aside}" in r.stderr
+    assert complete_tags(aside / "checkpoints")[-1] == "step00000010"
+    assert [m["step"] for m in read_metrics(aside)] == list(range(1, 11))
+    assert [m["step"] for m in read_metrics(run)] == [1, 2]
+
+    both = run_cli([*cmd, "--restart", "--resume", "auto"])
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
 
 
 def test_pipe_shards_are_refused_unless_allowed(tmp_path, digits16, capsys):

@@ -10,6 +10,7 @@ import time
 
 import psutil
 from conftest import (
+    BATCH,
     REPO,
     STEPS,
     cli_env,
@@ -20,6 +21,7 @@ from conftest import (
     tiny_config,
     write_config,
 )
+from PIL import Image
 
 from mpp.checkpoint.format import complete_tags
 from mpp.train.preemption import PREEMPTED_EXIT
@@ -29,15 +31,16 @@ def launch(cfg_path, out, extra=()) -> list[str]:
     return launch_cmd(2, cfg_path, out, *extra)
 
 
-def run_until(cmd, out, step: int, send) -> int:
+def run_until(cmd, out, step: int, send, log=None) -> int:
     """Start ``cmd``, call ``send(process)`` once ``step`` is logged, wait for every process of the
-    job to end; the launcher's status."""
+    job to end; the launcher's status. The job's output goes to ``log`` when given."""
+    sink = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115  closed with the job
     proc = subprocess.Popen(
         cmd,
         cwd=REPO,
         env=cli_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=sink,
+        stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
         start_new_session=True,
     )
     deadline = time.time() + 240
@@ -53,6 +56,8 @@ def run_until(cmd, out, step: int, send) -> int:
     code = proc.wait(timeout=240)
     _, alive = psutil.wait_procs(job, timeout=240)  # the ranks outlive a launcher the signal killed
     assert not alive, alive
+    if log:
+        sink.close()
     return code
 
 
@@ -97,8 +102,34 @@ def test_sigterm_to_the_launcher_and_sigusr1_to_the_ranks_checkpoint_and_resume_
         and second["signal"] == "SIGUSR1"
         and first["step"] < second["step"] < STEPS
     )
-    r = run_cli(launch(path, stopped, ["--resume", "auto"]))
+    # Ctrl-C in a terminal: SIGINT to the whole foreground group (runner, launcher, ranks,
+    # workers). The launcher adds a SIGTERM of its own: the record keeps the first signal
+    log = tmp_path / "ctrl-c.log"
+    ctrl_c = lambda p: os.killpg(p.pid, signal.SIGINT)  # noqa: E731
+    run_until(launch(path, stopped), stopped, second["step"] + 3, ctrl_c, log)
+    third = json.loads((stopped / "preempted.json").read_text())
+    assert third["signal"] == "SIGINT" and second["step"] < third["step"] < STEPS
+    assert complete_tags(stopped / "checkpoints")[-1] == f"step{third['step']:08d}"
+    text = log.read_text()
+    assert "going on from it" in text and "stopped: preempted by SIGINT" in text, text[-3000:]
+    # a traceback only from DeepSpeed's runner (its KeyboardInterrupt), none from a rank or worker
+    for block in text.split("Traceback (most recent call last):")[1:]:
+        assert "deepspeed/launcher/runner.py" in block.split("KeyboardInterrupt")[0], block[:3000]
+
+    # the same command again, no --resume: a run directory with a checkpoint goes on, saying so
+    r = run_cli(launch(path, stopped))
     assert r.returncode == 0, r.stderr[-3000:]
+    assert f"holds a checkpoint (step{third['step']:08d}): going on from it" in r.stderr
+    # the line it ends with, and its curves (also `mpp plot` for any run)
+    done = [x for x in r.stdout.splitlines() if x.startswith("done: ")]
+    assert len(done) == 1 and done[0].startswith(f"done: {STEPS} steps, {STEPS * BATCH} images in ")
+    assert "img/s; last loss " in done[0] and f"{stopped / 'curves.png'}" in done[0], done
+    with Image.open(stopped / "curves.png") as pic:
+        assert pic.format == "PNG" and pic.width > 400
+    plotted = run_cli(
+        ["python", "-m", "mpp", "plot", str(stopped), "--out", str(tmp_path / "c.png")]
+    )
+    assert plotted.returncode == 0 and (tmp_path / "c.png").stat().st_size > 1000, plotted.stderr
 
     steps = [m["step"] for m in read_metrics(stopped)]
     assert steps == list(range(1, STEPS + 1))  # each step once, across two stops

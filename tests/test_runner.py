@@ -220,9 +220,54 @@ def test_bad_config_through_the_cli_exits_2(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_busy_port_and_missing_shards_are_one_line_each(tmp_path, digits16):
+    """A port another process listens on (MASTER_PORT, as a launcher sets it) stops the run in one
+    line naming it and a free one; missing shards are said before the process group exists (its
+    first use builds DeepSpeed's comm op for up to a minute): "mpp.parallel" never shows."""
+    import socket
+
+    path = write_config(tmp_path / "c.json", tiny_config(digits16))
+    cmd = ["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(tmp_path / "r")]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = run_cli(cmd, env={"MASTER_PORT": str(port)})
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1, r.stderr[-3000:]
+    assert f"the launcher's port {port} is in use" in errors[0] and "--master_port" in errors[0]
+    assert "Traceback" not in r.stderr
+
+    r = run_cli([*cmd, "--set", 'data.train_shards="/nowhere/x-{0..1}.tar"'])
+    assert r.returncode == 2 and "data.train_shards: 2 shard(s) not found" in r.stderr
+    assert "shm_comm" not in r.stderr and not (tmp_path / "r").exists(), r.stderr
+
+    # 16-bit PNGs with no data.value_range, the statistics "auto": refused as early, one line
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from mpp.data import WriterOptions, write_shards
+
+    png = io.BytesIO()
+    Image.fromarray(np.full((16, 16), 40000, dtype=np.uint16)).save(png, format="PNG")
+    (shard,) = write_shards(
+        [(png.getvalue(), 0)] * 20, tmp_path / "s16", "s", options=WriterOptions(progress=False)
+    )
+    sets = [f"data.train_shards={shard}", "data.channels=1", 'data.mean="auto"', 'data.std="auto"']
+    r = run_cli([*cmd, *[a for s in sets for a in ("--set", s)]])
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"data.value_range: unset, but {shard} holds uint16 images" in errors[0]
+    assert "shm_comm" not in r.stderr and not (tmp_path / "r").exists()
+
+
 def test_bare_config_name_resolves_in_configs_dir(capsys):
     code = main(["--config", "mpp_b16", "--set", "train.bogus=1"])
-    assert code == 2 and "configs/mpp_b16.json: train.bogus: unknown key" in capsys.readouterr().err
+    err = capsys.readouterr().err  # the key came from --set: said so, over which file
+    assert code == 2 and "--set train.bogus=1 (over " in err
+    assert "configs/mpp_b16.json): train.bogus: unknown key" in err
 
 
 def test_demo_config_learns(tmp_path, demo_cache):

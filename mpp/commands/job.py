@@ -15,6 +15,23 @@ from mpp.train.preemption import PREEMPTED_EXIT, Preempted
 from mpp.train.runlock import release
 
 
+def ending(state: Any, run_dir: Path, seconds: float, weights: str) -> str:
+    """The line a training run ends with: steps, images, the last figures, this invocation's
+    time and the run's recent img/s, and where it all is (its curves drawn: ``mpp plot``)."""
+    from mpp.tools.plot import curves_at_end
+    from mpp.train.metrics import last_figures, read_records
+
+    recent = [r["imgs_per_sec"] for r in read_records(run_dir)[-5:]]
+    rate = f", {sorted(recent)[len(recent) // 2]:.0f} img/s" if recent else ""
+    minutes, secs = divmod(round(seconds), 60)
+    figures = last_figures(run_dir)
+    return (
+        f"done: {state.step} steps, {state.samples} images in {minutes}m{secs:02d}s{rate}"
+        + (f"; {figures}" if figures else "")
+        + f" -> {run_dir}: metrics.jsonl, {curves_at_end(run_dir)}, checkpoints/, {weights}"
+    )
+
+
 def finish(job: Callable[[], Any], run_dir: Path, rank: int) -> tuple[int, Any]:
     """``job()`` in ``run_dir`` (released at the end, however it ends): (0, its result), or the
     status of how it stopped, said in one line: ``PREEMPTED_EXIT`` (75) after a stop signal's

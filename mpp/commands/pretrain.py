@@ -1,24 +1,37 @@
 """Pretrain a ViT with a masked-patch objective under DeepSpeed.
 
-deepspeed pretrain/run.py --config mpp_b16.json [--set key=value ...] [--output-dir DIR] [--resume auto|PATH]
-python pretrain/run.py --config mpp_demo.json          # one process
-python pretrain/run.py --config mpp_b16.json --plan --gpus 64   # the GPU plan (mpp plan): nothing runs
-python pretrain/run.py --config mpp_b16.json --submit slurm --nodes 8 --gpus-per-node 8 --partition P --time 72:00:00
+mpp pretrain --config mpp_demo                          # one process, the built-in digits
+mpp pretrain --config mae_demo --output-dir runs/mine --set model.img_size=64 --set data.train_shards="data/mine/train-{000000..000003}.tar"
+    (your shards, from mpp shards, at 64 px)
+deepspeed --num_gpus 8 --module mpp.commands.pretrain --config mae_b16 [--set key=value ...]
+mpp pretrain --config mae_b16 --plan --gpus 64          # the GPU plan (mpp plan): nothing runs
+mpp pretrain --config mae_b16 --submit slurm --nodes 8 --gpus-per-node 8 --partition P --time 72:00:00
+(from a clone: deepspeed pretrain/run.py --config mae_b16 ...)
+
+The same command run again goes on from the run directory's newest complete checkpoint;
+--restart starts over (the earlier run is moved aside, not deleted).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
 
 from mpp.build import build_objective
-from mpp.cli import config_from_args, open_run_dir, run_parser
-from mpp.commands.job import finish
+from mpp.cli import config_from_args, open_run_dir, resume_of, run_parser
+from mpp.commands.job import ending, finish
 from mpp.config import ConfigError
-from mpp.parallel.distributed import device_type, from_rank0, init_distributed, world_from_env
+from mpp.parallel.distributed import (
+    PortInUse,
+    device_type,
+    from_rank0,
+    init_distributed,
+    world_from_env,
+)
 from mpp.submit import submit
 from mpp.tools.planner.cli import add_plan_arguments, plan_main
-from mpp.train.plan import check_resume, plan_run
+from mpp.train.plan import check_data, plan_run
 from mpp.train.rng import seed_everything
 from mpp.train.trainer import Trainer
 
@@ -38,37 +51,45 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
         seed_everything(cfg.train.seed)  # the same initial weights on every rank and every run
         objective = build_objective(cfg)
-        check_resume(cfg, args.resume)
+        resume = resume_of(cfg, args, rank)  # checked against the checkpoint (check_resume)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # checked here, run there: each task runs this command without --submit (mpp.submit)
     if args.submit:
         return submit("mpp.commands.pretrain", argv, cfg)
-    device = init_distributed()
-    try:  # the shards' samples counted by the ranks together (mpp.data.census); rank 0's plan on every rank
+    try:  # what the data lets us check before DeepSpeed's first-use build (not at submission:
+        # the shards may be visible on the compute nodes only)
+        check_data(cfg, objective.encoder.patch_embed.img_size[0])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        device = init_distributed()
+        # the shards' samples counted by the ranks together (mpp.data.census); rank 0's plan on
+        # every rank
         plan = from_rank0(
             plan_run(cfg, world, device_type(), objective.encoder.patch_embed.img_size[0])
         )
         # data.mean / std "auto": measured with the plan (mpp.data.stats), now known
         objective.set_pixel_stats(cfg.data.mean, cfg.data.std)
-        run_dir = open_run_dir(cfg, rank)  # held by this job: a second one on it stops here
-    except ConfigError as e:  # the same on every rank: said once
+        run_dir = open_run_dir(
+            cfg, rank, restart=args.restart
+        )  # held by this job: a second one on it stops here
+    except (ConfigError, PortInUse) as e:  # the same on every rank: said once
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
+    start = time.perf_counter()
     status, state = finish(
-        lambda: Trainer(cfg, objective, plan, run_dir, device, resume=args.resume).train(),
+        lambda: Trainer(cfg, objective, plan, run_dir, device, resume=resume).train(),
         run_dir,
         rank,
     )
     if status:
         return status
     if rank == 0:
-        print(
-            f"done: {state.step} steps, {state.samples} images -> {run_dir}/metrics.jsonl, "
-            f"{run_dir}/checkpoints, {run_dir}/encoder.safetensors"
-        )
+        print(ending(state, run_dir, time.perf_counter() - start, "encoder.safetensors"))
     return 0
 
 

@@ -1,6 +1,7 @@
 """Command line: image folder (class sub-folders) or flat folder -> WebDataset shards + sizes.json.
 
-python -m mpp.data.shards ~/imagenet/train data/in1k --prefix train --max-count 5000 --resize 256
+mpp shards ~/imagenet/train data/in1k --prefix train --max-count 5000 --max-side 256
+mpp shards my_images/ data/mine --prefix train        # class sub-folders -> labels
 """
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ from .writer import (
 
 
 def main(argv: list[str] | None = None) -> list[str]:
-    parser = argparse.ArgumentParser(
-        prog="python -m mpp.data.shards", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser(prog="mpp shards", description=__doc__.splitlines()[0])
     parser.add_argument(
         "src", type=Path, help="image folder: <class>/<image> sub-folders, or flat with --flat"
     )

@@ -103,6 +103,23 @@ def measure(
     return PixelStats(mean, std, span, images)
 
 
+def first_dtype(
+    shards: list[str], fmt: PixelFormat, allow_pipe: bool = False, tries: int = 8
+) -> np.dtype | None:
+    """The array type of the first image that decodes among the first ``tries`` of the first
+    shard (None when none does: the census and the stream report those)."""
+    errors = SkipCounter()
+    samples = shard_samples(({"url": u} for u in shards[:1]), errors, allow_pipe, images_only=True)
+    for i, sample in enumerate(samples):
+        if i >= tries:
+            break
+        try:
+            return raw_array(next(sample[k] for k in IMAGE_KEYS if k in sample), fmt).dtype
+        except Exception:  # noqa: BLE001  a corrupt one: the next
+            continue
+    return None
+
+
 def pixel_stats(
     shards: list[str],
     fmt: PixelFormat,

@@ -51,6 +51,17 @@ def load_encoder_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
+def user_umask() -> int:
+    """This process's umask, read without setting it (a set would race other threads' files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
 def save_weights(
     state_dict: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None
 ) -> None:
@@ -59,4 +70,5 @@ def save_weights(
     tmp = path.with_name(path.name + ".tmp")
     meta = {k: json.dumps(v) for k, v in (metadata or {}).items()}
     save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp), metadata=meta)
+    os.chmod(tmp, 0o666 & ~user_umask())  # safetensors writes 0600: the user's usual mode
     os.replace(tmp, path)

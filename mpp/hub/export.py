@@ -1,9 +1,9 @@
 """Export a trained encoder (or a fine-tuned classifier) for the ecosystem.
 
-    python -m mpp.export RUN_DIR|CKPT_DIR|FILE.safetensors --format safetensors|timm|hf [--out PATH]
+    mpp export RUN_DIR|CKPT_DIR|FILE.safetensors --format safetensors|timm|hf [--out PATH]
 
 ``safetensors``: ``encoder.safetensors``, fp32, timm names, the architecture in its metadata
-(what ``downstream/finetune.py --set init=...`` takes).
+(what ``mpp finetune --set init=...`` takes).
 ``timm``: a folder with ``model.safetensors`` + ``config.json`` in timm's hub layout:
 ``timm.models.VisionTransformer(**config["model_args"]).load_state_dict(load_file(...))``
 loads it with ``strict=True`` and gives the same features, or for a fine-tuned run the same

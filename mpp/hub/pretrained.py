@@ -11,11 +11,12 @@ import inspect
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 import torch
 
-from mpp.checkpoint.format import find_checkpoint, zero_to_fp32
+from mpp.checkpoint.format import MARKER, complete_tags, find_checkpoint, zero_to_fp32
 from mpp.checkpoint.storage import CheckpointError
 from mpp.hub.encoder_file import encoder_file_kwargs, load_encoder_file
 from mpp.models.vit import VisionTransformer, full_vit_config, resample_abs_pos_embed, vit_config
@@ -74,6 +75,35 @@ def load_pretrained(init: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
         pool = "avg" if "fc_norm.weight" in encoder else "token"
         kwargs.update(num_classes=encoder["head.weight"].shape[0], global_pool=pool)
     return encoder, kwargs
+
+
+def init_record(init: str | Path) -> dict:
+    """What a downstream run read from ``init``, as its results.json records it: the file or
+    checkpoint, and for a pretraining run's directory the step and whether that run finished
+    (its encoder exported, no stop recorded)."""
+    if init == "scratch":
+        return {}
+    path = Path(init)
+    if not path.is_dir() or is_hf_folder(path) or is_timm_folder(path):
+        return {"init_read": str(path)}
+    found = find_checkpoint(path)
+    root = Path(found[0]) if found else path / "checkpoints"
+    tags = [t for t in complete_tags(root) if t.startswith("step")]
+    export = path / "encoder.safetensors"
+    if export.is_file():  # what load_pretrained reads: the checkpoints written before it
+        made = export.stat().st_mtime
+        before = [t for t in tags if (root / t / MARKER).stat().st_mtime <= made]
+        record = {"init_read": str(export)}
+        finished = before == tags and not (path / "preempted.json").is_file()
+        tags = before
+    else:
+        record = {"init_read": str(root / found[1]) if found and found[1] else str(path)}
+        finished = False
+    if tags:
+        record["init_step"] = int(tags[-1].removeprefix("step"))
+    if (path / "config.json").is_file():  # a run's directory: did it finish?
+        record["init_finished"] = finished
+    return record
 
 
 def _no_weights(path: Path) -> str:
@@ -326,8 +356,19 @@ def load_into(
     # first: its fc_norm would read as "not a parameter of the model"
     check_pooling(model, sd, init)
     if "pos_embed" in sd and sd["pos_embed"].shape != model.pos_embed.shape:
+        before = sd["pos_embed"].shape[1] - model.num_prefix_tokens
         sd["pos_embed"] = resample_abs_pos_embed(
             sd["pos_embed"], model.grid_size, num_prefix_tokens=model.num_prefix_tokens
+        )
+        side = math.isqrt(before)
+        (log.warning if os.environ.get("RANK", "0") == "0" else log.debug)(
+            "init %s: position embeddings resampled from its %dx%d patches to the model's %dx%d "
+            "(model.img_size %d)",
+            init,
+            side,
+            side,
+            *model.grid_size,
+            model.patch_embed.img_size[0],
         )
     proj, chans = sd.get("patch_embed.proj.weight"), model.patch_embed.in_chans
     if proj is not None and proj.shape[1] != chans:

@@ -25,6 +25,10 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+class PortInUse(RuntimeError):
+    """The process group's port is taken: said in one line, with a free one to use."""
+
+
 def init_distributed() -> torch.device:
     """Join the process group the launcher (deepspeed, torchrun, slurm) describes, or make a
     one-process group for ``python pretrain/run.py``. gloo on CPU, NCCL on GPU."""
@@ -33,7 +37,16 @@ def init_distributed() -> torch.device:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    except RuntimeError as e:  # torch's DistNetworkError is one
+        if "EADDRINUSE" not in str(e):
+            raise
+        port = os.environ.get("MASTER_PORT")
+        raise PortInUse(
+            f"the launcher's port {port} is in use (another job on this machine?): give the "
+            f"launcher another, e.g. deepspeed --master_port {free_port()} ..."
+        ) from None
     # left on the way out, whatever the way: a rank that exits with the group alive can abort in
     # gloo's teardown while its peer closes the sockets ("terminate called without an active
     # exception", exit 250 from the launcher; 1 in 4 two-rank runs that stopped on a config error)

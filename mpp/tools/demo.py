@@ -1,6 +1,6 @@
 """The main job on the built-in dataset, end to end, through the real launcher:
 
-    python -m mpp.demo [--ranks N] [--out runs/demo]
+    mpp demo [--ranks N] [--out runs/demo]
 
 pretrain on every training image (configs/mpp_demo.json), then compare it with training from
 scratch where pretraining is meant to pay, with few labels (configs/finetune_few_demo.json:

@@ -1,5 +1,5 @@
 """Draw a few masks of every strategy over a real image:
-``python -m mpp.tools.masking_viz --out masks.png [--grid 14] [--ratio 0.75] [--samples 4]``.
+``mpp masks --out masks.png [--grid 14] [--ratio 0.75] [--samples 4]``.
 
 One row per strategy, masked patches greyed out. The image is scikit-learn's bundled
 ``china.jpg`` photo (no download), centre-cropped to a square.

@@ -5,9 +5,9 @@ HPM: input | mask (grey: masked at random, red: masked as hard by the teacher) |
 reconstruction (visible patches from the input, masked ones predicted) | teacher's predicted loss.
 MAE / MPP: input | mask (grey) | reconstruction (MPP: each masked patch in its predicted colour).
 
-  python -m mpp.tools.viz --images 8 --out grid.png                       # random init, digits
-  python -m mpp.tools.viz --checkpoint runs/hpm_demo --out grid.png       # a pretraining run: its config.json
-  python -m mpp.tools.viz --config configs/hpm_demo.json --checkpoint runs/x/checkpoints --out grid.png
+  mpp viz --images 8 --out grid.png                       # random init, digits
+  mpp viz --checkpoint runs/hpm_demo --out grid.png       # a pretraining run: its config.json and data
+  mpp viz --config hpm_demo --checkpoint runs/x/checkpoints --out grid.png
 """
 
 from __future__ import annotations
@@ -152,13 +152,16 @@ def build_for(args: argparse.Namespace) -> tuple[Objective, Config | None]:
 def run_images(cfg: Config, count: int, img_size: int) -> Tensor:
     """``count`` normalised images of the run's own data (its val shards, else its first training
     shard), as the data holds them: any channel count and bit depth."""
-    from mpp.data import expand_shards
+    from mpp.data import digits_shards, expand_shards
     from mpp.data.transforms import pixel_format
     from mpp.ops import normalize
     from mpp.train.preview import preview_images
 
     d = cfg.data
-    shards = d.val_shards or expand_shards(d.train_shards)[:1]
+    if d.train_shards is None:  # the built-in data
+        shards = digits_shards(img_size)["val"]
+    else:
+        shards = d.val_shards or expand_shards(d.train_shards)[:1]
     images = preview_images(shards, img_size, d.allow_pipe, pixel_format(d))
     if images is None:
         raise ValueError(f"{shards}: no image of {d.channels} channel(s) to show")
@@ -167,7 +170,7 @@ def run_images(cfg: Config, count: int, img_size: int) -> Tensor:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m mpp.tools.viz",
+        prog="mpp viz",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -181,7 +184,11 @@ def parser() -> argparse.ArgumentParser:
         "--checkpoint",
         help="a pretraining run, DeepSpeed checkpoint folder, state dict file, or exported encoder",
     )
-    ap.add_argument("--image-dir", help="folder of images to show (default: scikit-learn's digits)")
+    ap.add_argument(
+        "--image-dir",
+        help="folder of images to show (default: the run's own data, its validation shards, else "
+        "its training shards; without a run, scikit-learn's digits)",
+    )
     ap.add_argument("--model", default="vit_tiny_patch4_32")
     ap.add_argument("--base", default="mae", choices=["mae", "mpp"])
     ap.add_argument("--decoder-dim", type=int, default=128)
@@ -206,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             load_weights(objective, args.checkpoint)
         mean, std = (cfg.data.mean, cfg.data.std) if cfg else (objective.mean, objective.std)
         size = objective.encoder.patch_embed.img_size[0]
-        if cfg is not None and cfg.data.channels != 3 and not args.image_dir:
-            images = run_images(cfg, args.images, size)  # digits and photos are RGB
+        if cfg is not None and not args.image_dir:  # the run's own data, any channel count
+            images = run_images(cfg, args.images, size)
         else:
             images = load_images(args.images, size, mean, std, args.image_dir)
     except (ValueError, FileNotFoundError, CheckpointError) as e:  # ConfigError is a ValueError

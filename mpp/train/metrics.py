@@ -36,6 +36,21 @@ def read_records(run_dir: Path, kind: str = "train") -> list[dict]:
     return records
 
 
+def last_figures(run_dir: Path) -> str:
+    """The run's last loss and the monitor's last k-NN, for the line a run ends with."""
+    records = read_records(run_dir, kind="all")
+    parts = []
+    if loss := [r["loss"] for r in records if "loss" in r and "imgs_per_sec" in r]:
+        parts.append(f"last loss {loss[-1]:.4g}")
+    if knn := [r for r in records if "monitor/knn_top1" in r]:
+        parts.append(
+            f"monitor k-NN top-1 {knn[-1]['monitor/knn_top1']:.1f} % (step {knn[-1]['step']})"
+        )
+    if val := [r for r in records if "val_top1" in r]:
+        parts.append(f"val top-1 {val[-1]['val_top1']:.2f} %")
+    return ", ".join(parts)
+
+
 def drop_records_after(path: Path, step: int) -> None:
     """Rewrite ``path`` (atomically) without the records past ``step``, and without a last line
     cut short by a kill."""

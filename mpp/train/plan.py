@@ -9,13 +9,14 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from mpp.config import ConfigError, RunConfig
 from mpp.data import StreamConfig, device_decode, digits_shards, expand_shards
 from mpp.data.census import Census, census
 from mpp.data.labels import LabelledSubset, choose, from_key_file, label_index
-from mpp.data.stats import pixel_stats
+from mpp.data.stats import first_dtype, pixel_stats
 from mpp.data.transforms import PixelFormat, pixel_format
 from mpp.parallel.distributed import device_type
 
@@ -126,6 +127,29 @@ def plan_run(
     )
 
 
+def check_data(cfg: RunConfig, img_size: int) -> None:
+    """What can be checked of the data before the process group exists (DeepSpeed's first use
+    builds a comm op for up to a minute): the training shards exist, and images that need a
+    value range have one. ConfigError names the key."""
+    check_value_range(cfg, train_shards(cfg, img_size)[0])
+
+
+def check_value_range(cfg: RunConfig, shards: list[str]) -> None:
+    """Only 8-bit images may leave ``data.value_range`` unset, whatever else is "auto": one
+    image of the first shard tells."""
+    d = cfg.data
+    if d.value_range is not None or d.train_shards is None:  # set, "auto", or the digits
+        return
+    dtype = first_dtype(shards, PixelFormat(d.channels, d.layout, None), d.allow_pipe)
+    if dtype is not None and dtype != np.uint8:
+        top = np.iinfo(dtype).max if dtype.kind in "ui" else 1
+        raise _failer(cfg)(
+            "data.value_range",
+            f"unset, but {shards[0]} holds {dtype} images: say what maps to [0, 1] (e.g. "
+            f'[0, {top}]), or "auto" to use the range measured on the shards',
+        )
+
+
 def measure_pixels(cfg: RunConfig, shards: list[str]) -> None:
     """``data.mean`` / ``std`` / ``value_range`` "auto": measured on the training shards
     (``mpp.data.stats``; a collective, cached) and written into the config, so the run's
@@ -133,6 +157,7 @@ def measure_pixels(cfg: RunConfig, shards: list[str]) -> None:
     import torch.distributed as dist
 
     d = cfg.data
+    check_value_range(cfg, shards)
     if not d.auto_stats:
         return
     vr = None if d.value_range == "auto" else d.value_range
@@ -152,7 +177,7 @@ def measure_pixels(cfg: RunConfig, shards: list[str]) -> None:
             "data: mean %s, std %s of [0, 1] pixels, range %s -> [0, 1] (%s)",
             values(d.mean),
             values(d.std),
-            values(d.value_range),
+            values(stats.value_range if d.value_range is None else d.value_range),
             source,
         )
 
@@ -217,6 +242,13 @@ def _output_dir(cfg) -> str:
     return template.format(name=cfg.name)
 
 
+def newest_checkpoint(cfg: RunConfig) -> str | None:
+    """The run directory's newest complete checkpoint (its tag), None for a fresh run."""
+    from mpp.checkpoint.format import latest_complete
+
+    return latest_complete(Path(_output_dir(cfg)) / "checkpoints")
+
+
 def check_resume(cfg: RunConfig, resume: str | None) -> None:
     """Before anything runs: a resume must keep the global batch (another world size, micro batch
     or accumulation is fine: ``mpp.checkpoint.manager`` re-partitions the checkpoint). ConfigError otherwise."""
@@ -241,14 +273,15 @@ def check_resume(cfg: RunConfig, resume: str | None) -> None:
             "train.precision",
             f"{now} (ZeRO stage {cfg.zero_stage}), but the checkpoint {found[0]}/{found[1]} was "
             f"trained in {was} at stage {saved.get('zero_stage')}: set train.precision={was} (and "
-            f"deepspeed.zero_optimization.stage={saved.get('zero_stage')}) to go on with it",
+            f"deepspeed.zero_optimization.stage={saved.get('zero_stage')}) to go on with it, "
+            "or --restart to start over",
         )
     if saved.get("batch_size", cfg.train.batch_size) != cfg.train.batch_size:
         raise _failer(cfg)(
             "train.batch_size",
             f"{cfg.train.batch_size}, but the checkpoint {found[0]}/{found[1]} was "
             f"trained with {saved['batch_size']}: a resume keeps the global batch (the world size, "
-            f"micro batch and accumulation may change)",
+            f"micro batch and accumulation may change); --restart starts over",
         )
 
 

@@ -5,8 +5,8 @@ closes (SIGHUP) or on Ctrl-C (SIGINT; a second one interrupts at once).
 
 A signal only sets a flag; at every optimiser step the ranks agree on it (one all-reduce of
 one CPU number, on a gloo group so it never waits for the GPU), so they all stop after the
-same step, write one complete checkpoint and exit with ``PREEMPTED_EXIT``. ``--resume auto``
-then continues exactly.
+same step, write one complete checkpoint and exit with ``PREEMPTED_EXIT``. The same command
+then continues exactly (a run directory with a checkpoint resumes by default: ``mpp.cli``).
 
 A signal sent to the ``deepspeed`` runner alone (a container's PID 1, ``kill``, a CI timeout, a
 notebook's stop button) kills the runner and reaches no rank: DeepSpeed forwards nothing on one
@@ -46,8 +46,8 @@ class Preempted(Exception):
     def __init__(self, step: int, signum: int, reason: str | None = None) -> None:
         why = f"{signal.Signals(signum).name} ({reason})" if reason else signal.Signals(signum).name
         super().__init__(
-            f"preempted by {why} after step {step}: a complete checkpoint is saved; continue "
-            f"with --resume auto"
+            f"preempted by {why} after step {step}: a complete checkpoint is saved; the same "
+            f"command (without --restart) goes on from it"
         )
         self.step, self.signum = step, signum
 
@@ -60,7 +60,7 @@ class StopRequest:
     last_agreed = 0
 
     def __init__(self) -> None:
-        self.signum, self.reason = 0, None
+        self.signum, self.reason, self.interrupted = 0, None, False
         self.previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
         self.group, self.device = control_group()
         self.done = threading.Event()
@@ -70,9 +70,13 @@ class StopRequest:
             ).start()
 
     def _handle(self, signum, frame) -> None:
-        if signum == signal.SIGINT and self.signum == signal.SIGINT:
-            raise KeyboardInterrupt  # Ctrl-C twice: now, without the checkpoint
-        self.signum = signum
+        if signum == signal.SIGINT:
+            if self.interrupted:
+                raise KeyboardInterrupt  # Ctrl-C twice: now, without the checkpoint
+            self.interrupted = True
+        # the first one is the cause: on Ctrl-C DeepSpeed's launcher follows the terminal's
+        # SIGINT with a SIGTERM of its own
+        self.signum = self.signum or signum
 
     def _watch(self, lineage: list[tuple[int, int, str]]) -> None:
         while not self.done.wait(WATCH_EVERY_S):

@@ -16,6 +16,7 @@ from mpp.checkpoint import format as ckpt
 from mpp.data import make_eval_loader
 from mpp.data.transforms import pixel_format
 from mpp.hub.encoder_file import save_weights
+from mpp.hub.pretrained import init_record
 from mpp.ops import normalize
 from mpp.train.plan import Plan, RunState
 
@@ -102,6 +103,7 @@ class Evaluator:
             device,
             model_kwargs,
         )
+        self.init_read = init_record(cfg.init)  # what it started from, for results.json
         self.val_shards = cfg.data.val_shards or digits_shards(plan.img_size)["val"]
         self.batch_size = cfg.finetune.eval_batch_size or plan.micro_batch
         self.results_path = run_dir / "results.json"
@@ -145,6 +147,7 @@ class Evaluator:
             "top5": res["top5"],
             "epoch": res["epoch"],
             "init": self.cfg.init,
+            **self.init_read,
             "max_top1": best["top1"],
             "num_train": self.plan.samples_per_epoch,
             "last": res,

@@ -17,6 +17,7 @@ from mpp.data import make_eval_loader, make_train_loader
 from mpp.data.labels import KEY_FILE, LabelledSubset
 from mpp.data.transforms import pixel_format
 from mpp.features import FeatureSpec, extract_features, feature_slots, knn_classify
+from mpp.hub.pretrained import init_record
 from mpp.models.vit import VisionTransformer
 from mpp.transfer.probe import HeadTrainer, linear_probes, scaled_lr
 from mpp.transfer.probe_protocols import (
@@ -75,7 +76,7 @@ def run_probe(kind: str, argv: list[str] | None = None, script: str | None = Non
     """``kind`` = "linear" or "knn". Exit status 2 on a bad config or init. With --submit, the
     validated run is submitted as a job (``script``: the CLI, which the job runs)."""
     from mpp.cli import config_from_args, open_run_dir
-    from mpp.parallel.distributed import init_distributed, world_from_env
+    from mpp.parallel.distributed import PortInUse, init_distributed, world_from_env
     from mpp.train.runlock import release
 
     args = probe_parser(kind).parse_args(argv)
@@ -96,12 +97,12 @@ def run_probe(kind: str, argv: list[str] | None = None, script: str | None = Non
 
         command = script or ("mpp.commands.probe" if kind == "linear" else "mpp.commands.knn")
         return submit(command, argv, cfg, resumable=False)
-    device = (
-        init_distributed()
-        if world > 1
-        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    )
     try:
+        device = (
+            init_distributed()
+            if world > 1
+            else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        )
         # few labels: chosen by the ranks together (the label index is a collective)
         setup = replace(setup, subset=_labelled_subset(cfg, setup, world))
         run_dir = open_run_dir(cfg, rank)  # held by this job: a second one on it stops here
@@ -109,12 +110,12 @@ def run_probe(kind: str, argv: list[str] | None = None, script: str | None = Non
             setup.subset.write(run_dir / KEY_FILE)
         on_device = replace(setup, encoder=setup.encoder.to(device))
         results = _evaluate(kind, cfg, on_device, rank, world)
-    except ConfigError as e:
+    except (ConfigError, PortInUse) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if rank != 0:
         return 0
-    results = {**results, "eval": kind, "init": cfg.init, "ranks": world}
+    results = {**results, "eval": kind, "init": cfg.init, **init_record(cfg.init), "ranks": world}
     if "per_block" in results:
         from mpp.transfer.probe_report import write_per_block
 

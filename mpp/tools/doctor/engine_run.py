@@ -10,6 +10,7 @@ the log end to end; the figures a GPU gives (MFU, memory, host syncs, compile) s
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -207,6 +208,7 @@ def engine_rows(out_dir: Path, base: str, quick: bool = False) -> list[Row]:
     raw["data"]["train_shards"] = write_synthetic_shards(work / "shards", img_size, count)
     config = work / "config.json"
     config.write_text(json.dumps(raw, indent=1))
+    shutil.rmtree(work / "run", ignore_errors=True)  # its own scratch: each check starts afresh
     r, wall = launcher_run(config, work / "run", timeout=600 if cuda else 240)
     if r is not None:
         (work / "launcher.log").write_text(f"$ {' '.join(r.args)}\n{r.stdout}\n{r.stderr}")
