@@ -274,7 +274,8 @@ def test_bad_cells_exit_2_before_any_run_directory(
     err = capsys.readouterr().err
     assert code == 2
     assert "1 of 2 cells have a bad config; nothing was run" in err
-    assert f"  {bad}: {base}: " in err and message in err, err
+    # the cell, the file, and the --set a grid value became when the key is its own
+    assert f"  {bad}: " in err and f"{base}" in err and message in err, err
     assert good not in err
     assert not out.exists()
 
@@ -282,7 +283,7 @@ def test_bad_cells_exit_2_before_any_run_directory(
 def test_bad_spec_is_one_line_naming_the_key(tmp_path, capsys):
     spec = write_config(tmp_path / "spec.json", {"base": "mpp_demo", "seeds": 2, "evals": ["knn"]})
     assert main(["--spec", str(spec)]) == 2
-    assert capsys.readouterr().err == f"error: {spec}: evals: unknown key\n"
+    assert capsys.readouterr().err == f"error: {spec}: evals: unknown key (did you mean eval?)\n"
     assert main(["--base", "mpp_demo", "--eval", "knn,svm"]) == 2
     assert (
         "eval.1: Input should be 'finetune', 'linear' or 'knn' (got 'svm')"
@@ -335,7 +336,10 @@ def test_a_bad_set_key_exits_2_naming_it_before_any_run_directory(tmp_path, digi
     assert main([*argv, "--set", "train.max_steps=5", "--set", "train.nope=1"]) == 2
     err = capsys.readouterr().err
     assert "2 of 2 cells have a bad config; nothing was run" in err
-    assert f"  masking.strategy=block: {base}: train.nope: unknown key" in err, err
+    assert (
+        f"  masking.strategy=block: --set train.nope=1 (over {base}): train.nope: unknown key"
+        in err
+    )
     assert "every cell's config has --set train.max_steps=5 train.nope=1" in err
     assert main([*argv, "--set", "train.max_steps"]) == 2
     assert "set: expected KEY=VALUE, got 'train.max_steps'" in capsys.readouterr().err

@@ -179,11 +179,13 @@ def test_fine_tuning_starts_from_the_pretraining_runs_encoder(demo_runs):
 
 
 def test_hpm_run_fine_tunes_with_a_token_head_into_a_transformers_classifier(demo_runs, tmp_path):
-    """The fine-tune config is patch 8 (the MPP demo's): an HPM (patch 4) run is refused naming
-    both, then taken with the demo's own patch size; a cls-token head exports to HF."""
+    """The fine-tune config's variant is patch 8 (the MPP demo's): with model.patch_size set to 8
+    on purpose an HPM (patch 4) run is refused naming both (unset, it would be taken from the
+    run: tests/test_downstream.py); then taken with the demo's own variant; a cls-token head
+    exports to HF."""
     init = ["--set", f"init={demo_runs['hpm']}"]
     cmd = ["python", "downstream/finetune.py", "--config", "finetune_demo", *init, *TWO_STEPS]
-    r = run_cli([*cmd, "--output-dir", str(tmp_path / "refused")])
+    r = run_cli([*cmd, "--set", "model.patch_size=8", "--output-dir", str(tmp_path / "refused")])
     assert "patch_size 4, the model's 8" in the_error(r.returncode, r.stderr)
     out = tmp_path / "ft"
     r = run_cli(
@@ -369,11 +371,12 @@ def test_a_tool_that_cannot_serve_a_run_says_so_in_one_line(demo_runs, tmp_path,
     # the CLI once (its whole stderr is the one line), then its main in this process
     r = run_cli(["python", "downstream/knn.py", *knn, "--set", f"init={runs['finetune']}"])
     assert "its weights pool global_pool='avg'" in the_error(r.returncode, r.stderr)
-    for init, reason in (
-        (runs["knn"], "keeps no weights"),
-        (runs["mae"], "patch_size 4, the model's 8"),
+    for init, reason, sets in (
+        (runs["knn"], "keeps no weights", []),
+        # a patch size chosen on purpose that the run's weights do not have
+        (runs["mae"], "patch_size 4, the model's 8", ["--set", "model.patch_size=8"]),
     ):
         capsys.readouterr()
-        rc = run_probe("knn", [*knn, "--set", f"init={init}"])
+        rc = run_probe("knn", [*knn, "--set", f"init={init}", *sets])
         assert reason in the_error(rc, capsys.readouterr().err)
     assert not (tmp_path / "never").exists() and not (tmp_path / "f.png").exists()

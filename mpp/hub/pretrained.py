@@ -355,20 +355,11 @@ def load_into(
     sd, kwargs = load_pretrained(init)
     # first: its fc_norm would read as "not a parameter of the model"
     check_pooling(model, sd, init)
+    resampled = None  # said once the weights are in: a refusal below is the only line then
     if "pos_embed" in sd and sd["pos_embed"].shape != model.pos_embed.shape:
-        before = sd["pos_embed"].shape[1] - model.num_prefix_tokens
+        resampled = math.isqrt(sd["pos_embed"].shape[1] - model.num_prefix_tokens)
         sd["pos_embed"] = resample_abs_pos_embed(
             sd["pos_embed"], model.grid_size, num_prefix_tokens=model.num_prefix_tokens
-        )
-        side = math.isqrt(before)
-        (log.warning if os.environ.get("RANK", "0") == "0" else log.debug)(
-            "init %s: position embeddings resampled from its %dx%d patches to the model's %dx%d "
-            "(model.img_size %d)",
-            init,
-            side,
-            side,
-            *model.grid_size,
-            model.patch_embed.img_size[0],
         )
     proj, chans = sd.get("patch_embed.proj.weight"), model.patch_embed.in_chans
     if proj is not None and proj.shape[1] != chans:
@@ -388,6 +379,16 @@ def load_into(
     check_stated_facts(model, facts_sd, kwargs, init)
     missing = check_shapes(model, sd, init)
     model.load_state_dict(sd, strict=False)
+    if resampled and os.environ.get("RANK", "0") == "0":
+        log.warning(
+            "init %s: position embeddings resampled from its %dx%d patches to the model's %dx%d "
+            "(model.img_size %d)",
+            init,
+            resampled,
+            resampled,
+            *model.grid_size,
+            model.patch_embed.img_size[0],
+        )
     return {"initialised": missing}
 
 
