@@ -31,7 +31,7 @@ test: $(STAMP)
 	$(RUN) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20 tests
 
 demo: $(STAMP)
-	$(RUN) $(PY) -m mpp.demo
+	$(RUN) $(PY) -m mpp demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mpp pretrain downstream tests benchmarks

@@ -3,10 +3,10 @@ fresh checkout, each step under its own time limit (about 7 minutes in all on th
 2026-11-27; 9 at most when the steps run to their limits):
 
 1. ``mpp doctor --quick``: the environment, attention kernels, a launcher run;
-2. ``mpp bench gpu-step --levers --profile`` at batch 128 (each objective as shipped, ZeRO-1 bf16
+2. ``python -m benchmarks gpu-step --levers --profile`` at batch 128 (each objective as shipped, ZeRO-1 bf16
    as mpp now sets it, ZeRO-1 bf16 as it ran before), then as shipped at batch 256: MFU, GPU
    idle share and time by kernel kind, kernels and host syncs per step, peak memory;
-3. ``mpp bench decode``: a CPU decode worker's img/s per path, and nvJPEG's img/s and GPU ms
+3. ``python -m benchmarks decode``: a CPU decode worker's img/s per path, and nvJPEG's img/s and GPU ms
    per batch in the training process;
 4. the CUDA-only tests (``CUDA_TESTS``: xformers against SDPA, the gpu-step test, nvJPEG
    against PIL, the doctor on a GPU, masks generated on CUDA).
@@ -49,7 +49,7 @@ CUDA_TESTS = [
 
 def steps(out: Path, dry: bool) -> list[dict[str, Any]]:
     """(name, argv, JSON it writes, time limit in s) of each step, in order."""
-    py, bench = sys.executable, [sys.executable, "-m", "mpp.tools.benchmarks"]
+    py, bench = sys.executable, [sys.executable, "-m", "benchmarks"]
     if dry:
         return [
             step("doctor", [py, "-m", "mpp", "doctor", "--help"], None, 60),

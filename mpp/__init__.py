@@ -42,9 +42,6 @@ _HOMES = {
     "load_config": "mpp.config",
 }
 
-# an old module name says where it moved (mpp/moved.py)
-importlib.import_module("mpp.moved").install()
-
 if TYPE_CHECKING:
     from mpp.api import create_model, finetune, load_encoder, pretrain
     from mpp.config import load_config

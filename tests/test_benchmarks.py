@@ -11,15 +11,15 @@ import torch
 from conftest import run_cli
 from torch.utils.flop_counter import FlopCounterMode
 
+from benchmarks import SUITES
+from benchmarks.__main__ import main
+from benchmarks.attention import saved_bytes
+from benchmarks.data import step_rates, workers_needed
+from benchmarks.data_timing import bench_pipeline
+from benchmarks.zero import model_state_mib
 from mpp.models import attention, create_vit
 from mpp.objectives import create_objective
-from mpp.tools.benchmarks import SUITES
-from mpp.tools.benchmarks.__main__ import main
-from mpp.tools.benchmarks.attention import saved_bytes
-from mpp.tools.benchmarks.data import step_rates, workers_needed
-from mpp.tools.benchmarks.data_timing import bench_pipeline
-from mpp.tools.benchmarks.flops import step_flops, transformer_flops
-from mpp.tools.benchmarks.zero import model_state_mib
+from mpp.tools.flops import step_flops, transformer_flops
 
 MACHINE_KEYS = (
     "date_utc",
@@ -43,9 +43,7 @@ def run_suite(tmp_path, capsys, suite: str, *extra: str) -> dict:
         assert key in result["machine"], key
     assert result["machine"][
         "command"
-    ] == f"python -m mpp.tools.benchmarks {suite} --quick --out {out}" + "".join(
-        f" {e}" for e in extra
-    )
+    ] == f"python -m benchmarks {suite} --quick --out {out}" + "".join(f" {e}" for e in extra)
     return result
 
 
@@ -227,7 +225,7 @@ def test_zero_quick(tmp_path, capsys):
 def test_gpu_step_refuses_cleanly_without_a_gpu(tmp_path):
     out = tmp_path / "gpu.json"
     r = run_cli(
-        ["python", "-m", "mpp.tools.benchmarks", "gpu-step", "--quick", "--out", str(out)],
+        ["python", "-m", "benchmarks", "gpu-step", "--quick", "--out", str(out)],
         timeout=120,
     )
     assert r.returncode == 2
@@ -273,8 +271,8 @@ def test_gpu_step_times_the_recipes_step_against_the_datasheet_peak(tmp_path):
 
 def test_gpu_step_overrides_reach_every_rows_config():
     """``gpu-step --set KEY=VALUE``: the shipped config as pretraining would take the override."""
-    from mpp.tools.benchmarks.engine_step import step_config
-    from mpp.tools.benchmarks.gpu_step import SETTINGS
+    from benchmarks.gpu_step import SETTINGS
+    from mpp.tools.doctor.engine_step import step_config
 
     setting = {**SETTINGS["cpu"], "sets": ["deepspeed.zero_optimization.stage=1"]}
     for name in ("mpp", "mae", "hpm"):
@@ -287,7 +285,7 @@ def test_gpu_step_overrides_reach_every_rows_config():
 
 def test_kernels_are_sorted_by_their_names():
     """What ``gpu-step --profile`` splits the GPU time by (kernel names an H200 printed)."""
-    from mpp.tools.benchmarks.engine_step import kernel_kind
+    from mpp.tools.doctor.engine_step import kernel_kind
 
     names = {
         "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT": "matmul",
@@ -302,11 +300,11 @@ def test_kernels_are_sorted_by_their_names():
 
 
 def test_host_engine_ops_stay_flat_in_the_tensor_count_and_under_budget(tmp_path, capsys):
-    """``mpp bench host`` on 2 ranks (the real engine, ZeRO and precision as the recipe ships):
+    """``python -m benchmarks host`` on 2 ranks (the real engine, ZeRO and precision as the recipe ships):
     MAE at depth 6 and 12 (180 and 252 parameter tensors). The engine's non-view ops per step (a
     kernel launch each on a GPU) do not grow with the tensor count, the step stays under its
     committed budget, and every phase and source is counted."""
-    from mpp.tools.benchmarks.host import BUDGET
+    from benchmarks.host import BUDGET
 
     r = run_suite(tmp_path, capsys, "host", "--recipes", "mae", "--depths", "6,12")
     d6, d12 = r["rows"]
@@ -327,8 +325,8 @@ def test_host_engine_ops_stay_flat_in_the_tensor_count_and_under_budget(tmp_path
 def test_host_check_catches_a_per_tensor_loop(dist_group, monkeypatch):
     """The same measurement in this process (one rank) with a deliberate per-tensor loop after
     each optimiser step, as an unfused EMA or a per-parameter check would add: its goal fails."""
-    import mpp.tools.benchmarks.engine_step as engine_step
-    from mpp.tools.benchmarks.host import goals, measure_recipe
+    import mpp.tools.doctor.engine_step as engine_step
+    from benchmarks.host import goals, measure_recipe
 
     after = engine_step.after_optimizer_step
 
@@ -351,7 +349,7 @@ def test_host_check_catches_a_per_tensor_loop(dist_group, monkeypatch):
 
 
 def test_decode_quick_measures_every_worker_path(tmp_path, capsys):
-    """``mpp bench decode``: a decode worker's img/s per path, for both JPEG sizes; the worker's
+    """``python -m benchmarks decode``: a decode worker's img/s per path, for both JPEG sizes; the worker's
     share under ``data.decode=gpu`` (a header parsed, no pixels) is far cheaper than decoding."""
     r = run_suite(tmp_path, capsys, "decode")
     assert [row["source"] for row in r["rows"]] == ["256px", "500x375"]
@@ -388,14 +386,14 @@ def test_the_gpu_check_dry_run_runs_every_step(tmp_path):
 
 
 def test_cli_lists_every_suite():
-    r = run_cli(["python", "-m", "mpp.tools.benchmarks", "--help"], timeout=120)
+    r = run_cli(["python", "-m", "benchmarks", "--help"], timeout=120)
     assert r.returncode == 0
     for name in SUITES:
         assert name in r.stdout
 
 
 def test_monitor_suite_measures_a_monitor_call_and_counts_the_recipes():
-    from mpp.tools.benchmarks import monitor
+    from benchmarks import monitor
 
     r = monitor.run(quick=True)
     (row,) = r["rows"]
@@ -412,7 +410,7 @@ def test_monitor_suite_measures_a_monitor_call_and_counts_the_recipes():
 
 
 def test_preview_suite_measures_the_overhead_of_a_preview():
-    from mpp.tools.benchmarks import preview
+    from benchmarks import preview
 
     r = preview.run(quick=True)
     (row,) = r["rows"]

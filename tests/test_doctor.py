@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from conftest import run_cli
 from torch.nn.attention import SDPBackend
 
-from mpp.tools.benchmarks.engine_step import spec_peak
 from mpp.tools.doctor import FAIL, NEEDS_GPU, PASS, VERDICTS, WARN, Row
 from mpp.tools.doctor.engine_gpu import memory_row, mfu_row, sync_row
 from mpp.tools.doctor.engine_run import plan_for
+from mpp.tools.doctor.engine_step import spec_peak
 from mpp.tools.doctor.environment import (
     parse_xformers_info,
     xformers_build_problems,

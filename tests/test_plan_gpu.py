@@ -15,7 +15,7 @@ import torch
 
 from mpp.build import build_objective
 from mpp.config import load_config
-from mpp.tools.benchmarks.flops import step_flops
+from mpp.tools.flops import step_flops
 from mpp.tools.planner.fake_step import activation_peak, build_on_meta, fake_mode, op_costs, step
 from mpp.tools.planner.memory import PeakTracker, materialize, model_states
 from mpp.tools.planner.report import activation_fit

@@ -43,7 +43,6 @@ COMMANDS = {
     "viz": ("mpp.tools.viz", "picture what an objective sees and predicts, from a run"),
     "masks": ("mpp.tools.masking_viz", "picture every masking strategy"),
     "plot": ("mpp.tools.plot", "a run's curves (loss, lr, monitor) in one PNG"),
-    "bench": ("mpp.tools.benchmarks.__main__", "speed and memory benchmarks (BENCHMARKS.md)"),
     "demo": (
         "mpp.tools.demo",
         "the main job on the built-in dataset: pretrain, few labels, a table",

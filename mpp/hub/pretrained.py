@@ -400,7 +400,7 @@ def is_hf_folder(path: Path) -> bool:
 
 def is_timm_folder(path: Path) -> bool:
     """A timm hub folder (``config.json`` with ``architecture`` + ``model.safetensors``), as
-    ``python -m mpp.export --format timm`` writes."""
+    ``mpp export --format timm`` writes."""
     cfg = path / "config.json"
     return (
         (path / "model.safetensors").is_file()

@@ -1,6 +1,6 @@
 """DeepSpeed's config, derived from ours: the batch split, clipping and precision, and the
 settings the GPU path needs that DeepSpeed does not default to (issue 22 §5), or defaults to
-per-tensor host work that mpp does not need (issue 36, ``mpp bench host``). A key the user set
+per-tensor host work that mpp does not need (issue 36, ``python -m benchmarks host``). A key the user set
 in the ``deepspeed`` section wins over every default here (``bf16``/``fp16`` too, but for
 ``enabled``, which ``train.precision`` decides)."""
 

@@ -3,7 +3,7 @@ engine all-reduces the gradients bucket by bucket with a copy back per tensor, a
 norm and a multiply per tensor (``deepspeed/runtime/engine.py`` ``allreduce_and_copy``,
 ``runtime/utils.py`` ``clip_grad_norm_``): about five host ops per parameter tensor, a kernel
 launch each on a GPU. Here the same two steps cost a handful of ops whatever the tensor count
-(``mpp bench host``): one flat buffer, one all-reduce, one multi-tensor copy back; torch's
+(``python -m benchmarks host``): one flat buffer, one all-reduce, one multi-tensor copy back; torch's
 ``clip_grad_norm_(foreach=True)``, which needs no host sync.
 
 The engine still decides when: its backward calls ``allreduce_gradients`` at the accumulation

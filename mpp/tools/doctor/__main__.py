@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from mpp.tools.benchmarks.common import format_table
 from mpp.tools.doctor import FAIL, VERDICTS, Row
+from mpp.tools.measure import format_table
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

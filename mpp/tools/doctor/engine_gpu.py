@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from mpp.config import load_config
-from mpp.tools.benchmarks.engine_step import EngineStep, measure, spec_peak
 from mpp.tools.doctor import FAIL, PASS, WARN, Row
+from mpp.tools.doctor.engine_step import EngineStep, measure, spec_peak
 
 SECTION = "engine"
 MFU_OF_CEILING_MIN = 0.5  # a run below half the planner's roofline ceiling is worth a look

@@ -17,8 +17,8 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mpp.models.attention import _xformers_ops, attention, resolve_backend
-from mpp.tools.benchmarks.common import interleaved_times, median
 from mpp.tools.doctor import FAIL, PASS, WARN, Row, needs_gpu
+from mpp.tools.measure import interleaved_times, median
 
 SECTION = "attention"
 # 7x7+1 (ViT-B/32 at 224), 14x14+1 (ViT-B/16 at 224), 16x16+1 (ViT-L/14 at 224)

@@ -3,7 +3,7 @@
 moves between ranks.
 
 FLOPs follow ``torch.utils.flop_counter`` (matmuls, convolutions, attention; 2 per
-multiply-add), the convention of ``mpp.tools.benchmarks.flops.step_flops``. Its registry has no entry
+multiply-add), the convention of ``mpp.tools.flops.step_flops``. Its registry has no entry
 for the CPU flash-attention kernel that SDPA dispatches to on fake cpu tensors: it is mapped to
 the SDPA counts here.
 """

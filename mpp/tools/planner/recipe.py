@@ -7,11 +7,10 @@ import math
 from typing import Any
 
 from mpp.config import Config
-from mpp.tools.benchmarks.data import workers_needed
 from mpp.train.optim import peak_lr
 
 # one DataLoader worker's images/s (decode, RandomResizedCrop, flip) on one core:
-# ``python -m mpp.tools.benchmarks data``, 2026-11-23 (BENCHMARKS.md "data"): 282.7 img/s
+# ``python -m benchmarks data``, 2026-11-23 (BENCHMARKS.md "data"): 282.7 img/s
 PER_WORKER_IPS = 282.7
 # README "Data order and memory per node": ImageNet's JPEGs average ~110 kB encoded
 ENCODED_IMAGE_BYTES = 110e3
@@ -63,3 +62,8 @@ def recipe(
         "gpus_per_node": per_node,
         "nodes": math.ceil(ranks / per_node),
     }
+
+
+def workers_needed(step_ips: float, per_worker_ips: float) -> int:
+    """DataLoader workers (one core each) to feed ``step_ips`` images/s."""
+    return math.ceil(step_ips / per_worker_ips)

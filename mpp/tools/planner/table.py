@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mpp.tools.benchmarks.common import format_table
+from mpp.tools.measure import format_table
 from mpp.tools.planner.fake_step import measure
 from mpp.tools.planner.hardware import GPUS, gpu
 from mpp.tools.planner.report import plan_gpus

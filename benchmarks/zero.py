@@ -1,7 +1,7 @@
 """zero: step time and peak memory per rank of ZeRO stages 1-3 against stage 0, 2 CPU ranks.
 
 Each stage is a real launcher run of the pretraining CLI,
-``deepspeed --num_gpus 2 mpp/tools/benchmarks/zero_rank.py --config C --set
+``deepspeed --num_gpus 2 benchmarks/zero_rank.py --config C --set
 deepspeed.zero_optimization.stage=S`` (``zero_rank`` is ``pretrain/run.py``'s main plus a
 per-rank RSS record). Step time comes from the run's metrics.jsonl ``imgs_per_sec``, the
 first log interval skipped as warm-up; memory is each rank's RSS high-water mark before the
@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import clone_env, format_table, median
 from mpp.parallel.launch import deepspeed_cmd, job_env
-from mpp.tools.benchmarks.common import format_table, median
 from mpp.train.metrics import read_records
 
 WORLD = 2
@@ -88,7 +88,7 @@ def rank_env() -> dict[str, str]:
     on each other's OpenMP barriers (measured: a tiny step 10x slower)."""
     env = job_env()
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // WORLD)))
-    return env
+    return clone_env(env)
 
 
 def run_stage(config: Path, stage: int, work: Path, timeout: int = 600) -> dict[str, Any]:
@@ -97,7 +97,7 @@ def run_stage(config: Path, stage: int, work: Path, timeout: int = 600) -> dict[
     rss_dir.mkdir()
     cmd = deepspeed_cmd(
         ["--num_gpus", str(WORLD)],
-        "mpp.tools.benchmarks.zero_rank",
+        "benchmarks.zero_rank",
         [
             "--config",
             str(config),

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mpp.tools.benchmarks.common import format_table, median, num_threads
+from benchmarks.common import format_table, median, num_threads
 
 IMG_SIZE = 224
 SOURCES = {"256px": (256, 256), "500x375": (500, 375)}
@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def photos(size: tuple[int, int], n: int) -> list[bytes]:
     """``n`` photo-like JPEGs at ``size`` (the data suite's: smooth colour fields plus grain)."""
-    from mpp.tools.benchmarks.data_timing import synthetic_jpegs
+    from benchmarks.data_timing import synthetic_jpegs
 
     return synthetic_jpegs(n, *size)
 

@@ -8,7 +8,6 @@ import os
 import platform
 import resource
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -18,6 +17,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from mpp.tools.measure import format_table, interleaved_times, median, sync  # noqa: F401  (the suites take them from here)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def clone_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the clone's root on PYTHONPATH: the launcher's ranks run ``python -m
+    benchmarks.X`` from wherever the suite was started."""
+    return {
+        **env,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p),
+    }
 
 
 class Unavailable(RuntimeError):
@@ -41,7 +53,7 @@ def machine_info(argv: list[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else argv
     info: dict[str, Any] = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "command": "python -m mpp.tools.benchmarks " + shlex.join(argv),
+        "command": "python -m benchmarks " + shlex.join(argv),
         "cpu_model": cpu_model(),
         "cpu_cores": os.cpu_count(),
         # the machine is shared: the load at measuring time says how much to trust a figure
@@ -94,42 +106,6 @@ def current_rss_bytes() -> int:
         return peak_rss_bytes()
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def interleaved_times(
-    fns: dict[str, Callable[[], Any]],
-    rounds: int,
-    warmup: int = 1,
-    device: torch.device | None = None,
-) -> dict[str, list[float]]:
-    """Seconds per call of each fn, ``rounds`` times each, after ``warmup`` untimed calls.
-
-    Rounds are interleaved (a, b, c, a, b, c, ...): on a shared machine a burst of load
-    then hits every contender alike, so ratios within one run stay sound; take medians.
-    """
-    device = device or torch.device("cpu")
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    sync(device)
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            sync(device)
-            start = time.perf_counter()
-            fn()
-            sync(device)
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
 def matmul_roofline(
     n: int, device: torch.device, dtype: torch.dtype = torch.float32, k: int = 5
 ) -> tuple[Callable[[], None], list[float], int]:
@@ -157,27 +133,6 @@ def matmul_roofline(
 
 
 # ---- output ------------------------------------------------------------------------------------
-
-
-def _cell(v: Any, fmt: str) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, str) or not fmt:
-        return str(v)
-    return format(v, fmt)
-
-
-def format_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
-    """A markdown table: ``columns`` are (key, header, format spec)."""
-    header = [h for _, h, _ in columns]
-    body = [[_cell(r.get(k), f) for k, _, f in columns] for r in rows]
-    widths = [max(len(x) for x in col) for col in zip(header, *body, strict=True)]
-
-    def line(cells):
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(header), sep, *(line(b) for b in body)])
 
 
 def write_json(result: dict[str, Any], path: str | Path) -> Path:

@@ -27,8 +27,8 @@ import torch
 import mpp
 from mpp.build import build_objective
 from mpp.config import Config, load_config
-from mpp.tools.benchmarks.common import interleaved_times, median
-from mpp.tools.benchmarks.flops import step_flops
+from mpp.tools.flops import step_flops
+from mpp.tools.measure import interleaved_times, median
 from mpp.tools.planner.hardware import spec_peak  # noqa: F401  (gpu_step and the doctor take it from here)
 from mpp.train.plan import RunState
 from mpp.train.trainer import after_optimizer_step, micro_step, start_engine, to_device

@@ -18,19 +18,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from mpp.masking import mask_indices
-from mpp.models import create_vit
-from mpp.objectives import create_objective
-from mpp.objectives.hpm import ranking_loss
-from mpp.objectives.hpm_mask import hard_patch_mask
-from mpp.tools.benchmarks.common import (
+from benchmarks.common import (
     format_table,
     interleaved_times,
     matmul_roofline,
     median,
     num_threads,
 )
-from mpp.tools.benchmarks.flops import step_flops
+from mpp.masking import mask_indices
+from mpp.models import create_vit
+from mpp.objectives import create_objective
+from mpp.objectives.hpm import ranking_loss
+from mpp.objectives.hpm_mask import hard_patch_mask
+from mpp.tools.flops import step_flops
 from mpp.train.optim import PAPER_OPTIMIZER, adam, param_groups
 
 CONTENDERS = ("plain", "mpp", "mae", "hpm")

@@ -1,7 +1,7 @@
 """data: the input pipeline's cost over a bare PIL decode, its cost on bad data, and the
 workers a step rate needs.
 
-The measurements are ``mpp.tools.benchmarks.data_timing.bench_pipeline`` (one process, so its images/s is what
+The measurements are ``benchmarks.data_timing.bench_pipeline`` (one process, so its images/s is what
 one DataLoader worker delivers on one core) and ``bench_bad_data`` (clean shards against the
 same shards with 5 % garbage JPEGs); this suite adds the sizing:
 workers = ceil(step images/s ÷ pipeline images/s per worker).
@@ -11,25 +11,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 from typing import Any
 
-from mpp.tools.benchmarks.common import format_table
-from mpp.tools.benchmarks.data_timing import (
+from benchmarks.common import format_table
+from benchmarks.data_timing import (
     bench_bad_data,
     bench_census,
     bench_epoch_start,
     bench_pipeline,
 )
+from mpp.tools.planner.recipe import workers_needed
 
 SETTINGS = {
     "full": dict(num_images=512, img_size=224, repeats=3, num_shards=1024, members=1000),
     "quick": dict(num_images=64, img_size=224, repeats=1, num_shards=8, members=100),
 }
-COST_RATIO_GOAL = (
-    1.10  # pipeline time per image ÷ bare decode + resize (mpp.tools.benchmarks.data_timing)
-)
+COST_RATIO_GOAL = 1.10  # pipeline time per image ÷ bare decode + resize (benchmarks.data_timing)
 BAD_DATA_GOAL = 0.90  # images/s delivered from 5 %-garbage shards ÷ from clean ones
 # a GPU step rate to size the loader for (the issue's figure for ViT-B/16 bf16 on one H100)
 DEFAULT_RATES = {"ViT-B/16 bf16, one H100 (assumed)": 3000.0}
@@ -73,11 +71,6 @@ def node_buffer_gib(
     """Encoded images the streams' shuffle windows of one node hold (mpp.data.order): window x image
     size x streams per rank (the *_b16 global batch 4096 on 64 ranks) x ranks."""
     return {w: w * mean_bytes * streams * ranks / 2**30 for w in windows}
-
-
-def workers_needed(step_ips: float, per_worker_ips: float) -> int:
-    """DataLoader workers (one core each) to feed ``step_ips`` images/s."""
-    return math.ceil(step_ips / per_worker_ips)
 
 
 def bench_formats(num_images: int, img_size: int, repeats: int, **_: Any) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mpp.tools.benchmarks.common import demo_step, format_table, interleaved_times, median
+from benchmarks.common import demo_step, format_table, interleaved_times, median
 
 CONFIGS = ("mpp_demo", "mae_demo", "hpm_demo")
 RECIPES = ("mpp_b16", "mae_b16", "hpm_b16")
@@ -71,7 +71,7 @@ def measure(name: str, quick: bool) -> dict[str, Any]:
 
 def recipe_flops(name: str) -> dict[str, Any]:
     """A ViT-B/16 recipe's monitor against its training, in model FLOPs (meta device)."""
-    from mpp.tools.benchmarks.flops import _encoder, step_flops
+    from mpp.tools.flops import _encoder, step_flops
     from mpp.tools.planner.fake_step import build_on_meta
     from mpp.train.plan import load_plan_config
 

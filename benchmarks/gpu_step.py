@@ -5,9 +5,9 @@ kernels per step; xformers against SDPA; optionally under torch.compile (``--com
 issue 36's other levers (``--levers``: DeepSpeed's ZeRO-1 bf16 path as mpp now sets it, and as it
 ran before).
 
-Each row is ``mpp.tools.benchmarks.engine_step``: the objective from configs/{objective}_b16.json at
+Each row is ``mpp.tools.doctor.engine_step``: the objective from configs/{objective}_b16.json at
 the setting's batch on one rank, stepped as mpp.train.trainer steps it, in the precision the
-recipe takes on a GPU (TF32 off, as training leaves it). MFU = model FLOPs (mpp.tools.benchmarks.flops)
+recipe takes on a GPU (TF32 off, as training leaves it). MFU = model FLOPs (mpp.tools.flops)
 ÷ the dense bf16 peak of the GPU's datasheet (mpp.tools.planner.hardware.SPEC_BF16_DENSE: H100 SXM 989 TFLOP/s),
 never a figure measured here; the bf16 matmul it measures is its own column. Recorded by hand on
 a GPU machine, never in CI; without CUDA it refuses with exit code 2 (--device cpu runs the same
@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import Unavailable, format_table, matmul_roofline
 from mpp.models.attention import xformers_refusal
-from mpp.tools.benchmarks.common import Unavailable, format_table, matmul_roofline
-from mpp.tools.benchmarks.engine_step import EngineStep, measure, spec_peak, step_config
+from mpp.tools.doctor.engine_step import EngineStep, measure, spec_peak, step_config
 
 GOALS = {"mpp_mfu_min": 0.40, "mae_mfu_min": 0.30, "hpm_vs_mae_time_max": 2.0}
 OBJECTIVES = ("mpp", "mae", "hpm")
@@ -123,7 +123,7 @@ def run(
     if device == "cuda" and not torch.cuda.is_available():
         raise Unavailable(
             "needs a CUDA GPU (this machine has none). On a GPU machine run: "
-            "mpp bench gpu-step [--compile] --out runs/benchmarks/gpu-step.json"
+            "python -m benchmarks gpu-step [--compile] --out runs/benchmarks/gpu-step.json"
         )
     cuda = device == "cuda"
     s = dict(SETTINGS["cpu" if not cuda else "quick" if quick else "full"])

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpp.tools.benchmarks.common import format_table, median
+from benchmarks.common import clone_env, format_table, median
 
 RECIPES = ("mpp", "mae", "hpm")
 PHASES = ("input", "forward", "check", "backward", "step", "after_step")
@@ -89,7 +89,7 @@ def _source(frame) -> str:
             if marker in path:
                 return name
         for package in ("/deepspeed/", "/mpp/"):
-            if package in path and "/mpp/tools/benchmarks/" not in path:
+            if package in path and "/benchmarks/" not in path:
                 short = package.strip("/") + "/" + path.rsplit(package, 1)[1]
                 return f"{short}:{frame.f_code.co_name}"
         frame = frame.f_back
@@ -116,7 +116,7 @@ class Phases:
     labelled by phase; times each phase when no counter is active."""
 
     def __init__(self, runner: Any) -> None:
-        import mpp.tools.benchmarks.engine_step as engine_step
+        import mpp.tools.doctor.engine_step as engine_step
         import mpp.train.trainer as trainer
 
         self.counter: OpCounter | None = None
@@ -158,7 +158,7 @@ def measure_recipe(
     recipe: str, depth: int | None, sets: list[str], steps: int, warmup: int
 ) -> dict[str, Any]:
     """One recipe at one depth: ops and host ms per optimizer step, by phase and source."""
-    from mpp.tools.benchmarks.engine_step import EngineStep, step_config
+    from mpp.tools.doctor.engine_step import EngineStep, step_config
 
     setting = dict(SETTING, sets=sets)
     if depth is not None:
@@ -271,12 +271,13 @@ def run(
         out = Path(tmp) / "rows.json"
         cmd = deepspeed_cmd(
             ["--num_gpus", str(ranks)],
-            "mpp.tools.benchmarks.host",
+            "benchmarks.host",
             ["--spec", json.dumps(spec), "--out", str(out)],
         )
         env = job_env()
         # a CPU measurement on any machine: gloo, CPU tensors, even where a GPU is
         env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        env = clone_env(env)
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         if r.returncode != 0 or not out.exists():
             raise RuntimeError(

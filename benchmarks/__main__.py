@@ -1,4 +1,4 @@
-"""mpp bench SUITE [--quick] [--out FILE.json] [suite options]   (or python -m mpp.tools.benchmarks)
+"""python -m benchmarks SUITE [--quick] [--out FILE.json] [suite options]   (from a clone's root)
 
 Suites: cpu-step, attention, data, zero, preview, monitor, gpu-step (GPU only). Prints the suite's tables and
 writes its JSON (default runs/benchmarks/SUITE[-quick].json).
@@ -11,12 +11,12 @@ import os
 import sys
 from pathlib import Path
 
-from mpp.tools.benchmarks import SUITES, suite
-from mpp.tools.benchmarks.common import Unavailable, machine_info, write_json
+from benchmarks import SUITES, suite
+from benchmarks.common import Unavailable, machine_info, write_json
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
-    p = argparse.ArgumentParser(prog="mpp bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="suite", required=True, metavar="SUITE")
     for name in SUITES:
         module = suite(name)

@@ -1,6 +1,6 @@
 """The zero suite's launcher entry: pretrain/run.py's ``main``, plus this rank's peak RSS.
 
-    deepspeed --num_gpus 2 mpp/tools/benchmarks/zero_rank.py --config C --set ...
+    deepspeed --num_gpus 2 benchmarks/zero_rank.py --config C --set ...
 
 Writes ``$MPP_BENCH_RSS_DIR/rank{RANK}.json``, in MiB: the RSS high-water mark after the
 libraries are imported (baseline); the RSS just before and after ``deepspeed.initialize``
@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from mpp.tools.benchmarks.common import current_rss_bytes, peak_rss_bytes
+from benchmarks.common import current_rss_bytes, peak_rss_bytes
 
 
 def peak_rss_mib() -> float:

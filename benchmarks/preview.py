@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mpp.tools.benchmarks.common import demo_step, format_table, interleaved_times, median
+from benchmarks.common import demo_step, format_table, interleaved_times, median
 
 CONFIGS = ("mpp_demo", "mae_demo", "hpm_demo")
 EVERY = 1000

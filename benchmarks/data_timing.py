@@ -1,4 +1,4 @@
-"""The timed runs behind the ``data`` suite (``mpp bench data``, data.py): how much the training
+"""The timed runs behind the ``data`` suite (``python -m benchmarks data``, data.py): how much the training
 pipeline costs over bare decoding on the same JPEGs, its cost on bad data, an epoch's start, and
 the shard census."""
 

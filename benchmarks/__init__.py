@@ -1,4 +1,4 @@
-"""Benchmark suites, run as ``mpp bench SUITE [--quick] [--out FILE.json]``.
+"""Benchmark suites, run as ``python -m benchmarks SUITE [--quick] [--out FILE.json]``.
 
 Each suite is a module with ``run(quick, **options) -> dict`` (JSON-ready: the figures, the
 setting and the goal) and ``render(result) -> str`` (the tables printed). The latest full
@@ -12,15 +12,15 @@ from types import ModuleType
 
 # suite name -> module (each imports only torch and mpp; the launcher runs stay in subprocesses)
 SUITES = {
-    "cpu-step": "mpp.tools.benchmarks.step",
-    "attention": "mpp.tools.benchmarks.attention",
-    "data": "mpp.tools.benchmarks.data",
-    "decode": "mpp.tools.benchmarks.decode",
-    "zero": "mpp.tools.benchmarks.zero",
-    "gpu-step": "mpp.tools.benchmarks.gpu_step",
-    "host": "mpp.tools.benchmarks.host",
-    "preview": "mpp.tools.benchmarks.preview",
-    "monitor": "mpp.tools.benchmarks.monitor",
+    "cpu-step": "benchmarks.step",
+    "attention": "benchmarks.attention",
+    "data": "benchmarks.data",
+    "decode": "benchmarks.decode",
+    "zero": "benchmarks.zero",
+    "gpu-step": "benchmarks.gpu_step",
+    "host": "benchmarks.host",
+    "preview": "benchmarks.preview",
+    "monitor": "benchmarks.monitor",
 }
 
 
