@@ -48,15 +48,17 @@ def load_encoder(source: str | Path) -> nn.Module:
     return model.eval()
 
 
-def _argv(
+def _config(
     config: str | Path,
+    kind: type,
     output_dir: str | Path | None,
     overrides: dict[str, Any] | list[str] | None,
     sections: dict[str, dict[str, Any]],
-) -> list[str]:
-    """The CLI's arguments: ``--set`` from ``overrides`` ({"train.max_steps": 50} or
-    ["train.max_steps=50"]) and from whole sections (``train={"max_steps": 50}``)."""
-    items = list(overrides) if isinstance(overrides, list) else []
+) -> Any:
+    """The loaded config: ``overrides`` ({"train.max_steps": 50} or ["train.max_steps=50"]) and
+    whole sections (``train={"max_steps": 50}``) over the file, ``output_dir`` over its own."""
+    from mpp.config import as_overrides, load_config
+
     flat = dict(overrides) if isinstance(overrides, dict) else {}
     for section, values in sections.items():
         if not isinstance(values, dict):
@@ -64,20 +66,10 @@ def _argv(
                 f"{section}=...: a section's keys as a dict (e.g. train={{'max_steps': 50}})"
             )
         flat |= {f"{section}.{k}": v for k, v in values.items()}
-    items += [f"{k}={json.dumps(v)}" for k, v in flat.items()]
-    argv = ["--config", str(config), *[a for item in items for a in ("--set", item)]]
-    return argv + (["--output-dir", str(output_dir)] if output_dir is not None else [])
-
-
-def _run_dir(argv: list[str], kind: type) -> Path:
-    from mpp.cli import run_dir_of
-    from mpp.config import load_config
-
-    config, sets = argv[1], [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
-    cfg = load_config(config, sets, cls=kind)
-    if "--output-dir" in argv:
-        return Path(argv[argv.index("--output-dir") + 1])
-    return run_dir_of(cfg)
+    if output_dir is not None:
+        flat["train.output_dir"] = str(output_dir)
+    items = list(overrides) if isinstance(overrides, list) else []
+    return load_config(config, items + as_overrides(flat), cls=kind)
 
 
 def pretrain(
@@ -89,16 +81,15 @@ def pretrain(
     overrides: dict[str, Any] | list[str] | None = None,
     **sections: dict[str, Any],
 ) -> Path:
-    """Pretrain in this process (``pretrain/run.py`` without a launcher): a config name or file,
+    """Pretrain in this process (``mpp.jobs.run_pretrain``, no launcher): a config name or file,
     overrides, and the run directory it returns (``encoder.safetensors``, ``metrics.jsonl``).
-    A bad config raises ``mpp.config.ConfigError`` naming the key; a failed run RuntimeError."""
-    from mpp.commands.pretrain import main
+    A refused config or data raises ``mpp.config.ConfigError`` naming the key and the file; a run
+    that stops raises its own error (``mpp.jobs`` lists them)."""
     from mpp.config import Config
+    from mpp.jobs import run_pretrain
 
-    argv = _argv(config, output_dir, overrides, sections) + _start(resume, restart)
-    run_dir = _run_dir(argv, Config)
-    _check(main(argv), "pretrain", run_dir)
-    return run_dir
+    cfg = _config(config, Config, output_dir, overrides, sections)
+    return run_pretrain(cfg, resume, restart).run_dir
 
 
 def finetune(
@@ -111,37 +102,18 @@ def finetune(
     overrides: dict[str, Any] | list[str] | None = None,
     **sections: dict[str, Any],
 ) -> dict[str, Any]:
-    """Fine-tune in this process (``downstream/finetune.py`` without a launcher) from ``init`` (a
-    run, a file, or "scratch"; default: the config's); its ``results.json`` (top-1 of the last
-    evaluation, ``max_top1``, ...) with ``run_dir``."""
-    from mpp.commands.finetune import main
+    """Fine-tune in this process (``mpp.jobs.run_finetune``) from ``init`` (a run, a file, or
+    "scratch"; default: the config's); its ``results.json`` (top-1 of the last evaluation,
+    ``max_top1``, ...) with ``run_dir``. Errors as ``pretrain``'s."""
     from mpp.config import FinetuneConfig
+    from mpp.jobs import run_finetune
 
-    extra = {"init": str(init)} if init is not None else {}
-    if isinstance(overrides, list):
-        overrides = [*overrides, *[f"{k}={json.dumps(v)}" for k, v in extra.items()]]
-    else:
-        overrides = {**(overrides or {}), **extra}
-    argv = _argv(config, output_dir, overrides, sections) + _start(resume, restart)
-    run_dir = _run_dir(argv, FinetuneConfig)
-    _check(main(argv), "finetune", run_dir)
-    return {**json.loads((run_dir / "results.json").read_text()), "run_dir": str(run_dir)}
-
-
-def _start(resume: str | None, restart: bool) -> list[str]:
-    """The CLI's flags for where a run starts: by default a run directory that holds a
-    checkpoint goes on from it; ``restart`` moves what is there aside and starts over."""
-    if resume and restart:
-        raise ValueError("resume and restart: choose one (restart moves the earlier run aside)")
-    return (["--resume", resume] if resume else []) + (["--restart"] if restart else [])
-
-
-def _check(code: int, what: str, run_dir: Path) -> None:
-    from mpp.config import ConfigError
-
-    if code == 2:
-        raise ConfigError(
-            f"{what}: the config or its data was refused (the error above); nothing ran in {run_dir}"
+    if init is not None:
+        overrides = (
+            [*overrides, f"init={json.dumps(str(init))}"]
+            if isinstance(overrides, list)
+            else {**(overrides or {}), "init": str(init)}
         )
-    if code != 0:
-        raise RuntimeError(f"{what} stopped with exit status {code}; see {run_dir}")
+    cfg = _config(config, FinetuneConfig, output_dir, overrides, sections)
+    done = run_finetune(cfg, resume, restart)
+    return {**json.loads((done.run_dir / "results.json").read_text()), "run_dir": str(done.run_dir)}

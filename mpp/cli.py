@@ -94,12 +94,9 @@ def _output_key(cls: type[BaseModel]) -> str:
 
 def config_from_args(args: argparse.Namespace, cls: type[BaseModel] = Config):
     """The validated config with --set and --output-dir applied. ConfigError (naming the key
-    and the file) on a bad config, and on a --resume path that does not exist."""
+    and the file) on a bad config, and on --restart with --submit."""
     overrides = args.set + ([f"{_output_key(cls)}={args.output_dir}"] if args.output_dir else [])
     cfg = load_config(args.config, overrides, cls=cls)
-    resume = getattr(args, "resume", None)
-    if resume not in (None, "auto") and not Path(resume).exists():
-        raise ConfigError(f"--resume {resume}: no such checkpoint")
     if getattr(args, "restart", False) and getattr(args, "submit", None):
         # a job's requeue runs its command again: it would start over each time
         raise ConfigError(
@@ -109,33 +106,13 @@ def config_from_args(args: argparse.Namespace, cls: type[BaseModel] = Config):
     return cfg
 
 
-def resume_of(cfg, args: argparse.Namespace, rank: int) -> str | None:
-    """Where the run starts: ``--resume`` as given; with ``--restart`` from scratch; else from
-    the run directory's newest complete checkpoint when it holds one (said in one line), so the
-    same command run again goes on rather than starting over. ConfigError when the checkpoint
-    cannot be resumed with this config (``check_resume``)."""
-    from mpp.train.plan import check_resume, newest_checkpoint
-
-    if args.resume or args.restart or (tag := newest_checkpoint(cfg)) is None:
-        check_resume(cfg, args.resume)
-        return args.resume
-    check_resume(cfg, "auto")  # a refusal first, not "going on" and then a refusal
-    run_dir = run_dir_of(cfg)
-    if rank == 0:
-        print(
-            f"{run_dir} holds a checkpoint ({tag}): going on from it (--restart starts over, "
-            "--output-dir names a new run)",
-            file=sys.stderr,
-        )
-    return "auto"
-
-
 def open_run_dir(cfg, rank: int, restart: bool = False) -> Path:
     """The run directory, created by rank 0, held by this job (``mpp.train.runlock``: RunHeld, a
     ConfigError, on every rank when another live job holds it) and the resolved config saved in
     it; with ``restart`` what an earlier run left there moved aside first (``RUN.before-<UTC
     time>``). A collective under a process group."""
     from mpp.parallel.distributed import from_rank0
+    from mpp.train.plan import run_dir_of
     from mpp.train.runlock import RunHeld, hold, release
 
     run_dir = run_dir_of(cfg)
@@ -161,9 +138,3 @@ def open_run_dir(cfg, rank: int, restart: bool = False) -> Path:
     if held := from_rank0(held):
         raise RunHeld(held)
     return run_dir
-
-
-def run_dir_of(cfg) -> Path:
-    """The run directory a validated config names (its output_dir, ``{name}`` filled in)."""
-    template = cfg.train.output_dir if hasattr(cfg, "train") else cfg.output_dir
-    return Path(template.format(name=cfg.name))

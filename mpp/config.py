@@ -355,6 +355,7 @@ class RunConfig(_Section):
     train: TrainConfig
     deepspeed: dict[str, Any] = Field(default_factory=dict)
     _source: str = PrivateAttr("<config>")  # the file it came from, for error messages
+    _overrides: list[str] = PrivateAttr(default_factory=list)  # the --set items over it
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
@@ -581,7 +582,7 @@ class ProbeSection(_Section):
     temperature: float = Field(KNN_TEMPERATURE, gt=0.0)
     """k-NN: each neighbour votes exp(similarity / T)."""
     protocol: Literal["fast", "mae", "dinov2"] = "fast"
-    """The linear probe's recipe (README "Probe protocols"): cached features + SGD, MAE's (BatchNorm
+    """The linear probe's recipe (docs/downstream.md, "Probe protocols"): cached features + SGD, MAE's (BatchNorm
     + LARS, augmented images through the frozen encoder), DINOv2's (a grid in one pass)"""
     layers: Literal["last", "all"] = (
         "last"  # all: every block's features, probed in one feature pass
@@ -649,6 +650,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
+def as_overrides(values: dict[str, Any]) -> list[str]:
+    """``{"train.max_steps": 50}`` (the API's overrides) as ``--set`` items, each value as JSON."""
+    return [f"{key}={json.dumps(value)}" for key, value in values.items()]
+
+
 def key_paths(cls: type[BaseModel], prefix: str = "") -> set[str]:
     """Every key a config of ``cls`` takes, dotted (``train.max_steps``), tagged unions' too."""
     paths = set()
@@ -696,12 +702,25 @@ def _format_error(
         )
     elif "input" in e and e["type"] not in ("missing", "value_error"):
         msg += f" (got {e['input']!r})"
-    for item in overrides:  # a key that came from the command line is reported as such
-        key = item.split("=", 1)[0].strip()
-        unknown_section = e["type"] == "extra_forbidden" and key.startswith(loc + ".")
-        if loc and (loc == key or loc.startswith(key + ".") or unknown_section):
-            source = f"--set {item} (over {source})"
+    source = attributed(source, loc, overrides, e["type"] == "extra_forbidden")
     return f"{source}: {loc}: {msg}" if loc else f"{source}: {msg}"
+
+
+def attributed(source: str, key: str, overrides: list[str], unknown: bool = False) -> str:
+    """Where ``key``'s value came from: the ``--set`` that made it (over the file), else the
+    file. ``unknown``: an unknown key, which a ``--set`` of a key below it may have made."""
+    for item in overrides:
+        name = item.split("=", 1)[0].strip()
+        if key and (
+            key == name or key.startswith(name + ".") or (unknown and name.startswith(key + "."))
+        ):
+            return f"--set {item} (over {source})"
+    return source
+
+
+def source_of(cfg: Any, key: str) -> str:
+    """``attributed`` for a loaded config's key: where a later check's error says it came from."""
+    return attributed(getattr(cfg, "_source", "<config>"), key, getattr(cfg, "_overrides", []))
 
 
 def validate(
@@ -730,6 +749,8 @@ def load_config(
     raw = apply_overrides(raw, overrides or [])
     cfg = validate(raw, str(p), cls, overrides or [])
     cfg._source = str(p)
+    if hasattr(cfg, "_overrides"):
+        cfg._overrides = list(overrides or [])
     return cfg
 
 

@@ -23,8 +23,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mpp.cli import add_submit_arguments, run_dir_of
+from mpp.cli import add_submit_arguments
 from mpp.parallel.launch import DIST_VARS
+from mpp.train.plan import run_dir_of
 from mpp.train.preemption import PREEMPTED_EXIT, StopRequest
 
 # --submit local without --time: the local executor needs some limit
@@ -191,11 +192,17 @@ def wait_for(job: Any) -> int:
     try:
         job.task(0).result()
         return 0
-    except FailedJobError as e:  # the job's traceback as text: RunFailed names the status
-        found = re.search(r"RunFailed: \S+ exited with status (\d+)", str(e))
-        return int(found[1]) if found else 1
+    except FailedJobError:  # the status rank 0's run wrote (SubmittedRun), else 1
+        status = status_file(job.paths.folder, job.job_id)
+        return int(status.read_text()) if status.is_file() else 1
     except UncompletedJobError:
         return 1
+
+
+def status_file(folder: Path, job_id: str) -> Path:
+    """Where rank 0 of a job leaves its run's exit status when it is not 0 (a job that ends
+    without writing it, e.g. killed, reads as 1)."""
+    return Path(folder) / f"{job_id}_status"
 
 
 class SubmittedRun:
@@ -212,6 +219,11 @@ class SubmittedRun:
         if status == PREEMPTED_EXIT:
             self._requeue_if_asked()
         if status != 0:  # the job fails (SLURM's FAILED; --wait returns this status)
+            from submitit import JobEnvironment
+
+            env = JobEnvironment()
+            if env.global_rank == 0:
+                status_file(env.paths.folder, env.job_id).write_text(f"{status}\n")
             raise RunFailed(self.script, status)
         return status
 

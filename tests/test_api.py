@@ -4,7 +4,6 @@ works from an empty directory (its configs, ``mpp doctor --quick``, a two-rank l
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import os
@@ -49,6 +48,28 @@ def test_the_readmes_snippet_runs_as_written(tmp_path, monkeypatch):
     assert 0 <= top1 <= 100 and ratio == 0.75
     assert (tmp_path / "runs" / "api-mpp" / "encoder.safetensors").is_file()
     assert json.loads((tmp_path / "runs" / "api-ft" / "results.json").read_text())["top1"] == top1
+
+
+def test_a_refused_run_raises_its_whole_message_and_prints_nothing(tmp_path, monkeypatch, capfd):
+    """One call per job (mpp.jobs): the API raises the named error itself, whose message names
+    the key, the value's origin and the file; nothing reaches stderr, nothing is created."""
+    from mpp.config import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        mpp.pretrain(
+            "mae_demo", "runs/x", data={"train_shards": "data/mine/t-{000000..000001}.tar"}
+        )
+    assert str(e.value) == (
+        '--set data.train_shards="data/mine/t-{000000..000001}.tar" (over '
+        f"{REPO / 'configs' / 'mae_demo.json'}): data.train_shards: 2 shard(s) not found, "
+        "first: data/mine/t-000000.tar"
+    )
+    with pytest.raises(ConfigError, match="train.max_step: unknown key"):
+        mpp.finetune("finetune_demo", train={"max_step": 3})
+    with pytest.raises(ConfigError, match="resume and restart: choose one"):
+        mpp.pretrain("mae_demo", resume="auto", restart=True)
+    assert capfd.readouterr().err == "" and not (tmp_path / "runs").exists()
 
 
 def test_mpp_lists_its_commands_and_each_is_the_tools_own():

@@ -161,6 +161,15 @@ LAYERS = {
         "mpp.submit",
         "mpp.train",
     },
+    # one call per job (run_pretrain, run_finetune): the CLIs, the API and the submitit job's
+    "mpp.jobs": {
+        "mpp.build",
+        "mpp.cli",
+        "mpp.config",
+        "mpp.parallel",
+        "mpp.train",
+        "mpp.transfer",
+    },
 }
 TOOLS = {
     "mpp",  # the public API's facade (mpp.api) and the mpp command (mpp.commands) sit on top
@@ -272,7 +281,11 @@ def test_objectives_never_name_deepspeed_internals():
 # mpp.<module>.<name> not inside a path or a file name (RUN/.mpp_stats.json, configs/mpp_b16.json, mpp/x.py)
 DOTTED_NAME = re.compile(r"(?<![\w./\\-])mpp(?:\.[A-Za-z_]\w*)+")
 FILE_SUFFIXES = {"py", "json", "jsonl", "md", "txt", "tar", "pt", "pth", "safetensors", "png"}
-PROSE_FILES = ("README.md", "BENCHMARKS.md", *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md"))))
+PROSE_FILES = (
+    "README.md",
+    "BENCHMARKS.md",
+    *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md"))),
+)
 
 
 def prose_of_python(path: Path) -> str:

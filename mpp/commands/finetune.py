@@ -15,68 +15,39 @@ import json
 import logging
 import sys
 
-from mpp.cli import config_from_args, open_run_dir, resume_of, run_parser
-from mpp.commands.job import finish
-from mpp.config import ConfigError, FinetuneConfig
-from mpp.parallel.distributed import (
-    PortInUse,
-    device_type,
-    from_rank0,
-    init_distributed,
-    world_from_env,
-)
+from mpp.cli import config_from_args, run_parser
+from mpp.commands.job import run_command
+from mpp.config import FinetuneConfig
+from mpp.jobs import finetune_model, run_finetune, start_of
+from mpp.parallel.distributed import world_from_env
 from mpp.submit import submit
 from mpp.tools.plot import curves_at_end
-from mpp.train.plan import check_data, plan_run
-from mpp.train.rng import seed_everything
-from mpp.transfer.finetune import build_classifier, run_finetune
 
 
 def main(argv: list[str] | None = None) -> int:
     args = run_parser(__doc__, "finetune_b16, finetune_demo", submit=True).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    rank, world = world_from_env()
-    try:
-        cfg = config_from_args(args, FinetuneConfig)
-        seed_everything(cfg.train.seed)
-        model = build_classifier(cfg)
-        resume = resume_of(cfg, args, rank)  # checked against the checkpoint (check_resume)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    # checked here, run there: each task runs this command without --submit (mpp.submit)
-    if args.submit:
-        return submit("mpp.commands.finetune", argv, cfg)
-    try:  # what the data lets us check before DeepSpeed's first-use build (not at submission:
-        # the shards may be visible on the compute nodes only)
-        check_data(cfg, model.encoder.patch_embed.img_size[0])
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        device = init_distributed()
-        # the shards' samples counted by the ranks together (mpp.data.census); rank 0's plan on
-        # every rank
-        img_size = model.encoder.patch_embed.img_size[0]
-        plan = from_rank0(
-            plan_run(cfg, world, device_type(), img_size, num_classes=model.num_classes)
+    rank = world_from_env()[0]
+    if args.submit:  # checked here, run there: each task runs this command without --submit
+        status, cfg = run_command(
+            lambda: _checked(config_from_args(args, FinetuneConfig), args, rank), rank
         )
-        run_dir = open_run_dir(
-            cfg, rank, restart=args.restart
-        )  # held by this job: a second one on it stops here
-    except (ConfigError, PortInUse) as e:  # the same on every rank: said once
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    status, results = finish(
-        lambda: run_finetune(cfg, model, plan, run_dir, device, resume=resume), run_dir, rank
+        return status or submit("mpp.commands.finetune", argv, cfg)
+    status, done = run_command(
+        lambda: run_finetune(config_from_args(args, FinetuneConfig), args.resume, args.restart),
+        rank,
     )
-    if status:
-        return status
-    if rank == 0:
-        print(f"curves: {curves_at_end(run_dir)}", file=sys.stderr)
-        print(json.dumps({k: results[k] for k in ("top1", "top5", "epoch", "init")}))
-    return 0
+    if status == 0 and rank == 0:
+        print(f"curves: {curves_at_end(done.run_dir)}", file=sys.stderr)
+        print(json.dumps({k: done.result[k] for k in ("top1", "top5", "epoch", "init")}))
+    return status
+
+
+def _checked(cfg, args, rank):
+    """What a submission checks of the run before the job exists (not the data)."""
+    finetune_model(cfg)
+    start_of(cfg, args.resume, args.restart, rank)
+    return cfg
 
 
 if __name__ == "__main__":

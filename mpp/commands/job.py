@@ -8,11 +8,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from mpp.checkpoint.storage import CheckpointError, DiskFullError
+from mpp.config import ConfigError
 from mpp.data import DataError
+from mpp.parallel.distributed import PortInUse
 from mpp.train.nonfinite import NonFiniteLossError
 from mpp.train.preemption import PREEMPTED_EXIT, Preempted
-from mpp.train.runlock import release
 
 
 def ending(state: Any, run_dir: Path, seconds: float, weights: str) -> str:
@@ -32,23 +35,38 @@ def ending(state: Any, run_dir: Path, seconds: float, weights: str) -> str:
     )
 
 
-def finish(job: Callable[[], Any], run_dir: Path, rank: int) -> tuple[int, Any]:
-    """``job()`` in ``run_dir`` (released at the end, however it ends): (0, its result), or the
-    status of how it stopped, said in one line: ``PREEMPTED_EXIT`` (75) after a stop signal's
-    checkpoint; 1 for a non-finite loss, bad data or a full disk; 2 for no intact checkpoint."""
+# the one mapping from how a job stopped to its exit status (a subclass before its base)
+EXIT_STATUS: tuple[tuple[type[BaseException], int], ...] = (
+    (Preempted, PREEMPTED_EXIT),  # a complete checkpoint saved: the same command goes on
+    (NonFiniteLossError, 1),
+    (DataError, 1),
+    (DiskFullError, 1),
+    (CheckpointError, 2),  # nothing intact to resume from: the files are named
+    (ConfigError, 2),  # RunHeld too: refused before anything was created
+    (PortInUse, 2),
+)
+
+
+def exit_status(error: BaseException) -> int | None:
+    """The exit status of a job stopped by ``error``; None for an error that is a bug."""
+    return next((status for kind, status in EXIT_STATUS if isinstance(error, kind)), None)
+
+
+def run_command(job: Callable[[], Any], rank: int) -> tuple[int, Any]:
+    """``job()``: (0, its result), or the exit status of how it stopped (``EXIT_STATUS``), said
+    in one line: by rank 0 where every rank stops alike (a stop signal, a refusal once the
+    process group exists), else by each rank. An error that is not in the mapping propagates."""
     try:
         return 0, job()
-    except Preempted as e:
-        if rank == 0:
-            print(f"stopped: {e}", file=sys.stderr)
-        return PREEMPTED_EXIT, None
-    except (NonFiniteLossError, DataError, DiskFullError) as e:
-        # DataLoader workers wrap the message in a traceback: its last line is the error
-        print(f"error: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
-        return 1, None
-    except CheckpointError as e:
-        # nothing intact to resume from: the files are named
-        print(f"error: {e}", file=sys.stderr)
-        return 2, None
-    finally:
-        release(run_dir)
+    except tuple(kind for kind, _ in EXIT_STATUS) as e:
+        if isinstance(e, Preempted):
+            line = f"stopped: {e}"
+        else:  # DataLoader workers wrap the message in a traceback: its last line is the error
+            text = str(e).strip()
+            line = f"error: {text.splitlines()[-1] if isinstance(e, (NonFiniteLossError, DataError, DiskFullError)) else text}"
+        alike = isinstance(e, Preempted) or (
+            isinstance(e, (ConfigError, PortInUse)) and dist.is_initialized()
+        )
+        if rank == 0 or not alike:
+            print(line, file=sys.stderr)
+        return exit_status(e), None

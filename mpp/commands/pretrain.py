@@ -16,24 +16,13 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 
-from mpp.build import build_objective
-from mpp.cli import config_from_args, open_run_dir, resume_of, run_parser
-from mpp.commands.job import ending, finish
-from mpp.config import ConfigError
-from mpp.parallel.distributed import (
-    PortInUse,
-    device_type,
-    from_rank0,
-    init_distributed,
-    world_from_env,
-)
+from mpp.cli import config_from_args, run_parser
+from mpp.commands.job import ending, run_command
+from mpp.jobs import pretrain_objective, run_pretrain, start_of
+from mpp.parallel.distributed import world_from_env
 from mpp.submit import submit
 from mpp.tools.planner.cli import add_plan_arguments, plan_main
-from mpp.train.plan import check_data, plan_run
-from mpp.train.rng import seed_everything
-from mpp.train.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,51 +35,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:  # nothing created: no process group, no run directory
         return plan_main(args.config, args.set, args.gpus, args.gpu, args.out)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    rank, world = world_from_env()
-    try:  # every check before the run directory exists
-        cfg = config_from_args(args)
-        seed_everything(cfg.train.seed)  # the same initial weights on every rank and every run
-        objective = build_objective(cfg)
-        resume = resume_of(cfg, args, rank)  # checked against the checkpoint (check_resume)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    # checked here, run there: each task runs this command without --submit (mpp.submit)
-    if args.submit:
-        return submit("mpp.commands.pretrain", argv, cfg)
-    try:  # what the data lets us check before DeepSpeed's first-use build (not at submission:
-        # the shards may be visible on the compute nodes only)
-        check_data(cfg, objective.encoder.patch_embed.img_size[0])
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        device = init_distributed()
-        # the shards' samples counted by the ranks together (mpp.data.census); rank 0's plan on
-        # every rank
-        plan = from_rank0(
-            plan_run(cfg, world, device_type(), objective.encoder.patch_embed.img_size[0])
-        )
-        # data.mean / std "auto": measured with the plan (mpp.data.stats), now known
-        objective.set_pixel_stats(cfg.data.mean, cfg.data.std)
-        run_dir = open_run_dir(
-            cfg, rank, restart=args.restart
-        )  # held by this job: a second one on it stops here
-    except (ConfigError, PortInUse) as e:  # the same on every rank: said once
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    start = time.perf_counter()
-    status, state = finish(
-        lambda: Trainer(cfg, objective, plan, run_dir, device, resume=resume).train(),
-        run_dir,
-        rank,
+    rank = world_from_env()[0]
+    if args.submit:  # checked here, run there: each task runs this command without --submit
+        status, cfg = run_command(lambda: _checked(config_from_args(args), args, rank), rank)
+        return status or submit("mpp.commands.pretrain", argv, cfg)
+    status, done = run_command(
+        lambda: run_pretrain(config_from_args(args), args.resume, args.restart), rank
     )
-    if status:
-        return status
-    if rank == 0:
-        print(ending(state, run_dir, time.perf_counter() - start, "encoder.safetensors"))
-    return 0
+    if status == 0 and rank == 0:
+        print(ending(done.result, done.run_dir, done.seconds, "encoder.safetensors"))
+    return status
+
+
+def _checked(cfg, args, rank):
+    """What a submission checks of the run before the job exists (not the data: the shards may be
+    visible on the compute nodes only)."""
+    pretrain_objective(cfg)
+    start_of(cfg, args.resume, args.restart, rank)
+    return cfg
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mpp.config import ConfigError, RunConfig
+from mpp.config import ConfigError, RunConfig, source_of
 from mpp.data import StreamConfig, device_decode, digits_shards, expand_shards
 from mpp.data.census import Census, census
 from mpp.data.labels import LabelledSubset, choose, from_key_file, label_index
@@ -162,7 +162,7 @@ def measure_pixels(cfg: RunConfig, shards: list[str]) -> None:
         return
     vr = None if d.value_range == "auto" else d.value_range
     fmt = PixelFormat(d.channels, d.layout, tuple(vr) if vr else None)
-    run_dir = Path(_output_dir(cfg))
+    run_dir = run_dir_of(cfg)
     try:
         stats, source = pixel_stats(shards, fmt, d.stats_samples, run_dir, d.allow_pipe)
     except ValueError as e:
@@ -225,7 +225,7 @@ def count_data(cfg: RunConfig, shards: list[str]) -> Census:
     import torch.distributed as dist
 
     d, fail = cfg.data, _failer(cfg)
-    counted = census(shards, d.allow_pipe, run_dir=Path(_output_dir(cfg)))
+    counted = census(shards, d.allow_pipe, run_dir=run_dir_of(cfg))
     if not dist.is_initialized() or dist.get_rank() == 0:
         log.info("data: %s", counted.summary())
     if d.num_samples is not None and d.num_samples != counted.total:
@@ -237,16 +237,17 @@ def count_data(cfg: RunConfig, shards: list[str]) -> Census:
     return counted
 
 
-def _output_dir(cfg) -> str:
+def run_dir_of(cfg) -> Path:
+    """The run directory a validated config names (its output_dir, ``{name}`` filled in)."""
     template = cfg.train.output_dir if hasattr(cfg, "train") else cfg.output_dir
-    return template.format(name=cfg.name)
+    return Path(template.format(name=cfg.name))
 
 
 def newest_checkpoint(cfg: RunConfig) -> str | None:
     """The run directory's newest complete checkpoint (its tag), None for a fresh run."""
     from mpp.checkpoint.format import latest_complete
 
-    return latest_complete(Path(_output_dir(cfg)) / "checkpoints")
+    return latest_complete(run_dir_of(cfg) / "checkpoints")
 
 
 def check_resume(cfg: RunConfig, resume: str | None) -> None:
@@ -256,7 +257,7 @@ def check_resume(cfg: RunConfig, resume: str | None) -> None:
 
     try:
         # the engine verifies
-        found = resolve_resume(resume, Path(_output_dir(cfg)) / "checkpoints", verified=False)
+        found = resolve_resume(resume, run_dir_of(cfg) / "checkpoints", verified=False)
     except FileNotFoundError:
         return  # said by the engine on every rank
     if not found:
@@ -326,8 +327,7 @@ def shard_exists(url: str) -> bool:
 
 
 def _failer(cfg: RunConfig):
-    src = getattr(cfg, "_source", "<config>")
-    return lambda key, msg: ConfigError(f"{src}: {key}: {msg}")
+    return lambda key, msg: ConfigError(f"{source_of(cfg, key)}: {key}: {msg}")
 
 
 @dataclass

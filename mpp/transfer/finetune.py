@@ -59,7 +59,7 @@ def build_classifier(cfg: FinetuneConfig) -> Classifier:
     )
 
 
-def run_finetune(
+def train_classifier(
     cfg: FinetuneConfig,
     model: Classifier,
     plan: Plan,
