@@ -1,6 +1,6 @@
 """The masking ablation's report (``mpp.tools.ablation`` runs the grid): results.csv, results.md
 (mean ± std over seeds per cell and evaluation) and results.png (top-1 per cell, error bars),
-drawn with PIL alone."""
+drawn with matplotlib (the ``plot`` extra)."""
 
 from __future__ import annotations
 
@@ -150,116 +150,50 @@ def plot(
     path: Path,
     group_key: str = "masking.strategy",
 ) -> None:
-    """Top-1 per cell as bars with ± std error bars (PIL only): one panel per evaluation, bars
-    grouped by ``group_key`` (the strategy; else the first grid key) and coloured by the others."""
-    from PIL import Image, ImageDraw, ImageFont
+    """Top-1 per cell as bars with ± std error bars: one panel per evaluation, bars grouped by
+    ``group_key`` (the strategy; else the first grid key) and coloured by the others; the
+    baselines as dashed lines. Needs matplotlib (the ``plot`` extra)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     from mpp.tools.ablation import BASELINES
 
     scratch = summarize([r for r in rows if r.get("baseline")], ["baseline"], "top1")
     rows = [r for r in rows if not r.get("baseline")]
-    font, small = ImageFont.load_default(size=15), ImageFont.load_default(size=12)
     gkey = group_key if group_key in keys else (keys[0] if keys else None)
     others = [k for k in keys if k != gkey]
     stats = summarize(rows, keys, "top1")
     groups = list(dict.fromkeys(r[gkey] for r in rows)) if gkey else ["base"]
     series = list(dict.fromkeys(tuple(r[k] for k in others) for r in rows))
-    cell_of = lambda g, s: tuple(g if k == gkey else s[others.index(k)] for k in keys)  # noqa: E731
-    bar, left, plot_h, panel_h = 26, 80, 200, 275
-    width = max(460, left + len(groups) * max(len(series) * bar + 30, 90) + 20)
-    group_w = (width - left - 20) / len(groups)
-    labels = [
-        ", ".join(f"{k}={v}" for k, v in zip(others, s, strict=True)) or "mean top-1"
-        for s in series
-    ]
-    labels.append("± std over seeds (n finished)")
-    per_row = max(1, (width - left) // 200)
-    legend_h = 24 * -(-len(labels) // per_row) + 12
-    img = Image.new("RGB", (width, 40 + legend_h + panel_h * len(evals)), "white")
-    d = ImageDraw.Draw(img)
-    d.text((left, 10), "top-1 (%) per cell, mean ± std over seeds", fill="black", font=font)
-    legend(d, labels, len(series), left, per_row, small)
-    ylabel = Image.new("RGB", (plot_h, 16), "white")
-    ImageDraw.Draw(ylabel).text(
-        (plot_h // 2, 0), "top-1 (%)", fill="black", font=small, anchor="ma"
-    )
-    ylabel = ylabel.rotate(90, expand=True)
-    for p, kind in enumerate(evals):
-        y0 = 40 + legend_h + p * panel_h + 24  # top of this panel's plot area
-        found = [
-            m + sd for (*_, k), (m, sd, n) in [*stats.items(), *scratch.items()] if k == kind and n
-        ]
-        ymax = max(10.0, -(-max(found, default=10.0) // 10) * 10)
-        y_of = lambda v, y0=y0, ymax=ymax: y0 + plot_h - min(v, ymax) / ymax * plot_h  # noqa: E731
-        d.text((left, y0 - 22), kind, fill="black", font=font)
-        for t in range(0, int(ymax) + 1, 10 if ymax <= 50 else 20):
-            d.line([left, y_of(t), width - 20, y_of(t)], fill=(225, 225, 225))
-            d.text((left - 8, y_of(t)), f"{t}", fill="black", font=small, anchor="rm")
-        img.paste(ylabel, (14, y0))
-        d.line([left, y0, left, y0 + plot_h, width - 20, y0 + plot_h], fill="black")
-        for gi, g in enumerate(groups):
-            gx = left + gi * group_w + (group_w - len(series) * bar) / 2
-            for j, s in enumerate(series):
-                mean, std, n = stats[(*cell_of(g, s), kind)]
-                x, cx = gx + j * bar, gx + j * bar + bar / 2
+    width = 0.8 / max(1, len(series))
+    fig = Figure(figsize=(max(4.6, 1.2 + len(groups) * len(series) * 0.35), 2.8 * len(evals) + 0.8))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(evals), 1, squeeze=False)[:, 0]
+    for ax, kind in zip(axes, evals, strict=True):
+        for j, s in enumerate(series):
+            label = ", ".join(f"{k}={v}" for k, v in zip(others, s, strict=True)) or "mean top-1"
+            for gi, g in enumerate(groups):
+                cell = tuple(g if k == gkey else s[others.index(k)] for k in keys)
+                mean, std, n = stats[(*cell, kind)]
+                x = gi + (j - (len(series) - 1) / 2) * width
                 if not n:
-                    d.text(
-                        (cx, y0 + plot_h - 4), "failed", fill=(200, 0, 0), font=small, anchor="mb"
-                    )
+                    ax.text(x, 0, "failed", color="red", ha="center", va="bottom", fontsize=8)
                     continue
-                d.rectangle(
-                    [x + 2, y_of(mean), x + bar - 2, y0 + plot_h], fill=PALETTE[j % len(PALETTE)]
-                )
-                lo, hi = y_of(max(0.0, mean - std)), y_of(mean + std)
-                for line in ([cx, lo, cx, hi], [cx - 5, lo, cx + 5, lo], [cx - 5, hi, cx + 5, hi]):
-                    d.line(line, fill="black", width=2)
-            d.text(
-                (left + (gi + 0.5) * group_w, y0 + plot_h + 6),
-                str(g),
-                fill="black",
-                font=small,
-                anchor="mt",
-            )
-        d.text(
-            ((left + width) / 2, y0 + plot_h + 24),
-            gkey or "",
-            fill="black",
-            font=small,
-            anchor="mt",
-        )
-        # the baselines: dashed lines
-        for j, ((name, k), (mean, _, n)) in enumerate(scratch.items()):
+                colour = [c / 255 for c in PALETTE[j % len(PALETTE)]]
+                ax.bar(x, mean, width * 0.9, color=colour, label=label if gi == 0 else None)
+                ax.errorbar(x, mean, yerr=std, color="black", capsize=4, linewidth=2)
+        for (name, k), (mean, _, n) in scratch.items():
             if k == kind and n:
-                dashed_line(
-                    d, left, width - 20, y_of(mean), BASELINES[name][0], small, below=j % 2 == 1
-                )
-    img.save(path)
-
-
-def legend(d, labels: list[str], n_series: int, left: int, per_row: int, font) -> None:
-    """A colour per setting of the other grid keys, then the error bar's sign."""
-    for j, label in enumerate(labels):
-        x, y = left + (j % per_row) * 200, 38 + 24 * (j // per_row)
-        if j < n_series:
-            d.rectangle([x, y, x + 14, y + 14], fill=PALETTE[j % len(PALETTE)])
-        else:
-            d.line([x + 7, y, x + 7, y + 14], fill="black", width=2)
-            d.line([x + 2, y, x + 12, y], fill="black", width=2)
-            d.line([x + 2, y + 14, x + 12, y + 14], fill="black", width=2)
-        d.text((x + 20, y), label, fill="black", font=font)
-
-
-def dashed_line(d, x0: float, x1: float, y: float, label: str, font, below: bool = False) -> None:
-    """A grey dashed line at height ``y``, its label right-aligned above it (or below)."""
-    for x in range(int(x0), int(x1), 12):
-        d.line([x, y, min(x + 6, x1), y], fill=(90, 90, 90), width=2)
-    d.text(
-        (x1 - 2, y + 3 if below else y - 2),
-        label,
-        fill=(90, 90, 90),
-        font=font,
-        anchor="rt" if below else "rb",
-    )
+                ax.axhline(mean, color="0.35", linestyle="--", label=BASELINES[name][0])
+        ax.set_title(kind, fontsize=10, loc="left")
+        ax.set_xticks(range(len(groups)), [str(g) for g in groups])
+        ax.set_xlabel(gkey or "")
+        ax.set_ylabel("top-1 (%)")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8, title="± std over seeds (n finished)", title_fontsize=8)
+    fig.suptitle("top-1 (%) per cell, mean ± std over seeds", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def provenance(elapsed_s: float | None = None) -> list[str]:
@@ -326,8 +260,14 @@ def write_report(
     text = paths[1].read_text()
     head, _, rest = text.partition("\n\n")
     paths[1].write_text(f"{head}\n\n" + "\n".join(provenance(elapsed_s)) + f"\n\n{rest}")
-    plot(rows, keys, spec.evaluations, paths[2])
-    for source, target in ((paths[1], spec.publish_markdown), (paths[2], spec.publish_plot)):
+    copies = [(paths[1], spec.publish_markdown)]
+    try:
+        plot(rows, keys, spec.evaluations, paths[2])
+        copies.append((paths[2], spec.publish_plot))
+    except ImportError:  # the tables are the result; the chart needs the plot extra
+        print("results.png: pip install 'mpp[plot]' to draw it", flush=True)
+        paths.pop()
+    for source, target in copies:
         if target:
             Path(target).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, target)
