@@ -19,7 +19,7 @@ import torch.distributed as dist
 from mpp.train.plan import RunState
 
 log = logging.getLogger(__name__)
-# a fault-injection hook (README, NaN recovery): MPP_INJECT_NONFINITE_AT_STEP=k makes the check
+# a fault-injection hook (docs/pretraining.md, NaN recovery): MPP_INJECT_NONFINITE_AT_STEP=k makes the check
 # report a non-finite loss when optimiser step k is first attempted, to try train.on_nonfinite
 INJECT_ENV = "MPP_INJECT_NONFINITE_AT_STEP"
 

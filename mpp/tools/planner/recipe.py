@@ -12,7 +12,7 @@ from mpp.train.optim import peak_lr
 # one DataLoader worker's images/s (decode, RandomResizedCrop, flip) on one core:
 # ``python -m benchmarks data``, 2026-11-23 (BENCHMARKS.md "data"): 282.7 img/s
 PER_WORKER_IPS = 282.7
-# README "Data order and memory per node": ImageNet's JPEGs average ~110 kB encoded
+# docs/data.md, "Data order and memory per node": ImageNet's JPEGs average ~110 kB encoded
 ENCODED_IMAGE_BYTES = 110e3
 
 
