@@ -130,7 +130,7 @@ def overhead_fns(name: str, model: nn.Module, images: Tensor) -> dict[str, Calla
     if name == "mae":
         return {
             "masking": lambda: mask_indices(
-                model.random_masking(B, images.device), model.num_masked
+                model.mask_generator(B, images.device), model.num_masked
             ),
             "targets": lambda: model.targets(images),
         }

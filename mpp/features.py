@@ -95,16 +95,26 @@ def extract_features(
     num_slots = len(features.slots)
     feats_cpu = torch.cat(feats) if feats else torch.empty(0, num_slots, encoder.embed_dim)
     labels_cpu = torch.cat(labels) if labels else torch.empty(0, dtype=torch.int64)
+    feats_cpu, labels_cpu, _ = gather_in_key_order(feats_cpu, labels_cpu, keys, world_size)
+    return place(feats_cpu, device), labels_cpu.to(device)
+
+
+def gather_in_key_order(
+    feats: Tensor, labels: Tensor, keys: list[str], world_size: int
+) -> tuple[Tensor, Tensor, list[str]]:
+    """Every rank's share (CPU tensors), gathered on every rank and sorted by sample key: the
+    same order whatever the world size (a collective when ``world_size`` > 1)."""
+    shares = [(feats, labels, keys)]
     if world_size > 1:
         import torch.distributed as dist
 
-        shares: list = [None] * world_size
-        dist.all_gather_object(shares, (feats_cpu, labels_cpu, keys))
-        feats_cpu = torch.cat([f for f, _, _ in shares])
-        labels_cpu = torch.cat([y for _, y, _ in shares])
-        keys = [k for _, _, ks in shares for k in ks]
+        shares = [None] * world_size
+        dist.all_gather_object(shares, (feats, labels, keys))
+    keys = [k for _, _, ks in shares for k in ks]
     order = torch.tensor(sorted(range(len(keys)), key=keys.__getitem__), dtype=torch.long)
-    return place(feats_cpu[order], device), labels_cpu[order].to(device)
+    feats = torch.cat([f for f, _, _ in shares])[order]
+    labels = torch.cat([y for _, y, _ in shares])[order]
+    return feats, labels, [keys[i] for i in order]
 
 
 def place(x: Tensor, device: torch.device) -> Tensor:

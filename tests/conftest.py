@@ -85,6 +85,15 @@ def zero(stage: int) -> dict:
     return {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
 
 
+def listed_samples(spec) -> int:
+    """The samples the shards' sizes.json lists for ``spec`` (a shard spec or list), every shard's."""
+    from mpp.data import expand_shards, read_sizes
+
+    shards = expand_shards(spec)
+    listed = read_sizes(shards)["shards"]
+    return sum(listed[s.rsplit("/", 1)[-1]] for s in shards)
+
+
 def write_config(path: Path, cfg: dict) -> Path:
     path.write_text(json.dumps(cfg))
     return path

@@ -4,16 +4,17 @@ import threading
 
 import pytest
 import torch
+from conftest import listed_samples
 
-from mpp.data import count_samples, digits_shards, expand_shards, make_eval_loader, read_sizes
 from mpp.data import digits as digits_module
+from mpp.data import digits_shards, expand_shards, make_eval_loader, read_sizes
 
 
 def test_digits_shards_build_once_with_the_right_counts(tmp_path, monkeypatch):
     info = digits_shards(img_size=16, cache_dir=tmp_path)
     assert (info["num_train"], info["num_val"], info["num_classes"]) == (1497, 300, 10)
     assert len(expand_shards(info["train"])) == 8 and len(expand_shards(info["val"])) == 4
-    assert count_samples(info["train"]) == 1497 and count_samples(info["val"]) == 300
+    assert listed_samples(info["train"]) == 1497 and listed_samples(info["val"]) == 300
     assert read_sizes(info["val"])["class_names"] == [str(d) for d in range(10)]
 
     loader = make_eval_loader(
@@ -51,7 +52,7 @@ def test_digits_concurrent_builders_agree(tmp_path):
     for t in threads:
         t.join()
     assert not errors and results[0] == results[1]
-    assert count_samples(results[0]["train"]) == 1497
+    assert listed_samples(results[0]["train"]) == 1497
     assert [p.name for p in tmp_path.iterdir()] == ["digits-8-nearest"]
     with pytest.raises(ValueError, match="resample"):
         digits_shards(img_size=8, cache_dir=tmp_path, resample="area")

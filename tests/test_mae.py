@@ -67,7 +67,7 @@ def test_mask_has_exact_count_and_encoder_sees_visible_tokens_only():
 def test_loss_is_the_mse_over_masked_patches_only():
     mae = tiny_mae()
     images = torch.randn(2, 3, 32, 32)
-    mask = mae.random_masking(2, "cpu")
+    mask = mae.mask_generator(2, "cpu")
     out = mae.forward_per_patch(images, mask)
     pred, target = out["pred"], mae.targets(images)
     expected = [

@@ -17,7 +17,6 @@ from mpp.transfer.probe import (
     HeadTrainer,
     LinearHead,
     Probe,
-    linear_probe,
     linear_probes,
     scaled_lr,
 )
@@ -180,7 +179,7 @@ def test_heads_trained_in_one_pass_end_as_each_would_alone():
     kw = dict(settings=ProbeSection(epochs=3, batch_size=32, warmup_epochs=1), seed=0)
     together = linear_probes(x[:150], y[:150], x[150:], y[150:], 3, **kw)
     for s in range(3):
-        alone = linear_probe(x[:150, s], y[:150], x[150:, s], y[150:], 3, **kw)
+        (alone,) = linear_probes(x[:150, s, None], y[:150], x[150:, s, None], y[150:], 3, **kw)
         assert alone["top1"] == together[s]["top1"] and alone["train_loss"] == pytest.approx(
             together[s]["train_loss"], abs=1e-6
         )

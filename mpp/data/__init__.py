@@ -4,10 +4,10 @@ Write shards with `write_shards` (or `python -m mpp.data.shards`), stream them w
 `make_train_loader` / `make_eval_loader`; batches are normalised on the device (`mpp.ops.normalize`).
 """
 
-from .digits import digits_shards
+from .digits import digits_shards, held_out_shards
 from .errors import DataError, SkipCounter
 from .loader import Loader, StreamConfig, make_eval_loader, make_train_loader
-from .sources import count_samples, expand_shards, read_sizes, shard_sizes
+from .sources import expand_shards, read_sizes
 from .writer import (
     ImageEncoding,
     WriterOptions,
@@ -25,9 +25,8 @@ __all__ = [
     "SkipCounter",
     "StreamConfig",
     "WriterOptions",
-    "count_samples",
-    "shard_sizes",
     "digits_shards",
+    "held_out_shards",
     "expand_shards",
     "from_arrays",
     "from_flat_folder",

@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -113,3 +114,16 @@ def digits_shards(
         "img_size": img_size,
         "dir": str(folder),
     }
+
+
+def held_out_shards(data: Any, img_size: int, first_train: bool = False) -> Any:
+    """A data section's held-out images (the monitor's, the previews', ``mpp viz``'s): its
+    val_shards; else, training on the built-in digits, their validation split; else, with
+    ``first_train`` (a picture, not a measurement), the first training shard; else None."""
+    from .sources import expand_shards
+
+    if data.val_shards:
+        return data.val_shards
+    if data.train_shards is None:
+        return digits_shards(img_size)["val"]
+    return expand_shards(data.train_shards)[:1] if first_train else None

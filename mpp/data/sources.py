@@ -191,31 +191,3 @@ def read_sizes(shards: str | list[str]) -> dict | None:
         merged["shards"].update(sizes.get("shards", {}))
         merged["class_names"] = merged["class_names"] or sizes.get("class_names")
     return merged if found else None
-
-
-def shard_sizes(shards: list[str]) -> list[int] | None:
-    """Samples per shard from sizes.json, in ``shards``' order; None unless it lists every one."""
-    found = {
-        url: (_read_json(url) or {}).get("shards", {})
-        for url in dict.fromkeys(map(_sizes_url, shards))
-    }
-    sizes = [found[_sizes_url(s)].get(s.rsplit("/", 1)[-1]) for s in shards]
-    return None if None in sizes else sizes
-
-
-def count_samples(shards: str | list[str]) -> int:
-    """Total samples in `shards` according to sizes.json; ValueError when it cannot tell."""
-    shards = expand_shards(shards)
-    sizes = read_sizes(shards)
-    if sizes is None:
-        raise ValueError(
-            f"no {SIZES_FILE} beside the shards ({shards[0]} ...): pass the sample count "
-            "(num_samples) for shards written by other tools"
-        )
-    names = [s.rsplit("/", 1)[-1] for s in shards]
-    missing = [n for n in names if n not in sizes["shards"]]
-    if missing:
-        raise ValueError(
-            f"{SIZES_FILE} does not list {len(missing)} shard(s), e.g. {missing[0]}: pass num_samples"
-        )
-    return sum(sizes["shards"][n] for n in names)

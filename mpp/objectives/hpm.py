@@ -24,7 +24,7 @@ from mpp.objectives.hpm_mask import hard_patch_mask, hard_ratio_at
 from mpp.objectives.mae import MaskedAutoencoder
 from mpp.objectives.mpp import MaskedPatchPrediction
 from mpp.ops import gather_tokens
-from mpp.parallel.ema import EMA, full_state
+from mpp.parallel.ema import EMA
 
 # what HPM can wrap: objectives with a per-patch loss (mpp.objectives.base.PerPatchObjective)
 HPM_BASES: dict[str, type[PerPatchObjective]] = {
@@ -230,10 +230,6 @@ class HardPatchesMining(Objective):
 
     def load_rank_state(self, state: dict[str, Tensor]) -> None:
         self.ema.load_rank_state(state)
-
-    def teacher_state(self) -> dict[str, Tensor]:
-        """Full fp32 CPU copies of the teacher's parameters, by name (a collective under ZeRO-3)."""
-        return full_state(self.teacher)
 
     # ---- the algorithm, one step a method -----------------------------------------------------
 

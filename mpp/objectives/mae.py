@@ -80,10 +80,6 @@ class MaskedAutoencoder(PerPatchObjective):
 
     # ---- the algorithm, one step a method -------------------------------------------------
 
-    def random_masking(self, batch_size: int, device) -> Tensor:
-        """(B, N) bool, exactly num_masked True per row."""
-        return self.mask_generator(batch_size, device)
-
     def forward_encoder(self, images: Tensor, visible_idx: Tensor | None) -> Tensor:
         """Images -> normed tokens (B, 1 + N_vis, D): the blocks see the visible patches only."""
         return self.encoder.encode(self.encoder.patch_embed(images), visible_idx)
@@ -115,7 +111,7 @@ class MaskedAutoencoder(PerPatchObjective):
         indices idx (B, N_mask), the mask (B, N), the decoder input tokens (B, 1 + N, Dd)
         and the pixel predictions pred (B, N, P*P*C)."""
         if mask is None:
-            mask = self.random_masking(images.shape[0], images.device)
+            mask = self.mask_generator(images.shape[0], images.device)
         visible_idx, masked_idx = mask_indices(mask, self.num_masked)  # (B, N_vis), (B, N_mask)
         latent = self.forward_encoder(images, visible_idx)  # (B, 1 + N_vis, D)
         tokens = self.decoder_embed(latent, visible_idx)  # (B, 1 + N, Dd)

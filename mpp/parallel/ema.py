@@ -92,11 +92,3 @@ class EMA:
             )
             return
         self.fp32 = [s.to(t.device, torch.float32) for s, t in zip(saved, targets, strict=True)]
-
-
-def full_state(module: nn.Module) -> dict[str, Tensor]:
-    """Full fp32 CPU copies of ``module``'s parameters, by name. Gathers them under ZeRO-3:
-    a collective, call it on every rank."""
-    params = dict(module.named_parameters())
-    with zero.gathered(params.values()):
-        return {n: p.detach().float().cpu().clone() for n, p in params.items()}

@@ -156,24 +156,10 @@ def objective_panels(
 def picture_size(
     num_images: int, height: int, width: int, scale: int, panels: int = 4
 ) -> tuple[int, int]:
-    """(width, height) in pixels of the grid ``hpm_picture`` writes."""
+    """(width, height) in pixels of the grid ``save_picture`` writes."""
     grid_width = panels * width * scale + (panels + 1) * GAP
     grid_height = num_images * height * scale + (num_images + 1) * GAP
     return grid_width, grid_height
-
-
-def hpm_picture(
-    objective: HardPatchesMining,
-    images: Tensor,
-    path: str | Path,
-    scale: int | None = None,
-    num_hard: int | None = None,
-) -> Image.Image:
-    """Write the picture grid of ``images`` (B, 3, H, W, normalised) to ``path`` (PNG); returns it.
-    ``scale`` enlarges each panel (default: to at least 96 px); ``num_hard`` overrides k."""
-    return save_picture(
-        objective_panels(objective, images, objective.mean, objective.std, num_hard), path, scale
-    )
 
 
 def panel_grid(panels: list[Tensor], scale: int | None = None) -> Tensor:

@@ -171,25 +171,3 @@ def linear_probes(
         {**r, "train_loss": loss}
         for r, loss in zip(trainer.evaluate(val_x, val_y), losses, strict=True)
     ]
-
-
-def linear_probe(
-    train_x: Tensor,
-    train_y: Tensor,
-    val_x: Tensor,
-    val_y: Tensor,
-    num_classes: int,
-    *,
-    settings: ProbeSection,
-    seed: int,
-) -> dict[str, float]:
-    """``linear_probes`` on one feature per sample (N, D)."""
-    return linear_probes(
-        train_x[:, None],
-        train_y,
-        val_x[:, None],
-        val_y,
-        num_classes,
-        settings=settings,
-        seed=seed,
-    )[0]
