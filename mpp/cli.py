@@ -106,10 +106,10 @@ def config_from_args(args: argparse.Namespace, cls: type[BaseModel] = Config):
     return cfg
 
 
-def open_run_dir(cfg, rank: int, restart: bool = False) -> Path:
+def open_run_dir(cfg, rank: int, restart: bool = False, pixels=None) -> Path:
     """The run directory, created by rank 0, held by this job (``mpp.train.runlock``: RunHeld, a
     ConfigError, on every rank when another live job holds it) and the resolved config saved in
-    it; with ``restart`` what an earlier run left there moved aside first (``RUN.before-<UTC
+    it (with ``pixels``, the statistics the run uses in data.json beside it); with ``restart`` what an earlier run left there moved aside first (``RUN.before-<UTC
     time>``). A collective under a process group."""
     from mpp.parallel.distributed import from_rank0
     from mpp.train.plan import run_dir_of
@@ -131,6 +131,8 @@ def open_run_dir(cfg, rank: int, restart: bool = False) -> Path:
             run_dir.mkdir(parents=True, exist_ok=True)
             hold(run_dir)
             save_config(cfg, run_dir / "config.json")
+            if pixels is not None:  # the statistics used (mpp.data.stats.Pixels): data.json
+                pixels.save(run_dir)
         except RunHeld as e:
             held = str(e)
         except OSError as e:  # a directory that cannot be moved or made: said on every rank

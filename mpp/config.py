@@ -151,7 +151,7 @@ class DataConfig(_Section):
     observed range; never an implicit 255."""
     mean: tuple[float, ...] | Literal["auto"] = IMAGENET_MEAN
     """Per channel, of [0, 1] pixels; "auto": measured on stats_samples training images
-    (mpp.data.stats, cached beside the shard counts), then saved in RUN/config.json."""
+    (mpp.data.stats, cached beside the shard counts), then saved in RUN/data.json."""
     std: tuple[float, ...] | Literal["auto"] = IMAGENET_STD
     """Per channel, of [0, 1] pixels; "auto": measured with the mean."""
     stats_samples: int = Field(1024, gt=0)

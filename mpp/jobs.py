@@ -18,11 +18,14 @@ from typing import Any
 from torch import nn
 
 from mpp.build import build_objective
+from mpp.checkpoint.rng import seed_everything
 from mpp.cli import open_run_dir
 from mpp.config import Config, ConfigError, FinetuneConfig
 from mpp.parallel.distributed import device_type, from_rank0, init_distributed, world_from_env
+from mpp.train.monitor import MonitorHook
 from mpp.train.plan import check_data, check_resume, newest_checkpoint, plan_run, run_dir_of
-from mpp.train.rng import seed_everything
+from mpp.train.preemption import StopHook
+from mpp.train.preview import PreviewHook
 from mpp.train.runlock import release
 from mpp.train.trainer import Trainer
 from mpp.transfer.finetune import build_classifier, train_classifier
@@ -75,8 +78,11 @@ def run_pretrain(cfg: Config, resume: str | None = None, restart: bool = False) 
 
     def train(plan, run_dir, device, resume):
         # data.mean / std "auto": measured with the plan (mpp.data.stats), known now
-        objective.set_pixel_stats(cfg.data.mean, cfg.data.std)
-        return Trainer(cfg, objective, plan, run_dir, device, resume=resume).train()
+        objective.set_pixel_stats(plan.pixels.mean, plan.pixels.std)
+        # the preview, then the monitor (the k-NN and the held-out loss), then a stop signal's
+        # checkpoint: the stop's handlers installed before the loader's workers fork
+        hooks = [PreviewHook(cfg), MonitorHook(cfg, run_dir), StopHook(run_dir)]
+        return Trainer(cfg, objective, plan, run_dir, device, resume=resume, hooks=hooks).train()
 
     return _run(cfg, objective.encoder, train, resume, restart)
 
@@ -86,7 +92,8 @@ def run_finetune(cfg: FinetuneConfig, resume: str | None = None, restart: bool =
     model = finetune_model(cfg)
 
     def train(plan, run_dir, device, resume):
-        return train_classifier(cfg, model, plan, run_dir, device, resume=resume)
+        hooks = [StopHook(run_dir)]  # a classifier has no masks to preview, no monitor section
+        return train_classifier(cfg, model, plan, run_dir, device, resume=resume, hooks=hooks)
 
     return _run(cfg, model.encoder, train, resume, restart, num_classes=model.num_classes)
 
@@ -110,7 +117,8 @@ def _run(
     device = init_distributed()
     # the shards' samples counted by the ranks together (mpp.data.census)
     plan = from_rank0(plan_run(cfg, world, device_type(), img_size, num_classes=num_classes))
-    run_dir = open_run_dir(cfg, rank, restart=restart)  # a second job on it stops here
+    # a second job on it stops here; its config.json as loaded, data.json what was measured
+    run_dir = open_run_dir(cfg, rank, restart=restart, pixels=plan.pixels)
     start = time.perf_counter()
     try:
         result = train(plan, run_dir, device, resume)

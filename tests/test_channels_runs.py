@@ -185,9 +185,13 @@ def test_each_kind_pretrains_skipping_its_corrupt_sample_with_its_statistics(run
     run, chans = runs[kind]["run"], KINDS[kind][2]
     saved = json.loads((run / "config.json").read_text())
     assert saved["model"]["in_chans"] == saved["data"]["channels"] == chans
-    assert len(saved["data"]["mean"]) == len(saved["data"]["std"]) == chans  # "auto" resolved
+    section = KINDS[kind][3]
+    assert {k: saved["data"][k] for k in section} == section  # as loaded: "auto" stays "auto"
+    used = json.loads((run / "data.json").read_text())  # what the run used: "auto" measured
+    assert len(used["mean"]) == len(used["std"]) == chans
+    assert all(used[k] == v for k, v in section.items() if v != "auto")
     if kind == "tif":
-        assert saved["data"]["value_range"][0] >= 0 and saved["data"]["value_range"][1] <= 60000
+        assert used["value_range"][0] >= 0 and used["value_range"][1] <= 60000
     records = read_metrics(run)
     assert [m for m in records if "loss" in m][-1]["skipped"] >= 1  # the corrupt sample
     monitored = [m for m in records if "monitor/knn_top1" in m]

@@ -12,13 +12,13 @@ from safetensors.torch import load_file
 from mpp.build import build_objective
 from mpp.checkpoint.format import weights_only_loads
 from mpp.checkpoint.manager import Checkpointer
+from mpp.checkpoint.state import RunState
 from mpp.config import validate
 from mpp.hub.encoder_file import load_encoder_file
 from mpp.hub.pretrained import load_pretrained
 from mpp.models import create_vit
 from mpp.parallel.launch import free_port
 from mpp.train.optim import build_optimizer, lr_at, param_groups, set_lr
-from mpp.train.plan import RunState
 
 
 def test_lr_schedule_warmup_then_cosine():

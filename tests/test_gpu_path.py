@@ -242,7 +242,7 @@ def test_a_training_step_builds_no_tensor_from_host_data(digits16, objective):
 def test_rng_restore_with_fewer_visible_gpus_than_at_save(monkeypatch):
     """set_rng_state_all raised IndexError when a rank saw fewer GPUs than at save (8 x 8
     resumed as 16 x 4, or one visible GPU per SLURM task): each rank keeps its own device's."""
-    from mpp.train import rng
+    from mpp.checkpoint import rng
 
     states = [torch.full((4,), i, dtype=torch.uint8) for i in range(8)]
     set_to = []

@@ -19,13 +19,11 @@ import torch.distributed as dist
 
 from mpp.checkpoint import elastic
 from mpp.checkpoint import format as ckpt
+from mpp.checkpoint.rng import rng_state, seed_everything, set_rng_state
+from mpp.checkpoint.state import RunState
 from mpp.config import RunConfig, save_config
 from mpp.hub.encoder_file import export_encoder
 from mpp.parallel.distributed import from_rank0
-from mpp.train.nonfinite import NonFiniteLossError
-from mpp.train.plan import Plan, RunState
-from mpp.train.preemption import Preempted, StopRequest, write_marker
-from mpp.train.rng import rng_state, seed_everything, set_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +40,7 @@ class Loading:
 
     root: str | Path
     tag: str
-    plan: Plan
+    plan: Any  # this run's mpp.train.plan.Plan (its micro_batch and grad_accum)
     seed: int
     rank: int = field(default_factory=dist.get_rank)
     # DeepSpeed's client_state, read with the engine's files by its entry (the first)
@@ -157,7 +155,7 @@ class Checkpointer:
     """``RUN/checkpoints``: a complete checkpoint every ``train.ckpt_every`` steps and at the end
     (``keep_last`` kept), on a stop signal, and the final encoder. Every rank calls every method."""
 
-    def __init__(self, engine: Any, run_dir: Path, cfg: RunConfig, plan: Plan) -> None:
+    def __init__(self, engine: Any, run_dir: Path, cfg: RunConfig, plan: Any) -> None:
         self.engine, self.objective, self.run_dir = engine, engine.module, run_dir
         self.cfg, self.plan, self.root = cfg, plan, run_dir / "checkpoints"
         self.keep_last, self.interval = cfg.train.keep_last, cfg.train.ckpt_every
@@ -219,50 +217,21 @@ class Checkpointer:
                 state.step,
             )
 
-    def maybe_save(self, state: RunState, stop: int, stop_request: StopRequest) -> None:
-        """After an optimiser step: a checkpoint when due (every ``interval`` steps, and at ``stop``);
-        when any rank got a stop signal, one here (unless just written) and ``Preempted``."""
+    def maybe_save(self, state: RunState, stop: int) -> bool:
+        """After an optimiser step: a checkpoint when due (every ``interval`` steps, and at
+        ``stop``); whether one was written."""
         due = state.step % self.interval == 0 or state.step == stop
         if due:
             self.save(state)
-        signum = stop_request.agreed()
-        if signum:
-            if not due:
-                self.save(state)
-            write_marker(self.run_dir, state.step, signum, stop_request.reason)
-            raise Preempted(state.step, signum, stop_request.reason)
+        return due
 
-    def rollback(self, state: RunState, error: NonFiniteLossError) -> None:
-        """``train.on_nonfinite=rollback``: the last complete checkpoint's weights, optimiser, RNG
-        and step into ``state``, with the data stream past the window that failed and the lr
-        scale reduced. Raises ``error`` (naming every failed step) when ``train.max_rollbacks``
-        are used up or there is nothing to go back to."""
-        t = self.cfg.train
-        failed = [*state.rollback_steps, state.step + 1]
-        if t.on_nonfinite != "rollback" or len(state.rollback_steps) >= t.max_rollbacks:
-            if t.on_nonfinite == "rollback":
-                raise NonFiniteLossError(
-                    f"{error}; gave up after {len(state.rollback_steps)} rollback(s) "
-                    f"(train.max_rollbacks={t.max_rollbacks}) at steps {failed}"
-                ) from None
-            raise error
+    def restore_intact(self, state: RunState) -> str | None:
+        """The newest intact checkpoint loaded into ``state`` (maybe a resume's layout): its tag,
+        or None when there is none to go back to (``mpp.train.nonfinite.roll_back``)."""
         tag = from_rank0(_intact(self.root) if dist.get_rank() == 0 else None)
-        if tag is None:
-            raise NonFiniteLossError(f"{error}; no complete checkpoint to roll back to") from None
-        # past the batch that failed (the caller advanced)
-        position = state.epoch, state.batch_in_epoch
-        lr_scale = state.lr_scale * t.rollback_lr_scale
-        # maybe a resume's layout
-        self.restore(self.root, tag, state)
-        state.epoch, state.batch_in_epoch = position
-        state.rollback_steps, state.lr_scale = failed, lr_scale
-        if dist.get_rank() == 0:
-            log.warning(
-                "non-finite losses at step %d: rolled back to %s, data moved past the window, lr x %g",
-                failed[-1],
-                tag,
-                lr_scale,
-            )
+        if tag is not None:
+            self.restore(self.root, tag, state)
+        return tag
 
     def export_encoder(self) -> None:
         """fp32 ``encoder.safetensors`` for downstream: from the final checkpoint (ZeRO, bf16) or

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import random
 from dataclasses import dataclass
@@ -31,9 +30,39 @@ from .sources import _read_json
 from .tario import shard_samples
 from .transforms import IMAGE_KEYS, PixelFormat, raw_array
 
-log = logging.getLogger(__name__)
 CACHE_FILE = ".mpp_stats.json"  # beside the shards
 RUN_CACHE_FILE = "pixel_stats.json"  # in the run directory
+RUN_FILE = "data.json"  # in the run directory, beside config.json: the statistics the run used
+
+
+@dataclass(frozen=True)
+class Pixels:
+    """The pixel statistics a run uses: its config's, with what the config says "auto" measured
+    (``mpp.train.plan.measure_pixels``). The loaded config keeps "auto"; the run's plan holds
+    these, and ``RUN/data.json`` beside its config.json."""
+
+    mean: tuple[float, ...]  # per channel, of [0, 1] values
+    std: tuple[float, ...]
+    format: PixelFormat  # channels, layout and the value range that maps to [0, 1] (None: 8-bit)
+
+    def save(self, run_dir: Path) -> None:
+        vr = self.format.value_range
+        record = {"mean": self.mean, "std": self.std, "value_range": vr}
+        _write_json(Path(run_dir) / RUN_FILE, {k: list(v) if v else v for k, v in record.items()})
+
+
+def run_pixels(run_dir: str | Path) -> dict | None:
+    """The mean, std and value range a run used: its data.json, else (a run from before data.json)
+    its config.json's data section where it states numbers; None when neither does."""
+    run_dir = Path(run_dir)
+    if (run_dir / RUN_FILE).is_file():
+        return json.loads((run_dir / RUN_FILE).read_text())
+    if not (run_dir / "config.json").is_file():
+        return None
+    data = json.loads((run_dir / "config.json").read_text()).get("data") or {}
+    if "auto" in (data.get("mean"), data.get("std")):
+        return None
+    return {k: data.get(k) for k in ("mean", "std", "value_range")}
 
 
 @dataclass(frozen=True)

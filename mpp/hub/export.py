@@ -66,9 +66,11 @@ def timm_model_args(model_kwargs: dict) -> dict:
 
 
 def run_info(source: str | Path) -> dict:
-    """What the run that made ``source`` knew: its mean/std and its shards' class names (from the
-    run's config.json beside it; ImageNet's statistics and no names when there is none)."""
+    """What the run that made ``source`` knew: its mean/std (its data.json, else config.json)
+    and its shards' class names (its config.json); ImageNet's statistics and no names when there
+    is no run beside it."""
     from mpp.data import digits_shards, expand_shards, read_sizes
+    from mpp.data.stats import run_pixels
 
     src = Path(source)
     # beside a run's encoder.safetensors, or above its checkpoints/ or checkpoints/stepN
@@ -85,7 +87,10 @@ def run_info(source: str | Path) -> dict:
         return info
     cfg = json.loads(cfg_file.read_text())
     data = cfg.get("data") or {}
-    info.update(mean=list(data.get("mean", info["mean"])), std=list(data.get("std", info["std"])))
+    used = run_pixels(cfg_file.parent) or {}
+    info.update(
+        mean=list(used.get("mean") or info["mean"]), std=list(used.get("std") or info["std"])
+    )
     try:
         spec = (
             data.get("train_shards")

@@ -122,20 +122,39 @@ def pretraining_config(path: str | Path) -> Config:
         )
     if "probe" in raw:
         raise ValueError(f"{path}: a k-NN / linear probe run keeps no weights to draw")
-    cfg = load_config(path)
-    cfg.model.init = None  # the weights come from --checkpoint
-    return cfg
+    return load_config(path, ["model.init=null"])  # the weights come from --checkpoint
 
 
-def build_for(args: argparse.Namespace) -> tuple[Objective, Config | None]:
-    """(the objective, its run's config): from --config, else the checkpoint's run, else an HPM
-    objective from the flags (no config)."""
+def used_pixels(cfg: Config, config: Path, objective: Objective) -> tuple:
+    """(mean, std, format) of the run's data: what a run's data.json says it used, else the
+    config's, its "auto" ones measured (``mpp.train.plan.measure_pixels``)."""
+    from mpp.data.stats import run_pixels
+    from mpp.data.transforms import PixelFormat
+    from mpp.train.plan import measure_pixels, train_shards
+
+    d = cfg.data
+    used = run_pixels(config.parent) if config.name == "config.json" else None
+    if used is None:
+        img_size = objective.encoder.patch_embed.img_size[0]
+        pixels = measure_pixels(cfg, train_shards(cfg, img_size)[0])
+        return pixels.mean, pixels.std, pixels.format
+    vr = used.get("value_range")
+    fmt = PixelFormat(d.channels, d.layout, tuple(vr) if vr else None)
+    return tuple(used["mean"]), tuple(used["std"]), fmt
+
+
+def build_for(args: argparse.Namespace) -> tuple[Objective, Config | None, tuple | None]:
+    """(the objective, its run's config, its data's ``used_pixels``): from --config, else the
+    checkpoint's run, else an HPM objective from the flags (no config)."""
     config = args.config or (run_config(args.checkpoint) if args.checkpoint else None)
     if config:
         from mpp.build import build_objective
 
         cfg = pretraining_config(config)
-        return build_objective(cfg), cfg
+        objective = build_objective(cfg)
+        pixels = used_pixels(cfg, Path(config), objective)
+        objective.set_pixel_stats(*pixels[:2])
+        return objective, cfg, pixels
     from mpp.models.vit import create_vit
 
     objective = create_objective(
@@ -146,26 +165,23 @@ def build_for(args: argparse.Namespace) -> tuple[Objective, Config | None]:
         decoder_depth=args.decoder_depth,
         decoder_heads=args.decoder_heads,
     )
-    return objective, None
+    return objective, None, None
 
 
-def run_images(cfg: Config, count: int, img_size: int) -> Tensor:
+def run_images(cfg: Config, pixels: tuple, count: int, img_size: int) -> Tensor:
     """``count`` normalised images of the run's own data (its val shards, else its first training
     shard), as the data holds them: any channel count and bit depth."""
-    from mpp.data import digits_shards, expand_shards
-    from mpp.data.transforms import pixel_format
+    from mpp.data import held_out_shards
     from mpp.ops import normalize
     from mpp.train.preview import preview_images
 
     d = cfg.data
-    if d.train_shards is None:  # the built-in data
-        shards = digits_shards(img_size)["val"]
-    else:
-        shards = d.val_shards or expand_shards(d.train_shards)[:1]
-    images = preview_images(shards, img_size, d.allow_pipe, pixel_format(d))
+    shards = held_out_shards(d, img_size, first_train=True)
+    mean, std, fmt = pixels
+    images = preview_images(shards, img_size, d.allow_pipe, fmt)
     if images is None:
         raise ValueError(f"{shards}: no image of {d.channels} channel(s) to show")
-    return normalize(images[:count], d.mean, d.std)
+    return normalize(images[:count], mean, std)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -208,13 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     torch.manual_seed(args.seed)
     try:
-        objective, cfg = build_for(args)
+        objective, cfg, pixels = build_for(args)
         if args.checkpoint:
             load_weights(objective, args.checkpoint)
-        mean, std = (cfg.data.mean, cfg.data.std) if cfg else (objective.mean, objective.std)
+        mean, std = pixels[:2] if cfg else (objective.mean, objective.std)
         size = objective.encoder.patch_embed.img_size[0]
         if cfg is not None and not args.image_dir:  # the run's own data, any channel count
-            images = run_images(cfg, args.images, size)
+            images = run_images(cfg, pixels, args.images, size)
         else:
             images = load_images(args.images, size, mean, std, args.image_dir)
     except (ValueError, FileNotFoundError, CheckpointError) as e:  # ConfigError is a ValueError

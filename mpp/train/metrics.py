@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mpp.train.plan import Plan, RunState
+from mpp.checkpoint.state import RunState
+from mpp.train.plan import Plan
 
 log = logging.getLogger(__name__)
 

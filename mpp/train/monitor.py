@@ -32,10 +32,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mpp.data import make_eval_loader
-from mpp.data.transforms import pixel_format
-from mpp.features import knn_classify, pooled_features
+from mpp.features import gather_in_key_order, knn_classify, pooled_features
 from mpp.ops import normalize
 from mpp.parallel import zero
+from mpp.train.hooks import Hook
 
 log = logging.getLogger(__name__)
 BANK_KEYS = "monitor_bank_keys.txt"  # in the run directory
@@ -135,16 +135,8 @@ class Monitor:
         parts = self.forward_chunks(images, lambda x: pooled_features(encoder, x, slot)[:, 0])
         feats = [p.cpu() for p in parts if p is not None]
         dim = encoder.embed_dim
-        mine = (torch.cat(feats) if feats else torch.empty(0, dim), images.labels, images.keys)
-        shares = [mine]
-        if self.world > 1:
-            shares = [None] * self.world
-            dist.all_gather_object(shares, mine)
-        keys = [k for _, _, ks in shares for k in ks]
-        order = torch.tensor(sorted(range(len(keys)), key=keys.__getitem__), dtype=torch.long)
-        feats = torch.cat([f for f, _, _ in shares])[order]
-        labels = torch.cat([y for _, y, _ in shares])[order]
-        return feats, labels, [keys[i] for i in order]
+        mine = torch.cat(feats) if feats else torch.empty(0, dim)
+        return gather_in_key_order(mine, images.labels, images.keys, self.world)
 
     def knn(self, encoder: Any) -> dict[str, float]:
         """knn.py's weighted k-NN of the encoder: the bank against the held-out images (every
@@ -195,23 +187,22 @@ def build_monitor(
     every = getattr(cfg.train, "monitor_every", 0)
     settings = getattr(cfg, "monitor", None)
     d = cfg.data
-    off = Monitor(0, None, None, settings, d.mean, d.std, device)
+    px = plan.pixels
+    off = Monitor(0, None, None, settings, px.mean, px.std, device)
     if not every or settings is None or not hasattr(objective, "held_out_metrics"):
         return off
-    from mpp.data import digits_shards, expand_shards
+    from mpp.data import expand_shards, held_out_shards
     from mpp.data.labels import choose, label_index, shard_labels
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    val_shards = settings.val_shards or d.val_shards
-    if val_shards is None and d.train_shards is None:
-        val_shards = digits_shards(plan.img_size)["val"]
+    val_shards = settings.val_shards or held_out_shards(d, plan.img_size)
     if val_shards is None:
         if rank == 0:
             log.warning("monitor: no held-out images (set monitor.val_shards or data.val_shards)")
         return off
     load = dict(rank=rank, world_size=world, num_workers=d.num_workers, with_keys=True)
-    load.update(allow_pipe=d.allow_pipe, pixels=pixel_format(d))
+    load.update(allow_pipe=d.allow_pipe, pixels=px.format)
     index = label_index(plan.train_shards, d.allow_pipe)
     labelled_val = bool(shard_labels(expand_shards(val_shards)[0], d.allow_pipe))
     bank, what = None, "no k-NN: the training or the held-out shards carry no labels (.cls)"
@@ -226,4 +217,28 @@ def build_monitor(
     val = load_images(val_shards, plan.img_size, {**load, "with_labels": bank is not None})
     if rank == 0:
         log.info("monitor every %d steps on %s: %s", every, val_shards, what)
-    return Monitor(every, bank, val, settings, d.mean, d.std, device)
+    return Monitor(every, bank, val, settings, px.mean, px.std, device)
+
+
+class MonitorHook(Hook):
+    """The monitor as a ``mpp.train.hooks.Hook``: built when the loop starts (a collective),
+    the encoder as initialised measured first, then every ``train.monitor_every`` steps and at
+    the last one; the values to metrics.jsonl (and the reporters) as a ``monitor`` record."""
+
+    def __init__(self, cfg: Any, run_dir: Path) -> None:
+        self.cfg, self.run_dir, self.monitor = cfg, run_dir, None
+
+    def start(self, trainer: Any) -> None:
+        self.monitor = build_monitor(
+            self.cfg, trainer.plan, trainer.objective, trainer.device, self.run_dir
+        )
+        if trainer.state.step == 0:  # the baseline: the encoder as initialised
+            self._measure(trainer, 0)
+
+    def step_end(self, trainer: Any) -> None:
+        self._measure(trainer, trainer.state.step, trainer.state.step == trainer.stop)
+
+    def _measure(self, trainer: Any, step: int, last: bool = False) -> None:
+        with trainer.autocast():
+            values = self.monitor(trainer.objective, step, last)
+        trainer.metrics.write(trainer.state, trainer.plan, values, section="monitor")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +16,8 @@ from mpp.config import ConfigError, RunConfig, source_of
 from mpp.data import StreamConfig, device_decode, digits_shards, expand_shards
 from mpp.data.census import Census, census
 from mpp.data.labels import LabelledSubset, choose, from_key_file, label_index
-from mpp.data.stats import first_dtype, pixel_stats
-from mpp.data.transforms import PixelFormat, pixel_format
+from mpp.data.stats import Pixels, first_dtype, pixel_stats
+from mpp.data.transforms import PixelFormat
 from mpp.parallel.distributed import device_type
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ class Plan:
     img_size: int
     ds_config: dict
     stream: StreamConfig  # the training stream's settings; the engine adds rank, epoch and position
+    pixels: Pixels  # the data's statistics: the config's, "auto" measured (RUN/data.json)
     missing_shards: int = 0
     census: Census | None = None  # every shard's sample count and where it came from
     subset: LabelledSubset | None = None  # few labels: the samples trained on (data.labels_*)
@@ -64,7 +65,7 @@ def plan_run(
     except ValueError as e:
         raise fail("train.precision", str(e)) from None
     shards, missing = train_shards(cfg, img_size)
-    measure_pixels(cfg, shards)
+    pixels = measure_pixels(cfg, shards)
     subset = labelled_subset(cfg, shards, num_classes) if num_classes is not None else None
     if subset is not None:  # few labels: the epoch is the subset, read from the shards holding it
         counted, shards, sizes = None, subset.shards, subset.sizes
@@ -105,25 +106,26 @@ def plan_run(
         global_batch=t.batch_size,
         shard_sizes=tuple(sizes),
         shard_keys=subset.keys if subset is not None else None,
-        pixels=pixel_format(cfg.data),
+        pixels=pixels.format,
         defer_jpeg=defer_jpeg,
         **cfg.stream_settings(),
     )
     return Plan(
-        shards,
-        samples,
-        steps_per_epoch,
-        total,
-        warmup,
-        micro,
-        accum,
-        world_size,
-        img_size,
-        ds_config,
-        stream,
-        len(missing),
-        counted,
-        subset,
+        train_shards=shards,
+        samples_per_epoch=samples,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total,
+        warmup_steps=warmup,
+        micro_batch=micro,
+        grad_accum=accum,
+        world_size=world_size,
+        img_size=img_size,
+        ds_config=ds_config,
+        stream=stream,
+        pixels=pixels,
+        missing_shards=len(missing),
+        census=counted,
+        subset=subset,
     )
 
 
@@ -150,36 +152,40 @@ def check_value_range(cfg: RunConfig, shards: list[str]) -> None:
         )
 
 
-def measure_pixels(cfg: RunConfig, shards: list[str]) -> None:
-    """``data.mean`` / ``std`` / ``value_range`` "auto": measured on the training shards
-    (``mpp.data.stats``; a collective, cached) and written into the config, so the run's
-    config.json, its exports and every later step use the values. ConfigError names the key."""
+def measure_pixels(cfg: RunConfig, shards: list[str]) -> Pixels:
+    """The statistics the run uses: the config's, with ``data.mean`` / ``std`` / ``value_range``
+    "auto" measured on the training shards (``mpp.data.stats``; a collective, cached). The config
+    is left as loaded. ConfigError names the key."""
     import torch.distributed as dist
 
     d = cfg.data
     check_value_range(cfg, shards)
+    vr = None if d.value_range in ("auto", None) else tuple(d.value_range)
     if not d.auto_stats:
-        return
-    vr = None if d.value_range == "auto" else d.value_range
-    fmt = PixelFormat(d.channels, d.layout, tuple(vr) if vr else None)
-    run_dir = run_dir_of(cfg)
+        return Pixels(tuple(d.mean), tuple(d.std), PixelFormat(d.channels, d.layout, vr))
     try:
-        stats, source = pixel_stats(shards, fmt, d.stats_samples, run_dir, d.allow_pipe)
+        fmt = PixelFormat(d.channels, d.layout, vr)
+        stats, source = pixel_stats(shards, fmt, d.stats_samples, run_dir_of(cfg), d.allow_pipe)
     except ValueError as e:
         auto = [k for k in ("mean", "std", "value_range") if getattr(d, k) == "auto"]
         raise _failer(cfg)(f"data.{auto[0]}", f'"auto": {e}') from None
-    d.mean = stats.mean if d.mean == "auto" else d.mean
-    d.std = stats.std if d.std == "auto" else d.std
-    d.value_range = stats.value_range if d.value_range == "auto" else d.value_range
+    if d.value_range == "auto":
+        vr = tuple(stats.value_range)
+    pixels = Pixels(
+        tuple(stats.mean) if d.mean == "auto" else tuple(d.mean),
+        tuple(stats.std) if d.std == "auto" else tuple(d.std),
+        PixelFormat(d.channels, d.layout, vr),
+    )
     if not dist.is_initialized() or dist.get_rank() == 0:
         values = lambda v: "[" + ", ".join(f"{x:.4g}" for x in v) + "]"  # noqa: E731
         log.info(
             "data: mean %s, std %s of [0, 1] pixels, range %s -> [0, 1] (%s)",
-            values(d.mean),
-            values(d.std),
-            values(stats.value_range if d.value_range is None else d.value_range),
+            values(pixels.mean),
+            values(pixels.std),
+            values(vr or stats.value_range),
             source,
         )
+    return pixels
 
 
 def labelled_subset(
@@ -328,19 +334,6 @@ def shard_exists(url: str) -> bool:
 
 def _failer(cfg: RunConfig):
     return lambda key, msg: ConfigError(f"{source_of(cfg, key)}: {key}: {msg}")
-
-
-@dataclass
-class RunState:
-    step: int = 0  # optimiser steps done
-    epoch: int = 0
-    batch_in_epoch: int = 0  # micro-batches this rank consumed in the current epoch
-    samples: int = 0  # images seen, all ranks
-    bad_steps: int = 0
-    overflow_steps: int = 0  # fp16 steps DeepSpeed skipped on a gradient overflow
-    # steps whose non-finite losses were rolled back
-    rollback_steps: list[int] = field(default_factory=list)
-    lr_scale: float = 1.0  # train.rollback_lr_scale per rollback
 
 
 # a stand-in for the shards a shipped *_b16 config leaves to the user: the planner needs the

@@ -30,6 +30,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from mpp.train.hooks import Hook
+
 log = logging.getLogger(__name__)
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: try again (a requeue wrapper tests for it)
@@ -187,3 +189,24 @@ def write_marker(run_dir: Path, step: int, signum: int, reason: str | None = Non
         if reason:
             record["reason"] = reason
         (run_dir / "preempted.json").write_text(json.dumps(record) + "\n")
+
+
+class StopHook(Hook):
+    """A stop signal as a ``mpp.train.hooks.Hook``: the handlers installed when it is made
+    (before the trainer's loader forks its workers, which inherit them); after each optimiser
+    step's checkpoint, when any rank got a signal, one checkpoint here (unless just written),
+    ``preempted.json`` and ``Preempted``."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir, self.request = run_dir, StopRequest()
+
+    def saved(self, trainer: Any, saved: bool) -> None:
+        if signum := self.request.agreed():
+            if not saved:
+                trainer.checkpointer.save(trainer.state)
+            step = trainer.state.step
+            write_marker(self.run_dir, step, signum, self.request.reason)
+            raise Preempted(step, signum, self.request.reason)
+
+    def close(self) -> None:
+        self.request.restore()

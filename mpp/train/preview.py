@@ -18,6 +18,7 @@ from torch import Tensor
 
 from mpp.ops import normalize
 from mpp.parallel import zero
+from mpp.train.hooks import Hook
 from mpp.train.panels import objective_panels, panel_grid
 
 NUM_IMAGES = 8
@@ -96,27 +97,36 @@ def preview_images(
     return None if batch is None else batch["image"]
 
 
-def build_preview(
-    cfg: Any, img_size: int, objective: Any, device: torch.device, rank: int
-) -> Preview:
+def build_preview(cfg: Any, plan: Any, objective: Any, device: torch.device, rank: int) -> Preview:
     """The run's previews; one that never draws when off (``train.preview_every`` 0), with nothing
     to report to, or for an objective without masks (fine-tuning). Images: the val shards', else the built-in dataset's
     validation split, else the first training shard's."""
-    t, d = cfg.train, cfg.data
+    t, d, px, img_size = cfg.train, cfg.data, plan.pixels, plan.img_size
     if (
         not t.preview_every
         or not t.report_to
         or not hasattr(getattr(objective, "base", objective), "forward_per_patch")
     ):
-        return Preview(0, None, d.mean, d.std, device, rank)
-    from mpp.data import digits_shards, expand_shards
+        return Preview(0, None, px.mean, px.std, device, rank)
+    from mpp.data import held_out_shards
 
-    shards = d.val_shards or (
-        digits_shards(img_size)["val"]
-        if d.train_shards is None
-        else expand_shards(d.train_shards)[:1]
-    )
-    from mpp.data.transforms import pixel_format
+    shards = held_out_shards(d, img_size, first_train=True)
+    images = preview_images(shards, img_size, d.allow_pipe, px.format)
+    return Preview(t.preview_every, images, px.mean, px.std, device, rank, d.display_channels)
 
-    images = preview_images(shards, img_size, d.allow_pipe, pixel_format(d))
-    return Preview(t.preview_every, images, d.mean, d.std, device, rank, d.display_channels)
+
+class PreviewHook(Hook):
+    """The previews as a ``mpp.train.hooks.Hook``: built when the loop starts, drawn after each
+    optimiser step (under the engine's precision)."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg, self.preview = cfg, None
+
+    def start(self, trainer: Any) -> None:
+        self.preview = build_preview(
+            self.cfg, trainer.plan, trainer.objective, trainer.device, trainer.rank
+        )
+
+    def step_end(self, trainer: Any) -> None:
+        with trainer.autocast():  # every train.preview_every steps
+            self.preview(trainer.objective, trainer.state.step, trainer.metrics.reporters)

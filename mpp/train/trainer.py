@@ -1,19 +1,19 @@
 """The trainer: DeepSpeed's engine and the step loop over it. ``Trainer.train`` reads on one
 screen: a batch, ``train_step``, ``on_step_end`` (which ends in ``checkpointer.maybe_save``).
+What the job around it wants at those points (previews, the monitor, a stop signal's
+checkpoint) comes in as ``Hook`` objects that ``mpp.jobs`` registers; this module imports none.
 
 The trainer knows nothing objective-specific: it calls ``objective(*objective.inputs(batch))
 -> (loss, metrics)`` and the hooks of ``mpp.objectives.base.Objective``. It owns the run's
 state (``RunState``: step, epoch, position, counters) and everything that moves it: the lr
 ``Schedule`` (``mpp.train.optim``), the ``Checkpointer`` (save, resume, rollback, the final
-encoder), the ``MetricLog`` (metrics.jsonl, TensorBoard, W&B), the loader, the preview and the
-stop request. One name per object: ``engine`` is DeepSpeed's, ``objective`` the module it wraps.
+encoder), the ``MetricLog`` (metrics.jsonl, TensorBoard, W&B) and the loader. One name per object: ``engine`` is DeepSpeed's, ``objective`` the module it wraps.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +21,17 @@ import torch
 import torch.distributed as dist
 
 from mpp.checkpoint.manager import Checkpointer
+from mpp.checkpoint.rng import seed_everything
+from mpp.checkpoint.state import RunState
 from mpp.config import RunConfig
 from mpp.data import device_decode, make_train_loader
 from mpp.ops import normalize
 from mpp.parallel import stage0, zero
+from mpp.train.hooks import Hook
 from mpp.train.metrics import MetricLog
-from mpp.train.monitor import build_monitor
-from mpp.train.nonfinite import NonFiniteLossError, all_finite, skip_bad_step
+from mpp.train.nonfinite import NonFiniteLossError, all_finite, roll_back, skip_bad_step
 from mpp.train.optim import Schedule, build_optimizer
-from mpp.train.plan import Plan, RunState
-from mpp.train.preemption import StopRequest
-from mpp.train.preview import build_preview
-from mpp.train.rng import seed_everything
-
-log = logging.getLogger(__name__)
+from mpp.train.plan import Plan
 
 EvalHook = Callable[[Any, RunState], "dict | None"]  # (DeepSpeed engine, state) -> values to log
 
@@ -55,11 +52,12 @@ class Trainer:
         resume: str | None = None,
         evaluate: EvalHook | None = None,
         evaluate_every: int | None = None,
+        hooks: Sequence[Hook] = (),
     ) -> None:
         from tqdm import tqdm
 
         self.cfg, self.plan, self.run_dir, self.device = cfg, plan, run_dir, device
-        self.evaluate, self.evaluate_every = evaluate, evaluate_every
+        self.evaluate, self.evaluate_every, self.hooks = evaluate, evaluate_every, list(hooks)
         self.rank = dist.get_rank()
         # ranks draw different masks; data has its own seeds
         seed_everything(cfg.train.seed + self.rank)
@@ -73,9 +71,6 @@ class Trainer:
         self.metrics = MetricLog(
             run_dir, self.rank, self.state, cfg.train.report_to, cfg.model_dump(mode="json")
         )
-        self.preview = build_preview(cfg, plan.img_size, self.objective, device, self.rank)
-        # the k-NN and the objective's held-out signal every train.monitor_every steps
-        self.monitor = build_monitor(cfg, plan, self.objective, device, run_dir)
         self.bar = tqdm(
             total=plan.total_steps,
             initial=self.state.step,
@@ -83,8 +78,6 @@ class Trainer:
             dynamic_ncols=True,
             desc=cfg.name,
         )
-        # SIGTERM / SIGUSR1: finish the step, checkpoint, exit (installed before the workers fork)
-        self.stop_request = StopRequest()
         # one loader, its workers kept across epochs (MAE's 1600 epochs would restart them 1600 times)
         self.loader = train_loader(cfg, plan, self.rank, run_dir)
         # data.decode=gpu: the workers' JPEGs decoded here, on the device
@@ -99,10 +92,8 @@ class Trainer:
     def train(self) -> RunState:
         """The loop (``Preempted`` on a stop signal); then the final encoder, exported."""
         try:
-            if self.state.step == 0:  # the monitor's baseline: the encoder as initialised
-                with self.autocast():
-                    values = self.monitor(self.objective, 0)
-                self.metrics.write(self.state, self.plan, values, section="monitor")
+            for hook in self.hooks:
+                hook.start(self)
             while not self.done:
                 try:
                     for batch in self.batches():
@@ -139,7 +130,8 @@ class Trainer:
             self.state.epoch + self.state.batch_in_epoch / self.plan.micro_per_epoch,
             self.plan.total_epochs,
         )
-        batch = to_device(batch, self.device, self.cfg.data.mean, self.cfg.data.std, self.decode)
+        pixels = self.plan.pixels
+        batch = to_device(batch, self.device, pixels.mean, pixels.std, self.decode)
         out = micro_step(self.engine, batch, self.state, self.cfg.train.skip_nonfinite)
         if out is None:  # a non-finite loss on some rank: every rank skips it
             return skip_bad_step(self.state, self.cfg.train, self.rank)
@@ -149,7 +141,7 @@ class Trainer:
 
     def on_step_end(self, stepped: bool, epoch_done: bool) -> None:
         """After an optimiser step: HPM's teacher, the next lr, the bar, a metrics record at log
-        steps, a preview; the evaluation when due; a checkpoint when due (or ``Preempted``)."""
+        steps, the hooks; the evaluation when due; a checkpoint when due, then the hooks again."""
         t = self.cfg.train
         if stepped:
             after_optimizer_step(self.engine)
@@ -162,17 +154,16 @@ class Trainer:
                 self.bar.set_postfix(
                     loss=f"{record['loss']:.4f}", ips=f"{record['imgs_per_sec']:.1f}"
                 )
-            with self.autocast():  # every train.preview_every / monitor_every steps
-                self.preview(self.objective, self.state.step, self.metrics.reporters)
-                last = self.state.step == self.stop
-                values = self.monitor(self.objective, self.state.step, last)
-            self.metrics.write(self.state, self.plan, values, section="monitor")
+            for hook in self.hooks:
+                hook.step_end(self)
         if self.evaluate is not None and self.evaluation_due(stepped, epoch_done):
             with self.autocast():
                 values = self.evaluate(self.engine, self.state)
             self.metrics.write(self.state, self.plan, values)
         if stepped:
-            self.checkpointer.maybe_save(self.state, self.stop, self.stop_request)
+            saved = self.checkpointer.maybe_save(self.state, self.stop)
+            for hook in self.hooks:
+                hook.saved(self, saved)
 
     def autocast(self) -> torch.autocast:
         """The forwards outside the engine's (monitor, preview, evaluation) in its precision:
@@ -190,11 +181,11 @@ class Trainer:
 
     def recover(self, error: NonFiniteLossError) -> None:
         """``train.on_nonfinite=rollback``: back to the last complete checkpoint with the data past
-        the batch that failed (``Checkpointer.rollback``), metrics.jsonl rewound to that step with
+        the batch that failed (``mpp.train.nonfinite.roll_back``), metrics.jsonl rewound to that step with
         the event recorded; re-raises otherwise."""
         # the batch that failed is behind us
         advance(self.state, self.plan, self.cfg, stepped=False)
-        self.checkpointer.rollback(self.state, error)
+        roll_back(self.checkpointer, self.state, error, self.cfg.train)
         self.lr = self.schedule.apply(self.optimizer, self.state)
         self.metrics.rewind(self.state)
         event = {
@@ -208,7 +199,8 @@ class Trainer:
         self.bar.refresh()
 
     def close(self) -> None:
-        self.stop_request.restore()
+        for hook in self.hooks:
+            hook.close()
         self.loader.close()
         self.bar.close()
         self.metrics.close()

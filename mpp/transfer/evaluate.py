@@ -13,12 +13,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mpp.checkpoint import format as ckpt
+from mpp.checkpoint.state import RunState
 from mpp.data import make_eval_loader
-from mpp.data.transforms import pixel_format
 from mpp.hub.encoder_file import save_weights
 from mpp.hub.pretrained import init_record
 from mpp.ops import normalize
-from mpp.train.plan import Plan, RunState
+from mpp.train.plan import Plan
 
 
 @torch.no_grad()
@@ -123,10 +123,12 @@ class Evaluator:
             num_workers=d.num_workers,
             allow_pipe=d.allow_pipe,
             num_classes=engine.module.num_classes,
-            pixels=pixel_format(d),
+            pixels=self.plan.pixels.format,
         )
         res = {
-            **evaluate(engine.module, loader, self.device, d.mean, d.std),
+            **evaluate(
+                engine.module, loader, self.device, self.plan.pixels.mean, self.plan.pixels.std
+            ),
             "epoch": round(state.step / self.plan.steps_per_epoch, 3),
         }
         weights = ckpt.gathered_state_dict(engine)

@@ -7,7 +7,9 @@ The pieces live in their own files: ``mpp.objectives.classifier`` (loss), ``mpp.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,6 +68,7 @@ def train_classifier(
     run_dir: Path,
     device: torch.device,
     resume: str | None = None,
+    hooks: Sequence[Any] = (),
 ) -> dict:
     """Fine-tune under DeepSpeed, evaluate every epoch (or ``finetune.eval_every`` steps), keep
     the last and the best weights, write results.json (top1, top5, epoch and init of the last
@@ -84,5 +87,6 @@ def train_classifier(
         resume=resume,
         evaluate=evaluator,
         evaluate_every=cfg.finetune.eval_every,
+        hooks=hooks,
     ).train()
     return json.loads(evaluator.results_path.read_text()) if dist.get_rank() == 0 else {}

@@ -15,7 +15,7 @@ import torch
 from mpp.config import ConfigError, ProbeConfig
 from mpp.data import make_eval_loader, make_train_loader
 from mpp.data.labels import KEY_FILE, LabelledSubset
-from mpp.data.transforms import pixel_format
+from mpp.data.stats import Pixels
 from mpp.features import FeatureSpec, extract_features, feature_slots, knn_classify
 from mpp.hub.pretrained import init_record
 from mpp.models.vit import VisionTransformer
@@ -40,6 +40,7 @@ class ProbeSetup:
     shards: dict[str, object]
     num_classes: int
     subset: LabelledSubset | None = None
+    pixels: Pixels | None = None  # the data's statistics, "auto" measured (_measured)
 
     def loader_args(self, split: str) -> dict:
         """``make_eval_loader``'s shards (and subset keys) for ``split``."""
@@ -104,8 +105,9 @@ def run_probe(kind: str, argv: list[str] | None = None, script: str | None = Non
             else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         )
         # few labels: chosen by the ranks together (the label index is a collective)
-        setup = replace(setup, subset=_labelled_subset(cfg, setup, world))
-        run_dir = open_run_dir(cfg, rank)  # held by this job: a second one on it stops here
+        setup = _measured(cfg, setup)
+        # held by this job: a second one on it stops here
+        run_dir = open_run_dir(cfg, rank, pixels=setup.pixels)
         if setup.subset is not None and rank == 0:
             setup.subset.write(run_dir / KEY_FILE)
         on_device = replace(setup, encoder=setup.encoder.to(device))
@@ -138,7 +140,8 @@ def _evaluate(kind: str, cfg, setup: ProbeSetup, rank: int, world: int) -> dict:
         slots = dinov2_slots(depth)
     else:
         slots = feature_slots(depth, pr.pool, pr.layers)
-    features = FeatureSpec(slots, d.mean, d.std)
+    px = setup.pixels
+    features = FeatureSpec(slots, px.mean, px.std)
     eval_loader = partial(  # this rank's share of a split, keyed: extract_features orders by key
         make_eval_loader,
         batch_size=min(pr.batch_size, 1024),  # a loader batch, not the probe's step (mae: 16384)
@@ -148,7 +151,7 @@ def _evaluate(kind: str, cfg, setup: ProbeSetup, rank: int, world: int) -> dict:
         rank=rank,
         world_size=world,
         with_keys=True,
-        pixels=pixel_format(d),
+        pixels=setup.pixels.format,
     )
 
     def extract(split: str) -> tuple:
@@ -237,7 +240,7 @@ def _mae(cfg, setup: ProbeSetup, val: tuple, features: FeatureSpec, rank: int, w
         crop_scale=MAE_CROP_SCALE,
         shard_sizes=tuple(sizes),
         shard_keys=keys,
-        pixels=pixel_format(d),
+        pixels=setup.pixels.format,
         num_workers=d.num_workers,
         persistent=True,
         allow_pipe=d.allow_pipe,
@@ -261,9 +264,10 @@ def _mae(cfg, setup: ProbeSetup, val: tuple, features: FeatureSpec, rank: int, w
     return {"num_train": total, "lr": lr, "steps_per_epoch": steps} | _headline(per_slot, slots)
 
 
-def _labelled_subset(cfg, setup: ProbeSetup, world: int) -> LabelledSubset | None:
-    """``data.labels_per_class`` / ``label_fraction`` / ``label_keys``: the training subset, chosen
-    by every rank together (``mpp.train.plan.labelled_subset``); ConfigError names the key."""
+def _measured(cfg, setup: ProbeSetup) -> ProbeSetup:
+    """``setup`` with the data's statistics ("auto" measured) and, with ``data.labels_per_class``
+    / ``label_fraction`` / ``label_keys``, the training subset, chosen by every rank together
+    (``mpp.train.plan.labelled_subset``); ConfigError names the key."""
     from mpp.data import expand_shards
     from mpp.train.plan import labelled_subset, measure_pixels
 
@@ -271,10 +275,11 @@ def _labelled_subset(cfg, setup: ProbeSetup, world: int) -> LabelledSubset | Non
         shards = expand_shards(setup.shards["train"])
     except ValueError as e:
         raise ConfigError(f"{cfg._source}: data.train_shards: {e}") from None
-    measure_pixels(cfg, shards)  # data.mean / std / value_range "auto"
-    if cfg.data.label_subset_key is None:
-        return None
-    return labelled_subset(cfg, shards, setup.num_classes)
+    pixels = measure_pixels(cfg, shards)  # data.mean / std / value_range "auto"
+    subset = None
+    if cfg.data.label_subset_key is not None:
+        subset = labelled_subset(cfg, shards, setup.num_classes)
+    return replace(setup, pixels=pixels, subset=subset)
 
 
 def _probe_setup(cfg, kind: str) -> ProbeSetup:

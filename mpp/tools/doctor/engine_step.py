@@ -25,12 +25,12 @@ from typing import Any
 import torch
 
 import mpp
-from mpp.build import build_objective
+from mpp.build import build_objective, pixel_stats
+from mpp.checkpoint.state import RunState
 from mpp.config import Config, load_config
 from mpp.tools.flops import step_flops
 from mpp.tools.measure import interleaved_times, median
 from mpp.tools.planner.hardware import spec_peak  # noqa: F401  (gpu_step and the doctor take it from here)
-from mpp.train.plan import RunState
 from mpp.train.trainer import after_optimizer_step, micro_step, start_engine, to_device
 
 # validated by the config, never read: the step's images are made on the device
@@ -94,13 +94,12 @@ class EngineStep:
             device
         )
         self.state = RunState()
+        self.pixels = pixel_stats(cfg)  # the config's, or stand-ins for "auto" (a timing)
         self.check_finite = cfg.train.skip_nonfinite
         self.flops_per_image = step_flops(self.model).step
 
     def step(self) -> None:
-        batch = to_device(
-            {"image": self.images}, self.device, self.cfg.data.mean, self.cfg.data.std
-        )
+        batch = to_device({"image": self.images}, self.device, *self.pixels)
         if micro_step(self.engine, batch, self.state, self.check_finite) is None:
             return  # the trainer skips the step too (mpp.train.nonfinite.skip_bad_step)
         after_optimizer_step(self.engine)
