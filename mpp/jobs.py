@@ -80,7 +80,7 @@ def run_pretrain(cfg: Config, resume: str | None = None, restart: bool = False) 
         # data.mean / std "auto": measured with the plan (mpp.data.stats), known now
         objective.set_pixel_stats(plan.pixels.mean, plan.pixels.std)
         # the preview, then the monitor (the k-NN and the held-out loss), then a stop signal's
-        # checkpoint: the stop's handlers installed before the loader's workers fork
+        # checkpoint
         hooks = [PreviewHook(cfg), MonitorHook(cfg, run_dir), StopHook(run_dir)]
         return Trainer(cfg, objective, plan, run_dir, device, resume=resume, hooks=hooks).train()
 

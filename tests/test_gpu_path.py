@@ -340,7 +340,11 @@ def test_fine_tune_evaluation_reads_with_the_configured_workers(
     raw = tiny_config(digits16, data={"num_workers": 6})
     raw.pop("objective"), raw.pop("masking")
     cfg = FinetuneConfig.model_validate(raw)
-    plan = SimpleNamespace(img_size=16, micro_batch=8, steps_per_epoch=1)
+    from mpp.data.stats import Pixels
+    from mpp.data.transforms import PixelFormat
+
+    pixels = Pixels((0.5,) * 3, (0.25,) * 3, PixelFormat(3))
+    plan = SimpleNamespace(img_size=16, micro_batch=8, steps_per_epoch=1, pixels=pixels)
     ev = evaluate.Evaluator(cfg, plan, tmp_path, torch.device("cpu"), {})
     with pytest.raises(Enough):
         ev(SimpleNamespace(module=SimpleNamespace(num_classes=10)), SimpleNamespace(step=1))

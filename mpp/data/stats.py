@@ -60,7 +60,7 @@ def run_pixels(run_dir: str | Path) -> dict | None:
     if not (run_dir / "config.json").is_file():
         return None
     data = json.loads((run_dir / "config.json").read_text()).get("data") or {}
-    if "auto" in (data.get("mean"), data.get("std")):
+    if "auto" in (data.get("mean"), data.get("std"), data.get("value_range")):
         return None
     return {k: data.get(k) for k in ("mean", "std", "value_range")}
 

@@ -68,15 +68,6 @@ def decode(data: bytes, fmt: PixelFormat = RGB, scale: bool = True) -> Image.Ima
     return to_hwc(np.asarray(img), fmt, scale)
 
 
-def pixel_format(data) -> PixelFormat:
-    """A data section's (``mpp.config.DataConfig``) channels, layout and value range, resolved
-    (no "auto": ``mpp.data.stats`` measures it first)."""
-    vr = data.value_range
-    if vr == "auto":
-        raise ValueError('data.value_range "auto" must be measured first (mpp.data.stats)')
-    return PixelFormat(data.channels, data.layout, tuple(vr) if vr is not None else None)
-
-
 def raw_array(data: bytes, fmt: PixelFormat = RGB) -> np.ndarray:
     """Encoded bytes -> the whole image as an HWC array of ``fmt.channels`` in its own dtype
     (what ``mpp.data.stats`` measures); SampleFormatError as ``decode``."""

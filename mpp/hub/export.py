@@ -88,6 +88,11 @@ def run_info(source: str | Path) -> dict:
     cfg = json.loads(cfg_file.read_text())
     data = cfg.get("data") or {}
     used = run_pixels(cfg_file.parent) or {}
+    if not used and "auto" in (data.get("mean"), data.get("std")):
+        raise ValueError(
+            f'{cfg_file}: data.mean/std "auto", and no data.json beside it says what the run '
+            "measured (copy the run's data.json with its config.json)"
+        )
     info.update(
         mean=list(used.get("mean") or info["mean"]), std=list(used.get("std") or info["std"])
     )

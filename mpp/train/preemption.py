@@ -192,13 +192,16 @@ def write_marker(run_dir: Path, step: int, signum: int, reason: str | None = Non
 
 
 class StopHook(Hook):
-    """A stop signal as a ``mpp.train.hooks.Hook``: the handlers installed when it is made
-    (before the trainer's loader forks its workers, which inherit them); after each optimiser
-    step's checkpoint, when any rank got a signal, one checkpoint here (unless just written),
-    ``preempted.json`` and ``Preempted``."""
+    """A stop signal as a ``mpp.train.hooks.Hook``: the handlers installed when the loop starts
+    (before the loader's workers fork at its first batch: they inherit them) and restored when it
+    ends; after each optimiser step's checkpoint, when any rank got a signal, one checkpoint here
+    (unless just written), ``preempted.json`` and ``Preempted``."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.run_dir, self.request = run_dir, StopRequest()
+        self.run_dir, self.request = run_dir, None
+
+    def start(self, trainer: Any) -> None:
+        self.request = StopRequest()
 
     def saved(self, trainer: Any, saved: bool) -> None:
         if signum := self.request.agreed():
@@ -209,4 +212,5 @@ class StopHook(Hook):
             raise Preempted(step, signum, self.request.reason)
 
     def close(self) -> None:
-        self.request.restore()
+        if self.request is not None:
+            self.request.restore()
