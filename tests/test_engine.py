@@ -115,8 +115,8 @@ def test_every_entry_of_the_checkpoint_round_trips_in_the_format_on_disk(tmp_pat
         optimizer=torch.optim.AdamW(model.parameters()),
         config={"train_batch_size": 2, "steps_per_print": 10**9},
     )
-    cfg = SimpleNamespace(train=SimpleNamespace(keep_last=1, ckpt_every=1, seed=0))
-    checkpointer = Checkpointer(engine, tmp_path, cfg, SimpleNamespace(grad_accum=1, micro_batch=2))
+    plan = SimpleNamespace(grad_accum=1, micro_batch=2)
+    checkpointer = Checkpointer(engine, tmp_path, plan, keep_last=1, interval=1, seed=0)
     saved = RunState(
         step=3, epoch=1, batch_in_epoch=5, samples=48, rollback_steps=[2], lr_scale=0.5
     )

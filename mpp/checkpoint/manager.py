@@ -155,10 +155,12 @@ class Checkpointer:
     """``RUN/checkpoints``: a complete checkpoint every ``train.ckpt_every`` steps and at the end
     (``keep_last`` kept), on a stop signal, and the final encoder. Every rank calls every method."""
 
-    def __init__(self, engine: Any, run_dir: Path, cfg: RunConfig, plan: Any) -> None:
+    def __init__(
+        self, engine: Any, run_dir: Path, plan: Any, keep_last: int, interval: int, seed: int
+    ) -> None:
         self.engine, self.objective, self.run_dir = engine, engine.module, run_dir
-        self.cfg, self.plan, self.root = cfg, plan, run_dir / "checkpoints"
-        self.keep_last, self.interval = cfg.train.keep_last, cfg.train.ckpt_every
+        self.plan, self.root = plan, run_dir / "checkpoints"
+        self.keep_last, self.interval, self.seed = keep_last, interval, seed
 
     def states(self, state: RunState) -> dict[str, Stateful]:
         """What a checkpoint holds, one entry each, saved and loaded in this order (the engine
@@ -201,7 +203,7 @@ class Checkpointer:
     def restore(self, root: str | Path, tag: str, state: RunState) -> None:
         """Every rank: every entry of ``states`` loaded from ``root/tag`` for this run's layout,
         the run state into ``state``."""
-        at = Loading(root, tag, self.plan, self.cfg.train.seed)
+        at = Loading(root, tag, self.plan, self.seed)
         for key, entry in self.states(state).items():
             entry.load_state_dict(at.part(key), at)
         if at.rank == 0 and not at.same:
@@ -233,17 +235,18 @@ class Checkpointer:
             self.restore(self.root, tag, state)
         return tag
 
-    def export_encoder(self) -> None:
+    def export_encoder(self, cfg: RunConfig) -> None:
         """fp32 ``encoder.safetensors`` for downstream: from the final checkpoint (ZeRO, bf16) or
-        the module itself (fp32, stage 0)."""
+        the module itself (fp32, stage 0), with ``cfg``'s architecture in its metadata and
+        ``cfg`` beside it (encoder_config.json)."""
         sd = ckpt.full_state_dict(self.engine, self.root, ckpt.latest_complete(self.root))
         if dist.get_rank() == 0:
             model = self.objective
             # hpm: base.encoder.
             prefix = next(n for n, m in model.named_modules() if m is model.encoder) + "."
             out = self.run_dir / "encoder.safetensors"
-            export_encoder(sd, encoder_kwargs(self.cfg, model.encoder), out, prefix=prefix)
-            save_config(self.cfg, self.run_dir / "encoder_config.json")
+            export_encoder(sd, encoder_kwargs(cfg, model.encoder), out, prefix=prefix)
+            save_config(cfg, self.run_dir / "encoder_config.json")
         dist.barrier()
 
 

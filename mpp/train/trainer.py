@@ -64,7 +64,10 @@ class Trainer:
         self.stop = min(plan.total_steps, cfg.train.stop_at_step or plan.total_steps)
         self.engine, self.optimizer = start_engine(cfg, objective, plan.ds_config)
         self.objective = self.engine.module
-        self.checkpointer = Checkpointer(self.engine, run_dir, cfg, plan)
+        t = cfg.train
+        self.checkpointer = Checkpointer(
+            self.engine, run_dir, plan, t.keep_last, t.ckpt_every, t.seed
+        )
         self.state = self.checkpointer.resume(resume)
         self.schedule = Schedule.of(cfg, plan)
         self.lr = self.schedule.apply(self.optimizer, self.state)
@@ -107,7 +110,7 @@ class Trainer:
                     self.recover(error)
         finally:  # a stopped run still leaves a closed log, no workers and a clean terminal
             self.close()
-        self.checkpointer.export_encoder()
+        self.checkpointer.export_encoder(self.cfg)
         return self.state
 
     def batches(self) -> Iterator[dict]:
