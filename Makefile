@@ -8,8 +8,8 @@ TORCH_CPU ?= torch==2.13.0
 # PyTorch's index for its CUDA (README, "GPU install")
 TORCH_GPU_INDEX ?= https://download.pytorch.org/whl/cu128
 STAMP     := $(VENV)/.installed
-# the venv's tools first: DeepSpeed JIT-builds a comm op with whichever ninja is on PATH, and two
-# ninja versions sharing its build cache rebuild it (30-100 s) each time they alternate
+# the venv's tools first: should DeepSpeed JIT-build an op, it uses whichever ninja is on PATH, and
+# two ninja versions sharing its build cache rebuild it (30-100 s) each time they alternate
 RUN       := PATH=$(CURDIR)/$(VENV)/bin:$$PATH
 
 .PHONY: install test demo lint clean

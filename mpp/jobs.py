@@ -112,7 +112,6 @@ def _run(
     rank, world = world_from_env()
     img_size = encoder.patch_embed.img_size[0]
     resume = start_of(cfg, resume, restart, rank)
-    # before DeepSpeed's first-use build of its comm op (up to a minute)
     check_data(cfg, img_size)
     device = init_distributed()
     # the shards' samples counted by the ranks together (mpp.data.census)

@@ -14,7 +14,7 @@ from mpp.parallel.launch import free_port, job_env
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 # the venv's ninja first, also for DeepSpeed in this process: a second ninja version on PATH
-# invalidates DeepSpeed's JIT-built comm op in the shared cache (a 30-100 s rebuild each time)
+# invalidates whatever DeepSpeed JIT-built in the shared cache (a 30-100 s rebuild each time)
 os.environ["PATH"] = f"{BIN}:{os.environ['PATH']}"
 # in-process tests use tiny models: one thread each. With two threads on a shared 2-core
 # machine a small training loop was measured 10-60x slower (thread oversubscription)
@@ -163,7 +163,7 @@ def launch_cmd(
 def two_rank_runs(tmp_path_factory, digits16):
     """ZeRO-2 and ZeRO-3 runs of the same config on 2 ranks: computed once, checked by several tests."""
     tmp = tmp_path_factory.mktemp("zero")
-    runs: dict = {"ports": []}
+    runs: dict = {"ports": [], "extensions": tmp / "torch_extensions"}  # DeepSpeed's JIT builds
     for stage in (2, 3):
         # a preview at step 2: under ZeRO-3 its forward gathers the partitioned parameters on both ranks
         cfg = tiny_config(
@@ -175,7 +175,7 @@ def two_rank_runs(tmp_path_factory, digits16):
         out = tmp / f"z{stage}"
         cmd = launch_cmd(2, path, out)
         runs["ports"].append(int(cmd[cmd.index("--master_port") + 1]))
-        r = run_cli(cmd)
+        r = run_cli(cmd, env={"TORCH_EXTENSIONS_DIR": str(runs["extensions"])})
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         runs[stage] = (out, path)
     return runs

@@ -100,8 +100,6 @@ def engine_states(tmp_path_factory):
             str(tmp / f"{world}.json"),
             *args,
         ]
-        # the shared extensions cache: DeepSpeed's CPU comm op, built once and locked while it
-        # builds (a fresh directory per process rebuilt it: 30 s each)
         out = subprocess.PIPE
         procs[world] = subprocess.Popen(
             cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT

@@ -1,13 +1,10 @@
 """The process group: join the one the launcher (deepspeed, torchrun, slurm) describes, or
-make a one-process group for a plain ``python`` run; the device each rank uses; and the
-workaround for DeepSpeed's leaked CPU shared memory."""
+make a one-process group for a plain ``python`` run; the device each rank uses."""
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +34,7 @@ def init_distributed() -> torch.device:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     import deepspeed
 
+    skip_shm_comm_op()
     try:
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     except RuntimeError as e:  # torch's DistNetworkError is one
@@ -55,8 +53,21 @@ def init_distributed() -> torch.device:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
-    unlink_shm_buffer()
     return torch.device("cpu")
+
+
+def skip_shm_comm_op() -> None:
+    """Keep DeepSpeed from building its CPU shared-memory all-reduce when it sets up its comm
+    backend. Only DeepSpeed-Inference's tensor-parallel ``inference_all_reduce`` calls it;
+    training's collectives are the process group's (gloo on CPU). Built, it costs a C++ JIT
+    compile on first use (about a minute on both of 2 cores, under a file lock that a killed
+    build leaves stale; redone when another ninja shares the cache) and maps a 66 MB /dev/shm
+    buffer per rank that DeepSpeed never unlinks (20 GB had piled up here). Marked incompatible in
+    DeepSpeed's table of ops (a dict it keeps so that edits persist), it is neither built nor
+    mapped. On GPU the op does not apply."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def leave_process_group() -> None:
@@ -73,16 +84,3 @@ def from_rank0(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def unlink_shm_buffer() -> None:
-    """DeepSpeed's CPU all-reduce (its shm comm op) creates one 66 MB /dev/shm buffer per rank
-    and never unlinks it: every CPU run leaked 66 MB per rank until the machine ran out of
-    memory (20 GB after a day of tests here). By the time init returns, every rank has mapped
-    every peer's buffer; after a barrier each rank unlinks its own name. The memory stays
-    mapped while the job runs and is freed when it ends, even on SIGKILL."""
-    dist.barrier()
-    env = os.environ
-    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR')}_{env.get('MASTER_PORT')}_{dist.get_rank()}"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(Path("/dev/shm") / name)

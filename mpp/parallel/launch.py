@@ -31,9 +31,9 @@ def free_port() -> int:
 
 
 def job_env() -> dict[str, str]:
-    """This interpreter's bin first on PATH (its ``deepspeed``, and its ninja: DeepSpeed JIT-builds
-    a comm op, and two ninja versions sharing the build cache rebuild it, 30-100 s, each time
-    they alternate), and no distributed variables of the caller."""
+    """This interpreter's bin first on PATH (its ``deepspeed``, and its ninja should DeepSpeed
+    JIT-build an op: two ninja versions sharing the build cache rebuild it each time they
+    alternate), and no distributed variables of the caller."""
     env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
     env.update(
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", PYTHONUNBUFFERED="1"

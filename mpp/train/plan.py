@@ -130,9 +130,8 @@ def plan_run(
 
 
 def check_data(cfg: RunConfig, img_size: int) -> None:
-    """What can be checked of the data before the process group exists (DeepSpeed's first use
-    builds a comm op for up to a minute): the training shards exist, and images that need a
-    value range have one. ConfigError names the key."""
+    """What can be checked of the data before the process group exists: the training shards
+    exist, and images that need a value range have one. ConfigError names the key."""
     check_value_range(cfg, train_shards(cfg, img_size)[0])
 
 

@@ -27,6 +27,7 @@ from mpp.config import RunConfig
 from mpp.data import device_decode, make_train_loader
 from mpp.ops import normalize
 from mpp.parallel import stage0, zero
+from mpp.parallel.distributed import skip_shm_comm_op
 from mpp.train.hooks import Hook
 from mpp.train.metrics import MetricLog
 from mpp.train.nonfinite import NonFiniteLossError, all_finite, roll_back, skip_bad_step
@@ -220,6 +221,7 @@ def start_engine(
     ``model.compile``."""
     import deepspeed
 
+    skip_shm_comm_op()  # a process group made without init_distributed: still no build
     optimizer = build_optimizer(cfg, objective)
     engine, optimizer, _, _ = deepspeed.initialize(
         model=objective, optimizer=optimizer, config=ds_config

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import io
 import platform
-import shutil
 import subprocess
 import sys
 
@@ -177,13 +176,10 @@ def xformers_row() -> Row:
     return Row(SECTION, "xformers wheel", WARN, reason, values)
 
 
-# the DeepSpeed ops a pretrain/run.py run builds on first use: on CPU its all-reduce (the shm comm
-# op, at init); on GPU none: NCCL, and torch's Adam/AdamW (ZeRO-Offload too, mpp.config)
-NEEDED_OPS = {"cpu": ["deepspeed_shm_comm"], "cuda": []}
-
-
 def deepspeed_ops_row() -> Row:
-    """``ds_report``'s table: which ops are prebuilt, which can be JIT-built, which this run needs."""
+    """``ds_report``'s table: which ops are prebuilt, which could be JIT-built. mpp's runs need
+    none: NCCL or gloo, torch's Adam/AdamW (ZeRO-Offload too, mpp.config), and on CPU DeepSpeed's
+    shm all-reduce skipped (``mpp.parallel.distributed.skip_shm_comm_op``)."""
     import deepspeed
     from deepspeed.git_version_info import installed_ops
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
@@ -200,32 +196,15 @@ def deepspeed_ops_row() -> Row:
             }
             for name, b in ALL_OPS.items()
         }
-    needed = NEEDED_OPS["cuda" if torch.cuda.is_available() else "cpu"]
-    jit = [n for n in needed if not ops.get(n, {}).get("installed")]
-    broken = [
-        n for n in needed if n not in ops or not (ops[n]["installed"] or ops[n]["compatible"])
-    ]
     values = {
         "deepspeed": deepspeed.__version__,
-        "ninja": shutil.which("ninja"),
-        "needed": needed,
+        "needed": [],
         "ops": ops,
         "not_buildable": sorted(
             n for n, o in ops.items() if not o["installed"] and not o["compatible"]
         ),
     }
-    if broken or (jit and not values["ninja"]):
-        why = (
-            f"cannot build {', '.join(broken)}" if broken else "no ninja on PATH for the JIT build"
-        )
-        return Row(
-            SECTION, "DeepSpeed ops", FAIL, f"DeepSpeed {deepspeed.__version__}: {why}", values
-        )
-    reason = f"DeepSpeed {deepspeed.__version__}: " + (
-        f"JIT-built on first use (compatible): {', '.join(jit)}"
-        if jit
-        else "the run needs no compiled op"
-    )
+    reason = f"DeepSpeed {deepspeed.__version__}: the run needs no compiled op"
     if values["not_buildable"]:
         reason += f"; not buildable here, unused: {', '.join(values['not_buildable'])}"
     return Row(SECTION, "DeepSpeed ops", PASS, reason, values)
