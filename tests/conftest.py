@@ -26,6 +26,31 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# Files that share a session fixture's launcher runs go to one pytest-xdist worker (make test's
+# --dist loadgroup), so the runs are made once, not once per worker: straight_runs and
+# one_rank_run, two_rank_runs with zero3_finetune and one_rank_probes. Every other file is its
+# own group, as --dist loadfile made it.
+SHARED_RUNS = {
+    "straight": ("test_elastic", "test_faults", "test_preemption", "test_engine", "test_storage"),
+    "two_ranks": ("test_downstream", "test_interop", "test_runner", "test_scale"),
+}
+# the groups that take longest (a full suite's --durations, 2 workers) go out first, so that no
+# long one starts when the other worker is nearly done; the rest follow in file order
+LONGEST_FIRST = ("straight", "two_ranks", "test_ablate", "test_demo_runs", "test_benchmarks")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist appends the group to each test's id
+def pytest_collection_modifyitems(config, items):
+    def group(item) -> str:
+        module = item.path.stem
+        return next((g for g, files in SHARED_RUNS.items() if module in files), module)
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(group(item), len(rank)))  # stable: file order kept
+
+
 @pytest.fixture(scope="session")
 def digits16(tmp_path_factory):
     """The built-in digits dataset as 16-px shards, built once per test session."""
