@@ -10,15 +10,12 @@ the batch, precision and clipping keys are derived from ``train``/``optim`` (one
 from __future__ import annotations
 
 import copy
-import difflib
 import json
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
     ValidationError,
@@ -27,9 +24,10 @@ from pydantic import (
 )
 
 from mpp.masking import MASKING_CONFIGS, MaskingConfig, RandomMasking
-from mpp.objectives.configs import OBJECTIVE_CONFIGS, MPPConfig, ObjectiveConfig
+from mpp.objectives.configs import MPPConfig, ObjectiveConfig
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
 from mpp.parallel.ds_config import derive
+from mpp.sections import Section, refusal
 
 # the shipped configs: configs/ at the top of the clone, linked as mpp/configs, which a wheel holds
 CONFIG_DIR = (Path(__file__).parent / "configs").resolve()
@@ -59,13 +57,7 @@ class ConfigError(ValueError):
     """A bad configuration: one line naming the key and the file."""
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
-    )
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     name: str = "vit_base_patch16_224"
     """The ViT variant (timm's names: vit_base_patch16_224, vit_tiny_patch4_32, ...); the keys below
     override its size."""
@@ -113,7 +105,7 @@ class ModelConfig(_Section):
         return self.model_dump(exclude=runtime, exclude_none=True)
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     train_shards: str | list[str] | None = None
     """Brace patterns, paths or http(s) URLs."""
     val_shards: str | list[str] | None = None
@@ -220,7 +212,7 @@ class DataConfig(_Section):
         return next((k for k in LABEL_SUBSET_KEYS if getattr(self, k) is not None), None)
 
 
-class OptimConfig(_Section):
+class OptimConfig(Section):
     name: Literal["adam", "adamw"] | None = None
     """None: the objective's paper (Adam for mpp, AdamW otherwise)"""
     lr: float | None = Field(None, gt=0.0)
@@ -258,7 +250,7 @@ class OptimConfig(_Section):
         return self
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     batch_size: int = Field(256, gt=0)
     """Global: micro_batch_size x grad accumulation x world size."""
     micro_batch_size: int | None = Field(None, gt=0)
@@ -345,7 +337,7 @@ def _channels_agree(cfg: Any) -> None:
         )
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     """What every DeepSpeed run has: a model, data, an optimiser, a loop and DeepSpeed's keys."""
 
     name: str = "run"
@@ -444,7 +436,7 @@ class RunConfig(_Section):
         )
 
 
-class MonitorSection(_Section):
+class MonitorSection(Section):
     """What pretraining measures every ``train.monitor_every`` steps (``mpp.train.monitor``): the
     weighted k-NN of ``downstream/knn.py`` (``pool``, ``k``, ``temperature``) with a bank of
     ``bank_per_class`` labelled training samples per class (chosen with ``seed``) scored on the
@@ -510,7 +502,7 @@ class Config(RunConfig):
         return raw
 
 
-class FinetuneSection(_Section):
+class FinetuneSection(Section):
     """The supervised recipe (MAE/BEiT fine-tuning, docs/ARCHITECTURE.md §4.6)."""
 
     num_classes: int | None = Field(None, gt=0)
@@ -558,7 +550,7 @@ class FinetuneConfig(RunConfig):
         }
 
 
-class ProbeSection(_Section):
+class ProbeSection(Section):
     """Frozen-encoder evaluations (docs/ARCHITECTURE.md §4.6): linear probe and k-NN on cached features."""
 
     pool: Literal["token", "avg"] = (
@@ -592,7 +584,7 @@ class ProbeSection(_Section):
     """Dinov2: the share of train that picks the grid's best head."""
 
 
-class ProbeConfig(_Section):
+class ProbeConfig(Section):
     name: str = "probe"
     init: str = "scratch"
     model: ModelConfig = ModelConfig()
@@ -655,55 +647,14 @@ def as_overrides(values: dict[str, Any]) -> list[str]:
     return [f"{key}={json.dumps(value)}" for key, value in values.items()]
 
 
-def key_paths(cls: type[BaseModel], prefix: str = "") -> set[str]:
-    """Every key a config of ``cls`` takes, dotted (``train.max_steps``), tagged unions' too."""
-    paths = set()
-    for name, field in cls.model_fields.items():
-        paths.add(prefix + name)
-        for section in _sections_in(field.annotation):
-            paths |= key_paths(section, f"{prefix}{name}.")
-    return paths
-
-
-def _sections_in(annotation: Any) -> list[type[BaseModel]]:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [s for a in typing.get_args(annotation) for s in _sections_in(a)]
-
-
-def _did_you_mean(key: str, cls: type[BaseModel]) -> str:
-    near = difflib.get_close_matches(key, sorted(key_paths(cls)), n=1, cutoff=0.75)
-    return f" (did you mean {near[0]}?)" if near else ""
-
-
 def _format_error(
-    err: ValidationError,
-    source: str,
-    cls: type[BaseModel] | None = None,
-    overrides: list[str] = (),
+    err: ValidationError, source: str, cls: type[BaseModel], overrides: list[str] = ()
 ) -> str:
     """The first error in one line: where (the file, or the ``--set`` that made it), the key,
-    what is wrong; an unknown key with the nearest known one."""
-    e = err.errors()[0]
-    parts = [str(x) for x in e["loc"] if not str(x).startswith("function-after")]
-    # a typed union's tag (objective.mae.mask_ratio, objective.hpm.base.mpp.bits,
-    # masking.block.min_aspect): not a key
-    tags = {"objective": OBJECTIVE_CONFIGS, "base": OBJECTIVE_CONFIGS, "masking": MASKING_CONFIGS}
-    parts = [x for i, x in enumerate(parts) if not (i and x in tags.get(parts[i - 1], ()))]
-    loc = ".".join(parts)
-    msg = e["msg"].removeprefix("Value error, ")
-    if e["type"] == "extra_forbidden":
-        msg = "unknown key" + (_did_you_mean(loc, cls) if cls is not None else "")
-    elif e["type"] == "union_tag_invalid":  # objective.name, base.name, masking.strategy
-        tags = [t.strip() for t in e["ctx"]["expected_tags"].split(",")]
-        loc, msg = (
-            f"{loc}.{e['ctx']['discriminator'].strip(chr(39))}",
-            f"Input should be {', '.join(tags[:-1])} or {tags[-1]} (got {e['ctx']['tag']!r})",
-        )
-    elif "input" in e and e["type"] not in ("missing", "value_error"):
-        msg += f" (got {e['input']!r})"
-    source = attributed(source, loc, overrides, e["type"] == "extra_forbidden")
-    return f"{source}: {loc}: {msg}" if loc else f"{source}: {msg}"
+    what is wrong (``mpp.sections.refusal``)."""
+    key, msg = refusal(err, cls)
+    source = attributed(source, key, overrides, err.errors()[0]["type"] == "extra_forbidden")
+    return f"{source}: {key}: {msg}" if key else f"{source}: {msg}"
 
 
 def attributed(source: str, key: str, overrides: list[str], unknown: bool = False) -> str:

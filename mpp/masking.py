@@ -22,10 +22,11 @@ from abc import ABC, abstractmethod
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BeforeValidator, Field
 from torch import Tensor
 
 from mpp.ops import to_2tuple
+from mpp.sections import Section
 
 
 def num_masked(num_patches: int, ratio: float) -> int:
@@ -328,13 +329,10 @@ class UnitMask(MaskGenerator):
 # ---- the config's ``masking`` section, typed: one model per strategy keyed on ``strategy`` --
 
 
-class _Strategy(BaseModel):
+class _Strategy(Section):
     """A strategy's own parameters and the only place of their defaults (its generator takes them
     as required keywords); the ratio comes from the objective and the grid from the encoder."""
 
-    model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
-    )
     generator: ClassVar[type[MaskGenerator]]
 
     def build(self, grid_size: tuple[int, int], mask_ratio: float) -> MaskGenerator:

@@ -398,11 +398,12 @@ def test_predictor_learns_to_rank_patch_losses(base):
 def test_bad_arguments():
     enc = create_vit("vit_tiny_patch4_32", depth=1)
     for kwargs, match in [
-        (dict(schedule="linear"), r"'linear'.*easy_to_hard"),
-        (dict(pred_loss="bce"), r"'bce'.*ranking"),
-        (dict(base="simmim"), r"'simmim'.*\['mae', 'mpp'\]"),
+        (dict(schedule="linear"), r"schedule: .*'easy_to_hard'.*\(got 'linear'\)"),
+        (dict(pred_loss="bce"), r"pred_loss: .*ranking.*\(got 'bce'\)"),
+        (dict(base="simmim"), r"base.name: Input should be 'mae' or 'mpp' \(got 'simmim'\)"),
         (dict(hard_ratio=1.5), "hard_ratio.*1.5"),
-        (dict(base="mpp", norm_pix_loss=True), r"\['norm_pix_loss'\].*'mpp'"),
+        # the keys of the base it picked, mpp's
+        (dict(base="mpp", norm_pix_loss=True), "base.norm_pix_loss: unknown key; allowed: bits,"),
     ]:
         with pytest.raises(ValueError, match=match):
             create_objective("hpm", enc, **SMALL, **kwargs)

@@ -95,18 +95,26 @@ LAYERS = {
     "mpp.ops": set(),  # tensor helpers: nothing of ours
     "mpp.data": set(),  # shards, decoding, augmentation: nothing above it
     "mpp.parallel": set(),  # process group, launcher, ZeRO internals, EMA, the DeepSpeed config
+    "mpp.sections": set(),  # the typed sections' base and the one pydantic error formatter
     "mpp.models": {"mpp.ops"},
-    "mpp.masking": {"mpp.ops"},
+    "mpp.masking": {"mpp.ops", "mpp.sections"},
     # frozen-encoder features and the k-NN vote: the probes' and the training monitor's
     "mpp.features": {"mpp.models", "mpp.ops"},
     # the typed sections: the objectives' and the masks' own, the deepspeed section's defaults
-    "mpp.config": {"mpp.ops", "mpp.parallel.ds_config", "mpp.objectives.configs", "mpp.masking"},
+    "mpp.config": {
+        "mpp.ops",
+        "mpp.parallel.ds_config",
+        "mpp.objectives.configs",
+        "mpp.masking",
+        "mpp.sections",
+    },
     "mpp.objectives": {
         "mpp.models",
         "mpp.masking",
         "mpp.ops",
         "mpp.parallel.ema",
         "mpp.data.augment",
+        "mpp.sections",
     },
     # the runtime: previews draw the objectives' own outputs (train.panels, train.preview)
     "mpp.train": {

@@ -20,6 +20,7 @@ from mpp.objectives.hpm import PRED_LOSSES, TEACHER_VIEWS, HardPatchesMining
 from mpp.objectives.hpm_mask import SCHEDULES
 from mpp.objectives.mae import MaskedAutoencoder
 from mpp.objectives.mpp import MPP_TARGETS, MaskedPatchPrediction
+from mpp.sections import refusal
 
 Pixels = tuple[tuple[float, ...], tuple[float, ...]]  # the data's (mean, std)
 
@@ -206,24 +207,5 @@ def parse_objective(name: str, kwargs: dict[str, Any]) -> MPPConfig | MAEConfig 
     try:
         return section.model_validate({**kwargs, "name": name})
     except ValidationError as err:
-        e = err.errors()[0]
-        if e["type"] == "extra_forbidden":  # every unknown one, and what the section takes
-            unknown = [x["loc"][-1] for x in err.errors() if x["type"] == "extra_forbidden"]
-            if e["loc"][0] == "base":  # ("base", tag, key): the nested base's section
-                base = HPM_BASE_CONFIGS[e["loc"][1]]
-                where, allowed = f"hpm with base {e['loc'][1]!r}", set(base.model_fields)
-            else:
-                where, allowed = repr(name), set(section.model_fields) - {"base"}
-            msg = (
-                f"unknown argument(s) {unknown} for {where}; allowed: {sorted(allowed - {'name'})}"
-            )
-        elif e["type"] == "union_tag_invalid":  # HPM's base
-            tag, tags = e["ctx"]["tag"], sorted(HPM_BASE_CONFIGS)
-            msg = f"unknown base {tag!r}; allowed: {tags}"
-        else:
-            loc = ".".join(str(x) for x in e["loc"] if str(x) not in OBJECTIVE_CONFIGS)
-            if e["type"] == "value_error":  # a check of several keys (a model validator)
-                msg = (f"{loc}: " if loc else "") + e["msg"].removeprefix("Value error, ")
-            else:
-                msg = f"{loc}={e.get('input')!r}: {e['msg']}"
-        raise ValueError(f"objective {name!r}: {msg}") from None
+        key, msg = refusal(err, section)
+        raise ValueError(f"objective {name!r}: " + (f"{key}: {msg}" if key else msg)) from None

@@ -1,0 +1,69 @@
+"""What the typed sections share (the config's, the objectives' and the masks'): their base, and
+the one way a refusal of pydantic's is said, for a config file and a library call alike."""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class Section(BaseModel):
+    """Unknown keys refused, assignments checked, each field's docstring its description."""
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
+
+
+def sections_in(annotation: Any) -> list[type[BaseModel]]:
+    """The models an annotation holds: itself, or the members of a union or an optional."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [s for a in typing.get_args(annotation) for s in sections_in(a)]
+
+
+def _tag(field: Any) -> Any:
+    """A union member's tag (objective.name, masking.strategy: a one-value Literal), else None."""
+    args = typing.get_args(field.annotation)
+    return args[0] if typing.get_origin(field.annotation) is Literal and len(args) == 1 else None
+
+
+def _tagged(members: list[type[BaseModel]], tag: str) -> list[type[BaseModel]]:
+    return [m for m in members if any(_tag(f) == tag for f in m.model_fields.values())]
+
+
+def refusal(err: ValidationError, cls: type[BaseModel]) -> tuple[str, str]:
+    """pydantic's first error in ``cls`` as (dotted key, what is wrong): a tagged union's tag is
+    no key (objective.base.bits, not objective.hpm.base.mpp.bits); an unknown key comes with the
+    nearest key its section has, else with all of them; a refused value, with the value."""
+    e = err.errors()[0]
+    loc = [str(x) for x in e["loc"] if not str(x).startswith("function-after")]
+    unknown = e["type"] == "extra_forbidden"
+    keys, members = [], [cls]
+    for part in loc[:-1] if unknown else loc:
+        fields = [m.model_fields[part] for m in members if part in m.model_fields]
+        if fields:
+            keys.append(part)
+            members = sections_in(fields[0].annotation) or members
+        elif _tagged(members, part):  # a union's tag: the member it picks
+            members = _tagged(members, part)
+        else:  # a list's index, a dict's key
+            keys.append(part)
+    msg = e["msg"].removeprefix("Value error, ")
+    if unknown:
+        allowed = sorted({n for m in members for n, f in m.model_fields.items() if _tag(f) is None})
+        near = difflib.get_close_matches(loc[-1], allowed, n=1, cutoff=0.75)
+        where = "".join(k + "." for k in keys)
+        msg = f"unknown key (did you mean {where}{near[0]}?)" if near else "unknown key"
+        msg += "" if near else f"; allowed: {', '.join(allowed)}"
+        keys.append(loc[-1])
+    elif e["type"] == "union_tag_invalid":  # objective.name, base.name, masking.strategy
+        tags = [t.strip() for t in e["ctx"]["expected_tags"].split(",")]
+        keys.append(e["ctx"]["discriminator"].strip("'"))
+        msg = f"Input should be {', '.join(tags[:-1])} or {tags[-1]} (got {e['ctx']['tag']!r})"
+    elif "input" in e and e["type"] not in ("missing", "value_error"):
+        msg += f" (got {e['input']!r})"
+    return ".".join(keys), msg
