@@ -21,7 +21,6 @@ each is a collective; the parameters are gathered as the previews' are).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from mpp.data import make_eval_loader
 from mpp.features import gather_in_key_order, knn_classify, pooled_features
 from mpp.ops import normalize
 from mpp.parallel import zero
+from mpp.parallel.distributed import in_step
 from mpp.train.hooks import Hook
 
 log = logging.getLogger(__name__)
@@ -109,24 +109,17 @@ class Monitor:
         values["seconds"] = time.perf_counter() - started  # its cost (BENCHMARKS.md "monitor")
         return {f"monitor/{k}": v for k, v in values.items()} if self.rank == 0 else None
 
-    def chunks(self, images: Images) -> list[Tensor]:
-        """This rank's images in chunks, padded with empty ones to every rank's count."""
-        counts = torch.tensor([len(images.images)], device=self.device)
-        if self.world > 1:
-            dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-        parts = list(images.images.split(CHUNK))
-        return parts + [images.images[:0]] * (math.ceil(counts.item() / CHUNK) - len(parts))
-
     def forward_chunks(self, images: Images, fn) -> list[Any]:
-        """``fn(normalised chunk)`` for each chunk; an empty chunk runs one dummy image (every rank
-        the same number of forwards) and gives None."""
+        """``fn(normalised chunk)`` for each chunk of this rank's images; while another rank has
+        chunks left, one dummy image's (every rank the same number of forwards), giving None."""
         out = []
-        for chunk in self.chunks(images):
-            empty = len(chunk) == 0
-            if empty:
+        mine = [c for c in images.images.split(CHUNK) if len(c)]
+        for chunk in in_step(mine, self.device):
+            dummy = chunk is None
+            if dummy:
                 chunk = torch.zeros(1, *images.images.shape[1:], dtype=torch.uint8)
             result = fn(normalize(chunk.to(self.device), self.mean, self.std))
-            out.append(None if empty else result)
+            out.append(None if dummy else result)
         return out
 
     def features(self, encoder: Any, images: Images) -> tuple[Tensor, Tensor, list[str]]:

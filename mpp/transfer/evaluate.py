@@ -4,7 +4,6 @@ and the per-epoch bookkeeping around it (best and last weights, results.json).""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from mpp.data import make_eval_loader
 from mpp.hub.encoder_file import save_weights
 from mpp.hub.pretrained import init_record
 from mpp.ops import normalize
+from mpp.parallel.distributed import in_step
 from mpp.train.plan import Plan
 
 
@@ -51,28 +51,6 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, mean, std) ->
         "val_loss": stats[2].item() / n,
         "num_val": int(n),
     }
-
-
-def in_step(loader, device: torch.device) -> Iterator[dict | None]:
-    """The loader's batches, then None until every rank's are done: every rank runs the same
-    number of forwards. Ranks get unequal shares of the val shards (13 shards on 8 ranks), and
-    under ZeRO-3 every forward is a collective (its parameter all-gather): a rank with one batch
-    more would wait there forever while the others sat in the final all-reduce. One small
-    all-reduce per batch; evaluation only."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    batches = iter(loader)
-    while True:
-        batch = next(batches, None)
-        if world == 1:
-            if batch is None:
-                return
-            yield batch
-            continue
-        more = torch.tensor([batch is not None], dtype=torch.float32, device=device)
-        dist.all_reduce(more, op=dist.ReduceOp.MAX)
-        if not more.item():
-            return
-        yield batch
 
 
 class Evaluator:
