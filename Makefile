@@ -24,12 +24,12 @@ $(STAMP): pyproject.toml
 	else $(PY) -m pip install -q -e '.[test]'; fi
 	touch $@
 
-# two pytest workers, a test file each at a time (its module fixtures run once; files sharing a
-# session fixture's runs together, tests/conftest.py): the suite's in-process tests use one
-# thread, and a launcher test's ranks leave a core idle while they start
+# two pytest workers, a test file each at a time (its module fixtures run once), the longest files
+# first (tests/conftest.py): the suite's in-process tests use one thread, and a launcher test's
+# ranks leave a core idle while they start
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(RUN) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
+	$(RUN) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		--durations=20 tests
 
 demo: $(STAMP)

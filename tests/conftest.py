@@ -26,29 +26,35 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-# Files that share a session fixture's launcher runs go to one pytest-xdist worker (make test's
-# --dist loadgroup), so the runs are made once, not once per worker: straight_runs and
-# one_rank_run, two_rank_runs with zero3_finetune and one_rank_probes. Every other file is its
-# own group, as --dist loadfile made it.
-SHARED_RUNS = {
-    "straight": ("test_elastic", "test_faults", "test_preemption", "test_engine", "test_storage"),
-    "two_ranks": ("test_downstream", "test_interop", "test_runner", "test_scale"),
-}
-# the groups that take longest (a full suite's --durations, 2 workers) go out first, so that no
-# long one starts when the other worker is nearly done; the rest follow in file order
-LONGEST_FIRST = ("straight", "two_ranks", "test_ablate", "test_demo_runs", "test_benchmarks")
+# make test runs --dist loadfile --no-loadscope-reorder: the files go out to the 2 workers in the
+# order collected, and these go first, the longest first (a full suite's durations, 2026-11-27),
+# so that no long one starts while the other worker is nearly done; xdist's default sends the
+# files with the most tests first, most of them quick. (Grouping files that share a session
+# fixture's runs with --dist loadgroup does not work with pytest 9: xdist 3.8 renames the test
+# ids through Node._nodeid, which pytest 9 no longer reads, so every test became its own group.)
+LONGEST_FIRST = (
+    "test_ablate",
+    "test_demo_runs",
+    "test_faults",
+    "test_runner",
+    "test_preemption",
+    "test_elastic",
+    "test_benchmarks",
+    "test_submit",
+    "test_channels_runs",
+    "test_api",
+    "test_reference",
+    "test_engine",
+    "test_storage",
+    "test_hpm_zero",
+    "test_plan_gpu",
+    "test_downstream",
+)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist appends the group to each test's id
 def pytest_collection_modifyitems(config, items):
-    def group(item) -> str:
-        module = item.path.stem
-        return next((g for g, files in SHARED_RUNS.items() if module in files), module)
-
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
-    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(group(item), len(rank)))  # stable: file order kept
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a file's order kept
 
 
 @pytest.fixture(scope="session")
