@@ -35,6 +35,11 @@ def _tagged(members: list[type[BaseModel]], tag: str) -> list[type[BaseModel]]:
     return [m for m in members if any(_tag(f) == tag for f in m.model_fields.values())]
 
 
+def _keys(members: list[type[BaseModel]]) -> list[str]:
+    """The keys a section (or a union's members) takes, its tag aside."""
+    return sorted({n for m in members for n, f in m.model_fields.items() if _tag(f) is None})
+
+
 def refusal(err: ValidationError, cls: type[BaseModel]) -> tuple[str, str]:
     """pydantic's first error in ``cls`` as (dotted key, what is wrong): a tagged union's tag is
     no key (objective.base.bits, not objective.hpm.base.mpp.bits); an unknown key comes with the
@@ -43,22 +48,31 @@ def refusal(err: ValidationError, cls: type[BaseModel]) -> tuple[str, str]:
     loc = [str(x) for x in e["loc"] if not str(x).startswith("function-after")]
     unknown = e["type"] == "extra_forbidden"
     keys, members = [], [cls]
+    entered = [("", members)]  # each section the walk entered, after its key
     for part in loc[:-1] if unknown else loc:
         fields = [m.model_fields[part] for m in members if part in m.model_fields]
         if fields:
             keys.append(part)
-            members = sections_in(fields[0].annotation) or members
+            if sections_in(fields[0].annotation):
+                members = sections_in(fields[0].annotation)
+                entered.append(("".join(k + "." for k in keys), members))
         elif _tagged(members, part):  # a union's tag: the member it picks
             members = _tagged(members, part)
+            entered[-1] = (entered[-1][0], members)
         else:  # a list's index, a dict's key
             keys.append(part)
     msg = e["msg"].removeprefix("Value error, ")
     if unknown:
-        allowed = sorted({n for m in members for n, f in m.model_fields.items() if _tag(f) is None})
-        near = difflib.get_close_matches(loc[-1], allowed, n=1, cutoff=0.75)
-        where = "".join(k + "." for k in keys)
-        msg = f"unknown key (did you mean {where}{near[0]}?)" if near else "unknown key"
-        msg += "" if near else f"; allowed: {', '.join(allowed)}"
+        # the nearest key of its own section, else of one around it (HPM's flat form puts a
+        # mistyped HPM key into its base)
+        for where, around in reversed(entered):
+            near = difflib.get_close_matches(loc[-1], _keys(around), n=1, cutoff=0.75)
+            if near:
+                msg = f"unknown key (did you mean {where}{near[0]}?)"
+                break
+        else:
+            allowed = ", ".join(_keys(members)) or "none"
+            msg = f"unknown key; allowed: {allowed}"
         keys.append(loc[-1])
     elif e["type"] == "union_tag_invalid":  # objective.name, base.name, masking.strategy
         tags = [t.strip() for t in e["ctx"]["expected_tags"].split(",")]

@@ -65,7 +65,10 @@ def skip_shm_comm_op() -> None:
     build leaves stale; redone when another ninja shares the cache) and maps a 66 MB /dev/shm
     buffer per rank that DeepSpeed never unlinks (20 GB had piled up here). Marked incompatible in
     DeepSpeed's table of ops (a dict it keeps so that edits persist), it is neither built nor
-    mapped. On GPU the op does not apply."""
+    mapped. On GPU the op does not exist, and reading the table would probe every op (nvcc
+    calls, a warning per op without a CUDA toolkit): nothing is done."""
+    if torch.cuda.is_available():
+        return
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
