@@ -91,7 +91,8 @@ class ModelConfig(Section):
     """Activation checkpointing per block (timm's name), encoder and decoders: recompute each
     block's activations in the backward instead of keeping them; not architecture."""
     compile: bool = False
-    """torch.compile through DeepSpeed's engine.compile(); off until a GPU measures it."""
+    """torch.compile through DeepSpeed's engine.compile(): x1.18-1.28 per step on an H200
+    (BENCHMARKS.md); off until a whole GPU run has used it."""
     init: str | None = None
     """Pretraining only: continue from published weights (an encoder file, a Hugging Face ViT
     folder, MAE's / HPM's release .pth whose decoder also initialises an MAE decoder, a run)"""
