@@ -33,19 +33,18 @@ def build_encoder(cfg: Any, **overrides: Any) -> VisionTransformer:
             f"{source}: model.init: pretraining's key; a downstream run starts from `init`"
         )
     key, weights = ("init", init) if init != "scratch" else ("model.init", cfg.model.init)
+    stated = {}
     if weights:
         try:
-            adopt_stated_architecture(cfg.model, weights)
+            stated = stated_architecture(cfg.model, weights)
         except (FileNotFoundError, ValueError, CheckpointError) as e:
             raise ConfigError(f"{source}: {key}: {e}") from None
     try:
-        encoder = create_vit(cfg.model.name, **cfg.model.vit_kwargs(), **overrides)
+        kwargs = {"in_chans": cfg.data.channels, **stated, **cfg.model.vit_kwargs()}
+        encoder = create_vit(cfg.model.name, **kwargs, **overrides)
     except ValueError as e:
         raise ConfigError(f"{source}: model: {e}") from None
     encoder.set_grad_checkpointing(cfg.model.grad_checkpointing)
-    # the run's config.json states the size it trains, not only a variant name that implies it
-    cfg.model.img_size = cfg.model.img_size or encoder.patch_embed.img_size[0]
-    cfg.model.patch_size = cfg.model.patch_size or encoder.patch_embed.patch_size
     if init != "scratch":
         try:
             load_into(encoder, init, cfg.model.init_chans_policy)
@@ -71,20 +70,22 @@ def build_encoder(cfg: Any, **overrides: Any) -> VisionTransformer:
 FILE_FACTS = ("img_size", "patch_size", "norm_eps", "qkv_bias")
 
 
-def adopt_stated_architecture(model: ModelConfig, weights: str) -> None:
+def stated_architecture(model: ModelConfig, weights: str) -> dict:
     """The image and patch size, LayerNorm eps and qkv bias ``weights`` states (a run's
-    config.json or metadata, a Hugging Face folder's layer_norm_eps) where the config leaves them
-    unset, written into the config so the run's config.json and its exported encoder state them
-    too. A config that sets another image size gets the position embeddings resampled (one log
-    line, ``load_into``); another value of the others fails naming both."""
+    model.json or metadata, a Hugging Face folder's layer_norm_eps) where the config leaves them
+    unset: the encoder is built with them, and the run's model.json and exported encoder state
+    them; the config stays as loaded. A config that sets another image size gets the position
+    embeddings resampled (one log line, ``load_into``); another value of the others fails naming
+    both."""
     stated = read_model_kwargs(weights)
     try:
         implied = vit_config(model.name)
     except ValueError:  # named by create_vit, as a model error
         implied = {}
+    adopted = {}
     for key in FILE_FACTS:
         if getattr(model, key) is None and stated.get(key) is not None:
-            setattr(model, key, stated[key])
+            adopted[key] = stated[key]
             if (
                 key in implied
                 and implied[key] != stated[key]
@@ -99,6 +100,7 @@ def adopt_stated_architecture(model: ModelConfig, weights: str) -> None:
                     implied[key],
                     key,
                 )
+    return adopted
 
 
 def build_objective(cfg: Config) -> Objective:

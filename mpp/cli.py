@@ -5,6 +5,7 @@ directory they open. The CLIs stay a page each: parse -> config -> model -> plan
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from mpp.config import Config, ConfigError, load_config, save_config
+from mpp.hub.encoder_file import MODEL_FILE
 
 
 def run_parser(
@@ -106,11 +108,12 @@ def config_from_args(args: argparse.Namespace, cls: type[BaseModel] = Config):
     return cfg
 
 
-def open_run_dir(cfg, rank: int, restart: bool = False, pixels=None) -> Path:
+def open_run_dir(cfg, rank: int, restart: bool = False, pixels=None, model=None) -> Path:
     """The run directory, created by rank 0, held by this job (``mpp.train.runlock``: RunHeld, a
-    ConfigError, on every rank when another live job holds it) and the resolved config saved in
-    it (with ``pixels``, the statistics the run uses in data.json beside it); with ``restart`` what an earlier run left there moved aside first (``RUN.before-<UTC
-    time>``). A collective under a process group."""
+    ConfigError, on every rank when another live job holds it) and the config as loaded saved in
+    it; beside it what the run found: with ``pixels``, the statistics it uses (data.json), with
+    ``model``, the encoder it built (model.json). With ``restart`` what an earlier run left there
+    moved aside first (``RUN.before-<UTC time>``). A collective under a process group."""
     from mpp.parallel.distributed import from_rank0
     from mpp.train.plan import run_dir_of
     from mpp.train.runlock import RunHeld, hold, release
@@ -133,6 +136,8 @@ def open_run_dir(cfg, rank: int, restart: bool = False, pixels=None) -> Path:
             save_config(cfg, run_dir / "config.json")
             if pixels is not None:  # the statistics used (mpp.data.stats.Pixels): data.json
                 pixels.save(run_dir)
+            if model is not None:
+                (run_dir / MODEL_FILE).write_text(json.dumps(model, indent=2) + "\n")
         except RunHeld as e:
             held = str(e)
         except OSError as e:  # a directory that cannot be moved or made: said on every rank

@@ -325,13 +325,11 @@ class TrainConfig(Section):
 
 
 def _channels_agree(cfg: Any) -> None:
-    """``model.in_chans`` follows ``data.channels`` unless set; set, they must agree. The pixel
-    keys fit the channels."""
+    """``model.in_chans``, when set, agrees with ``data.channels`` (unset, the encoder is built
+    with data.channels). The pixel keys fit the channels."""
     cfg.data.check_pixels()
     chans, channels = cfg.model.in_chans, cfg.data.channels
-    if chans is None:
-        cfg.model.in_chans = channels
-    elif chans != channels:
+    if chans is not None and chans != channels:
         raise ValueError(
             f"model.in_chans={chans} but data.channels={channels}: the patch embedding must take "
             "what the data holds (set one, or both alike)"

@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from mpp.build import build_objective
+from mpp.checkpoint.manager import encoder_kwargs
 from mpp.checkpoint.rng import seed_everything
 from mpp.cli import open_run_dir
 from mpp.config import Config, ConfigError, FinetuneConfig
@@ -116,8 +117,11 @@ def _run(
     device = init_distributed()
     # the shards' samples counted by the ranks together (mpp.data.census)
     plan = from_rank0(plan_run(cfg, world, device_type(), img_size, num_classes=num_classes))
-    # a second job on it stops here; its config.json as loaded, data.json what was measured
-    run_dir = open_run_dir(cfg, rank, restart=restart, pixels=plan.pixels)
+    # a second job on it stops here; its config.json as loaded, data.json what was measured,
+    # model.json the encoder built
+    run_dir = open_run_dir(
+        cfg, rank, restart=restart, pixels=plan.pixels, model=encoder_kwargs(cfg, encoder)
+    )
     start = time.perf_counter()
     try:
         result = train(plan, run_dir, device, resume)

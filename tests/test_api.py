@@ -245,13 +245,15 @@ def test_a_wheel_works_from_an_empty_directory(tmp_path):
     assert "run holds a checkpoint (step00000002): going on from it" in r.stderr
     steps = [m["step"] for m in read_metrics(empty / "run") if "loss" in m]
     assert steps == [1, 2, 3, 4], steps
-    assert json.loads((empty / "run" / "config.json").read_text())["model"]["img_size"] == 64
+    assert json.loads((empty / "run" / "model.json").read_text())["img_size"] == 64
 
-    # k-NN with the shipped config, which leaves the size unset: 64 px from init
+    # k-NN with the shipped config, which leaves the size unset: 64 px from init, stated in its
+    # model.json; its config.json is the config as loaded
     knn = ["mpp", "knn", "--config", "linear_demo", "--set", "init=run", *own[:2]]
     r = run(*knn, "--set", f"data.val_shards={specs['val']}", "--output-dir", "knn")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads((empty / "knn" / "config.json").read_text())["model"]["img_size"] == 64
+    assert json.loads((empty / "knn" / "model.json").read_text())["img_size"] == 64
+    assert json.loads((empty / "knn" / "config.json").read_text())["model"]["img_size"] is None
     res = json.loads((empty / "knn" / "results.json").read_text())
     assert res["init_finished"] is True and res["init_step"] == 4 and res["num_val"] == 12
 

@@ -184,7 +184,8 @@ def runs(tmp_path_factory):
 def test_each_kind_pretrains_skipping_its_corrupt_sample_with_its_statistics(runs, kind):
     run, chans = runs[kind]["run"], KINDS[kind][2]
     saved = json.loads((run / "config.json").read_text())
-    assert saved["model"]["in_chans"] == saved["data"]["channels"] == chans
+    assert saved["model"]["in_chans"] is None and saved["data"]["channels"] == chans
+    assert json.loads((run / "model.json").read_text())["in_chans"] == chans
     section = KINDS[kind][3]
     assert {k: saved["data"][k] for k in section} == section  # as loaded: "auto" stays "auto"
     used = json.loads((run / "data.json").read_text())  # what the run used: "auto" measured

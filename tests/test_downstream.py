@@ -187,6 +187,8 @@ def test_timm_export_has_timms_layout(two_rank_runs, tmp_path):
         "embed_dim": 32,
         "depth": 2,
         "num_heads": 2,
+        "mlp_ratio": 4.0,  # the encoder states its whole architecture
+        "qkv_bias": True,
         "num_classes": 0,
         "global_pool": "token",
         "class_token": True,
@@ -266,8 +268,8 @@ def test_hpm_recipes_match_the_official_scripts():
 
 def test_downstream_follows_its_encoder_and_says_what_it_read(tmp_path, digits16):
     """A pretraining run at 32 px of the 16-px variant (python pretrain/run.py, 4 steps); k-NN
-    with a config that leaves model.img_size unset takes 32 from it (its config.json says so, no
-    resampling); set to 16 on purpose, the position embeddings are resampled with one line; from
+    with a config that leaves model.img_size unset takes 32 from it (its model.json says so, its
+    config.json stays as loaded, no resampling); set to 16 on purpose, the position embeddings are resampled with one line; from
     the same run stopped early (no export, a stop recorded) one warning, and results.json says
     which checkpoint it read and that the run had not finished."""
     import shutil
@@ -291,16 +293,19 @@ def test_downstream_follows_its_encoder_and_says_what_it_read(tmp_path, digits16
         cmd = ["python", "downstream/knn.py", "--config", str(probe_path), "--set", f"init={init}"]
         r = run_cli([*cmd, *[a for s in sets for a in ("--set", s)], "--output-dir", str(out)])
         assert r.returncode == 0, r.stderr[-3000:]
-        saved = json.loads((out / "config.json").read_text())
+        saved = json.loads((out / "model.json").read_text())
+        loaded = json.loads((out / "config.json").read_text())["model"]
+        assert loaded["img_size"] == (16 if "model.img_size=16" in sets else None), loaded
+        assert loaded["patch_size"] is None and loaded["norm_eps"] is None, loaded
         return r.stderr, json.loads((out / "results.json").read_text()), saved
 
     err, res, saved = knn(pre, tmp_path / "k32")
-    assert saved["model"]["img_size"] == 32 and "resampled" not in err, err[-2000:]
+    assert saved["img_size"] == 32 and "resampled" not in err, err[-2000:]
     assert res["init_read"] == str(pre / "encoder.safetensors")
     assert res["init_step"] == 4 and res["init_finished"] is True
 
     err, _, saved = knn(pre, tmp_path / "k16", "model.img_size=16")
-    assert saved["model"]["img_size"] == 16
+    assert saved["img_size"] == 16
     lines = [x for x in err.splitlines() if "position embeddings resampled" in x]
     assert len(lines) == 1 and "from its 8x8 patches to the model's 4x4" in lines[0], err[-2000:]
 

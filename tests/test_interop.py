@@ -308,9 +308,9 @@ def test_weights_from_a_transformers_folder_compute_what_transformers_computes(t
     with torch.no_grad():
         expected = hf(pixel_values=x).last_hidden_state
         torch.testing.assert_close(encoder.forward_features(x), expected, rtol=0, atol=1e-5)
-        assert (
-            cfg.model.norm_eps == 1e-12 and cfg.model.qkv_bias is qkv_bias
-        )  # so the run's config.json states them
+        arch = encoder.architecture()  # what the run's model.json states; the config stays
+        assert arch["norm_eps"] == 1e-12 and arch["qkv_bias"] is qkv_bias
+        assert cfg.model.norm_eps is None and cfg.model.qkv_bias is None
         raw = {
             "model": {**TINY, "init": str(tmp_path / "vit")},
             "data": {"builtin": "digits"},

@@ -147,7 +147,7 @@ LAYERS = {
         "mpp.checkpoint.storage",
     },
     # the CLIs' front end: below transfer, whose probe CLI core uses it
-    "mpp.cli": {"mpp.config", "mpp.parallel", "mpp.train"},
+    "mpp.cli": {"mpp.config", "mpp.parallel", "mpp.train", "mpp.hub.encoder_file"},
     "mpp.submit": {"mpp.cli", "mpp.parallel", "mpp.train"},
     "mpp.transfer": {
         "mpp.build",

@@ -271,8 +271,6 @@ def _intact(ckpt_root: Path) -> str | None:
 
 
 def encoder_kwargs(cfg: RunConfig, encoder: torch.nn.Module) -> dict:
-    """The exported encoder's architecture: the config's variant and overrides, and a classifier's head."""
-    kwargs = {"name": cfg.model.name, **cfg.model.vit_kwargs()}
-    if encoder.num_classes > 0:
-        kwargs.update(num_classes=encoder.num_classes, global_pool=encoder.global_pool)
-    return kwargs
+    """The encoder as built (``VisionTransformer.architecture``: what the weights it started from
+    stated too), with the config's variant name, attention and stochastic depth."""
+    return {"name": cfg.model.name, **cfg.model.vit_kwargs(), **encoder.architecture()}

@@ -14,6 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from mpp.checkpoint.storage import CheckpointError
 
+# in a run directory, beside config.json (which stays as loaded): the encoder the run built, as
+# this file's metadata states it (mpp.checkpoint.manager.encoder_kwargs)
+MODEL_FILE = "model.json"
+
 
 def export_encoder(
     state_dict: dict[str, torch.Tensor],

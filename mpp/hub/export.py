@@ -23,7 +23,7 @@ from pathlib import Path
 from mpp.checkpoint.storage import CheckpointError
 from mpp.hub.encoder_file import save_weights
 from mpp.hub.hf import hf_config, to_hf
-from mpp.hub.pretrained import load_pretrained
+from mpp.hub.pretrained import load_pretrained, run_model_kwargs
 from mpp.models.vit import full_vit_config
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
 
@@ -99,7 +99,9 @@ def run_info(source: str | Path) -> dict:
     try:
         spec = (
             data.get("train_shards")
-            or digits_shards(full_vit_config(cfg["model"])["img_size"])["train"]
+            or digits_shards(full_vit_config(run_model_kwargs(cfg_file.parent))["img_size"])[
+                "train"
+            ]
         )
         info["class_names"] = (read_sizes(expand_shards(spec)) or {}).get("class_names")
     except (KeyError, ValueError, OSError):

@@ -18,7 +18,7 @@ import torch
 
 from mpp.checkpoint.format import MARKER, complete_tags, find_checkpoint, zero_to_fp32
 from mpp.checkpoint.storage import CheckpointError
-from mpp.hub.encoder_file import encoder_file_kwargs, load_encoder_file
+from mpp.hub.encoder_file import MODEL_FILE, encoder_file_kwargs, load_encoder_file
 from mpp.models.vit import VisionTransformer, full_vit_config, resample_abs_pos_embed, vit_config
 
 log = logging.getLogger(__name__)
@@ -68,10 +68,10 @@ def load_pretrained(init: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
         raise ValueError(f"{init}: the checkpoint holds no encoder weights")
     prefix = prefixes[0]
     encoder = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
-    kwargs = _run_model_kwargs(found[0])
+    kwargs = run_model_kwargs(Path(found[0]).parent)
     if (
         "head.weight" in encoder
-    ):  # a fine-tuning run's classifier: its config.json leaves the head out
+    ):  # a fine-tuning run's classifier (an older run's config.json leaves the head out)
         pool = "avg" if "fc_norm.weight" in encoder else "token"
         kwargs.update(num_classes=encoder["head.weight"].shape[0], global_pool=pool)
     return encoder, kwargs
@@ -127,12 +127,15 @@ def _existing(init: str | Path) -> Path:
     return path
 
 
-def _run_model_kwargs(ckpt_root: Path) -> dict:
-    """The model section of the run that wrote a DeepSpeed checkpoint (its config.json), if any."""
-    cfg_file = ckpt_root.parent / "config.json"
-    if not cfg_file.is_file():
+def run_model_kwargs(run_dir: Path) -> dict:
+    """The encoder a run built: its model.json, else (a run from before model.json) its
+    config.json's model section; {} when it has neither."""
+    if (run_dir / MODEL_FILE).is_file():
+        model = json.loads((run_dir / MODEL_FILE).read_text())
+    elif (run_dir / "config.json").is_file():
+        model = json.loads((run_dir / "config.json").read_text()).get("model", {})
+    else:
         return {}
-    model = json.loads(cfg_file.read_text()).get("model", {})
     architecture = {
         "name",
         *inspect.signature(VisionTransformer).parameters,
@@ -141,7 +144,7 @@ def _run_model_kwargs(ckpt_root: Path) -> dict:
 
 
 def read_model_kwargs(init: str | Path) -> dict:
-    """The model kwargs ``init`` states, read without its tensors (metadata, config.json);
+    """The model kwargs ``init`` states, read without its tensors (metadata, model.json);
     {} when it states none (a release .pth, a bare timm .safetensors)."""
     path = _existing(init)
     if path.is_dir() and is_hf_folder(path):
@@ -155,7 +158,7 @@ def read_model_kwargs(init: str | Path) -> dict:
     if path.is_file():
         return _metadata_kwargs(path) if path.suffix == ".safetensors" else {}
     found = find_checkpoint(path)
-    return _run_model_kwargs(found[0]) if found else {}
+    return run_model_kwargs(Path(found[0]).parent) if found else {}
 
 
 def _metadata_kwargs(path: Path) -> dict:
@@ -237,17 +240,8 @@ def tensor_facts(sd: dict[str, torch.Tensor]) -> dict:
 
 def model_facts(model: VisionTransformer) -> dict:
     """The same facts of a built model."""
-    block = model.blocks[0]
-    return dict(
-        patch_size=model.patch_size,
-        in_chans=model.patch_embed.in_chans,
-        embed_dim=model.embed_dim,
-        depth=len(model.blocks),
-        mlp_ratio=block.mlp.fc1.out_features / model.embed_dim,
-        qkv_bias=block.attn.qkv.bias is not None,
-        num_heads=block.attn.num_heads,
-        norm_eps=block.norm1.eps,
-    )
+    arch = model.architecture()
+    return {k: arch[k] for k in (*SHAPE_FACTS, *STATED_FACTS)}
 
 
 def stated_facts(sd: dict[str, torch.Tensor], model_kwargs: dict, init: str | Path) -> dict:

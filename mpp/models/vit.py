@@ -250,6 +250,26 @@ class VisionTransformer(nn.Module):
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         self.init_weights()
 
+    def architecture(self) -> dict:
+        """The constructor arguments this model's shapes and computation follow from (what a run's
+        model.json and an exported encoder's metadata state); the head only on a classifier."""
+        block, (h, w) = self.blocks[0], self.patch_embed.img_size
+        arch = dict(
+            img_size=h if h == w else [h, w],
+            patch_size=self.patch_size,
+            in_chans=self.patch_embed.in_chans,
+            embed_dim=self.embed_dim,
+            depth=len(self.blocks),
+            num_heads=block.attn.num_heads,
+            mlp_ratio=block.mlp.fc1.out_features / self.embed_dim,
+            qkv_bias=block.attn.qkv.bias is not None,
+            norm_eps=block.norm1.eps,
+            pos_embed=self.pos_embed_type,
+        )
+        if self.num_classes > 0:
+            arch.update(num_classes=self.num_classes, global_pool=self.global_pool)
+        return arch
+
     @property
     def grid_size(self) -> tuple[int, int]:
         return self.patch_embed.grid_size

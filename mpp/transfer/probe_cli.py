@@ -12,6 +12,7 @@ from functools import partial
 
 import torch
 
+from mpp.checkpoint.manager import encoder_kwargs
 from mpp.config import ConfigError, ProbeConfig
 from mpp.data import make_eval_loader, make_train_loader
 from mpp.data.labels import KEY_FILE, LabelledSubset
@@ -107,7 +108,8 @@ def run_probe(kind: str, argv: list[str] | None = None, script: str | None = Non
         # few labels: chosen by the ranks together (the label index is a collective)
         setup = _measured(cfg, setup)
         # held by this job: a second one on it stops here
-        run_dir = open_run_dir(cfg, rank, pixels=setup.pixels)
+        model = encoder_kwargs(cfg, setup.encoder)
+        run_dir = open_run_dir(cfg, rank, pixels=setup.pixels, model=model)
         if setup.subset is not None and rank == 0:
             setup.subset.write(run_dir / KEY_FILE)
         on_device = replace(setup, encoder=setup.encoder.to(device))
