@@ -514,3 +514,23 @@ def test_every_hpm_base_keeps_the_per_patch_contract(base):
         out["tokens"].shape[-1] == student.token_dim == student.predictor_tokens(images).shape[-1]
     )
     assert (out["mask"].gather(1, out["idx"])).all()  # the losses are the masked patches'
+
+
+def test_picture_of_a_run_builds_the_encoder_its_model_json_states(tmp_path, digits16):
+    """A run whose init stated the size, eps and bias: its config.json leaves them unset (as
+    loaded), its model.json states them; viz, which takes the weights from the run and not from
+    its init, builds that encoder, not the variant's 16-px one."""
+    import json
+
+    from conftest import tiny_config, write_config
+
+    from mpp.tools.viz import pretraining_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    write_config(run / "config.json", tiny_config(digits16, model={"init": str(tmp_path)}))
+    stated = {"img_size": 32, "patch_size": 4, "norm_eps": 1e-12, "qkv_bias": False}
+    (run / "model.json").write_text(json.dumps({"name": "vit_tiny_patch4_16", **stated}))
+    cfg = pretraining_config(run / "config.json")
+    assert cfg.model.init is None
+    assert {k: getattr(cfg.model, k) for k in stated} == stated

@@ -253,6 +253,7 @@ def test_wandb_offline_run_has_the_config_and_the_loss_series(tmp_path, digits16
         "tensorboard",
         "wandb",
     ]
+    assert config["model"]["img_size"] is None and config["architecture"]["img_size"] == 16
     expected = {m["step"]: m["loss"] for m in read_metrics(out)}
     assert losses == pytest.approx(expected) and sorted(losses) == [1, 2, 3, 4]
     assert any((out / "tb").iterdir())  # TensorBoard still written

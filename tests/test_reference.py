@@ -36,6 +36,8 @@ def test_the_reference_spec_is_equal_budget_and_every_cell_validates():
     assert len({c.name for c in cells}) == 3 and all("{" not in c.name for c in cells)
     model_sets = check_cells(spec, cells)  # every cell's pretraining and evaluation configs load
     assert len({tuple(model_sets[c]) for c in cells}) == 1  # one architecture for every cell
+    # the evaluations take the pretraining's channels: one whose data differ is refused here
+    assert "model.in_chans=3" in model_sets[cells[0]]
     k = spec.few_labels
     assert spec.evaluations == [
         "finetune",

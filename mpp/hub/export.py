@@ -91,18 +91,15 @@ def run_info(source: str | Path) -> dict:
     if not used and "auto" in (data.get("mean"), data.get("std")):
         raise ValueError(
             f'{cfg_file}: data.mean/std "auto", and no data.json beside it says what the run '
-            "measured (copy the run's data.json with its config.json)"
+            "measured (copy the run's data.json and model.json with its config.json)"
         )
     info.update(
         mean=list(used.get("mean") or info["mean"]), std=list(used.get("std") or info["std"])
     )
     try:
-        spec = (
-            data.get("train_shards")
-            or digits_shards(full_vit_config(run_model_kwargs(cfg_file.parent))["img_size"])[
-                "train"
-            ]
-        )
+        side = full_vit_config(run_model_kwargs(cfg_file.parent))["img_size"]
+        side = side[0] if isinstance(side, list) else side
+        spec = data.get("train_shards") or digits_shards(side)["train"]
         info["class_names"] = (read_sizes(expand_shards(spec)) or {}).get("class_names")
     except (KeyError, ValueError, OSError):
         pass  # no class names: HF labels stay "0", "1", ...
@@ -115,7 +112,8 @@ def export(source: str | Path, fmt: str, out: str | Path | None = None) -> Path:
     sd, kwargs = load_pretrained(source)
     if "name" not in kwargs:
         raise ValueError(
-            f"{source}: the architecture is unknown (no metadata or config.json beside it)"
+            f"{source}: the architecture is unknown (no metadata, model.json or config.json "
+            "beside it)"
         )
     classifier = int(kwargs.get("num_classes", 0) or 0) > 0 and "head.weight" in sd
     if not classifier:

@@ -358,7 +358,11 @@ def check_cells(spec: AblationSpec, cells: list[Cell]) -> dict[Cell | None, list
             cfg = load_config(spec.base, pretrain_overrides(spec, cell or Cell(()), seed))
             if cell is not None:
                 build_objective(cfg)
-            model = cfg.model.model_dump(mode="json")
+            # in_chans: an evaluation whose data hold other channels is refused here, not later
+            model = {
+                **cfg.model.model_dump(mode="json"),
+                "in_chans": cfg.model.in_chans or cfg.data.channels,
+            }
             sets = [
                 f"model.{k}={json.dumps(v)}"
                 for k, v in model.items()

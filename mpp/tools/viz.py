@@ -122,7 +122,18 @@ def pretraining_config(path: str | Path) -> Config:
         )
     if "probe" in raw:
         raise ValueError(f"{path}: a k-NN / linear probe run keeps no weights to draw")
-    return load_config(path, ["model.init=null"])  # the weights come from --checkpoint
+    sets = ["model.init=null"]  # the weights come from --checkpoint
+    if Path(path).name == "config.json":  # a run's: what its init stated, from its model.json
+        from mpp.build import FILE_FACTS
+        from mpp.hub.pretrained import run_model_kwargs
+
+        built = run_model_kwargs(Path(path).parent)
+        sets += [
+            f"model.{k}={json.dumps(built[k])}"
+            for k in FILE_FACTS
+            if raw["model"].get(k) is None and isinstance(built.get(k), (int, float, bool))
+        ]
+    return load_config(path, sets)
 
 
 def used_pixels(cfg: Config, config: Path, objective: Objective) -> tuple:

@@ -72,8 +72,10 @@ class Trainer:
         self.state = self.checkpointer.resume(resume)
         self.schedule = Schedule.of(cfg, plan)
         self.lr = self.schedule.apply(self.optimizer, self.state)
+        # the trackers' config: as loaded, and the encoder built (RUN/model.json's facts)
+        built = {"architecture": self.objective.encoder.architecture()}
         self.metrics = MetricLog(
-            run_dir, self.rank, self.state, cfg.train.report_to, cfg.model_dump(mode="json")
+            run_dir, self.rank, self.state, cfg.train.report_to, cfg.model_dump(mode="json") | built
         )
         self.bar = tqdm(
             total=plan.total_steps,
