@@ -658,11 +658,16 @@ def _format_error(
 
 def attributed(source: str, key: str, overrides: list[str], unknown: bool = False) -> str:
     """Where ``key``'s value came from: the ``--set`` that made it (over the file), else the
-    file. ``unknown``: an unknown key, which a ``--set`` of a key below it may have made."""
+    file. ``unknown``: an unknown key, which a ``--set`` of a key below it may have made, or one
+    of the same name above it (HPM's flat form files its base's keys under objective.base)."""
     for item in overrides:
         name = item.split("=", 1)[0].strip()
+        parent, _, leaf = name.rpartition(".")
         if key and (
-            key == name or key.startswith(name + ".") or (unknown and name.startswith(key + "."))
+            key == name
+            or key.startswith(name + ".")
+            or (unknown and name.startswith(key + "."))
+            or (unknown and key.startswith(parent + ".") and key.endswith("." + leaf))
         ):
             return f"--set {item} (over {source})"
     return source

@@ -271,6 +271,11 @@ def test_bare_config_name_resolves_in_configs_dir(capsys):
     err = capsys.readouterr().err  # the key came from --set: said so, over which file
     assert code == 2 and "--set train.bogus=1 (over " in err
     assert "configs/mpp_b16.json): train.bogus: unknown key" in err
+    # HPM's flat form files a key it does not know under its base: still the --set's
+    code = main(["--config", "hpm_demo", "--set", "objective.hard_ration=0.5"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--set objective.hard_ration=0.5 (over " in err, err
+    assert "objective.base.hard_ration: unknown key (did you mean objective.hard_ratio?)" in err
 
 
 def test_demo_config_learns(tmp_path, demo_cache):
