@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from mpp.masking import MASKING_CONFIGS, MaskingConfig, RandomMasking
-from mpp.objectives.configs import MPPConfig, ObjectiveConfig
+from mpp.objectives.configs import HPMConfig, MPPConfig, ObjectiveConfig
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
 from mpp.parallel.ds_config import derive
 from mpp.sections import Section, refusal
@@ -658,8 +658,8 @@ def _format_error(
 
 def attributed(source: str, key: str, overrides: list[str], unknown: bool = False) -> str:
     """Where ``key``'s value came from: the ``--set`` that made it (over the file), else the
-    file. ``unknown``: an unknown key, which a ``--set`` of a key below it may have made, or one
-    of the same name above it (HPM's flat form files its base's keys under objective.base)."""
+    file. ``unknown``: an unknown key, which a ``--set`` of a key below it may have made, or
+    HPM's flat form filed under objective.base (a key HPM does not own)."""
     for item in overrides:
         name = item.split("=", 1)[0].strip()
         parent, _, leaf = name.rpartition(".")
@@ -667,7 +667,7 @@ def attributed(source: str, key: str, overrides: list[str], unknown: bool = Fals
             key == name
             or key.startswith(name + ".")
             or (unknown and name.startswith(key + "."))
-            or (unknown and key.startswith(parent + ".") and key.endswith("." + leaf))
+            or (unknown and key == f"{parent}.base.{leaf}" and leaf not in HPMConfig.model_fields)
         ):
             return f"--set {item} (over {source})"
     return source

@@ -266,7 +266,7 @@ def test_a_busy_port_and_missing_shards_are_one_line_each(tmp_path, digits16):
     assert not (tmp_path / "r").exists()
 
 
-def test_bare_config_name_resolves_in_configs_dir(capsys):
+def test_bare_config_name_resolves_in_configs_dir(capsys, tmp_path):
     code = main(["--config", "mpp_b16", "--set", "train.bogus=1"])
     err = capsys.readouterr().err  # the key came from --set: said so, over which file
     assert code == 2 and "--set train.bogus=1 (over " in err
@@ -276,6 +276,13 @@ def test_bare_config_name_resolves_in_configs_dir(capsys):
     err = capsys.readouterr().err
     assert code == 2 and "--set objective.hard_ration=0.5 (over " in err, err
     assert "objective.base.hard_ration: unknown key (did you mean objective.hard_ratio?)" in err
+    # ... but HPM's own key in the file's nested base is the file's, beside a valid --set of it
+    hpm = json.loads((REPO / "configs" / "hpm_demo.json").read_text())
+    hpm["objective"] = {"name": "hpm", "base": {"name": "mae", "hard_ratio": 0.5}}
+    (tmp_path / "nested.json").write_text(json.dumps(hpm))
+    code = main(["--config", str(tmp_path / "nested.json"), "--set", "objective.hard_ratio=0.6"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"error: {tmp_path / 'nested.json'}: objective.base.hard_ratio:" in err
 
 
 def test_demo_config_learns(tmp_path, demo_cache):

@@ -127,11 +127,16 @@ def pretraining_config(path: str | Path) -> Config:
         from mpp.build import FILE_FACTS
         from mpp.hub.pretrained import run_model_kwargs
 
-        built = run_model_kwargs(Path(path).parent)
+        built, model = run_model_kwargs(Path(path).parent), raw.get("model") or {}
+        if isinstance(built.get("img_size"), list):
+            raise ValueError(
+                f"{path}: the run's model.json states a non-square image size "
+                f"{built['img_size']}; viz draws square images only"
+            )
         sets += [
             f"model.{k}={json.dumps(built[k])}"
             for k in FILE_FACTS
-            if raw["model"].get(k) is None and isinstance(built.get(k), (int, float, bool))
+            if model.get(k) is None and built.get(k) is not None
         ]
     return load_config(path, sets)
 
