@@ -4,8 +4,16 @@ launcher runs ``deepspeed pretrain/run.py ...`` or ``deepspeed --module mpp.comm
 
 from __future__ import annotations
 
+import atexit
+import gc
 import importlib
 import sys
+
+# A command's process ends without the interpreter's last full collection (gc.freeze moves every
+# object out of its reach): over torch's and DeepSpeed's objects it took 2.5 s of each rank's and
+# each CLI's exit on a CPU, a quarter of a small run. Atexit handlers still run and objects still
+# go by reference count; only cyclic garbage is left for the process's end to free.
+atexit.register(gc.freeze)
 
 # name -> (module with main(argv), one line for ``mpp --help``)
 COMMANDS = {
