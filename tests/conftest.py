@@ -1,6 +1,9 @@
+import base64
 import io
 import json
 import os
+import pickle
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -8,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 from mpp.parallel.launch import free_port, job_env
 
@@ -170,30 +174,65 @@ def dist_group():
     yield
 
 
-def launch_cmd(
-    ranks: int, cfg_path, out, *extra: str, script: str = "pretrain/run.py"
-) -> list[str]:
-    """``deepspeed --num_gpus RANKS --master_port <free> SCRIPT --config CFG --output-dir OUT
-    EXTRA``."""
+def launcher(ranks: int) -> list[str]:
+    """DeepSpeed's launcher for RANKS ranks on this node: what the ``deepspeed --num_gpus RANKS``
+    runner runs on one node (``python -m deepspeed.launcher.launch``, the world encoded, the
+    working directory on PYTHONPATH) without the runner's own start, a second import of
+    DeepSpeed: 5 s of CPU per launch on this machine. The tests of the runner itself (signals
+    to it, its multi-node flags, the wheel, the product's own launches) run ``deepspeed``."""
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(ranks))}).encode())
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     return [
-        "deepspeed",
-        "--num_gpus",
-        str(ranks),
-        "--master_port",
-        str(free_port()),
-        script,
-        "--config",
-        str(cfg_path),
-        "--output-dir",
-        str(out),
-        *extra,
+        *("env", f"PYTHONPATH={path}", sys.executable, "-u", "-m", "deepspeed.launcher.launch"),
+        f"--world_info={world.decode()}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
     ]
 
 
+def launch_cmd(
+    ranks: int, cfg_path, out, *extra: str, script: str = "pretrain/run.py", runner: bool = False
+) -> list[str]:
+    """``launcher(RANKS) SCRIPT --config CFG --output-dir OUT EXTRA``; with ``runner``, the
+    command a user types: ``deepspeed --num_gpus RANKS --master_port <free> SCRIPT ...``."""
+    head = (
+        ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port())]
+        if runner
+        else launcher(ranks)
+    )
+    return [*head, script, "--config", str(cfg_path), "--output-dir", str(out), *extra]
+
+
 @pytest.fixture(scope="session")
-def two_rank_runs(tmp_path_factory, digits16):
+def once(tmp_path_factory, worker_id):
+    """``once(name, build)``: ``build(folder)``'s result, built once for the whole session. Under
+    xdist a session fixture runs once per worker: here the first worker to ask builds it under a
+    file lock and the other reads the result (pickled), so the suite's shared runs are launched
+    once, not once per worker."""
+    if worker_id == "master":
+        return lambda name, build: build(tmp_path_factory.mktemp(name))
+    root = tmp_path_factory.getbasetemp().parent / "once"  # the workers' common folder
+    root.mkdir(exist_ok=True)
+
+    def get(name: str, build):
+        with FileLock(root / f"{name}.lock"):
+            done = root / f"{name}.pickle"
+            if not done.exists():
+                shutil.rmtree(root / name, ignore_errors=True)  # another worker's failed try
+                (root / name).mkdir()
+                done.write_bytes(pickle.dumps(build(root / name)))
+            return pickle.loads(done.read_bytes())
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def two_rank_runs(once, digits16):
     """ZeRO-2 and ZeRO-3 runs of the same config on 2 ranks: computed once, checked by several tests."""
-    tmp = tmp_path_factory.mktemp("zero")
+    return once("zero", lambda tmp: _two_rank_runs(tmp, digits16))
+
+
+def _two_rank_runs(tmp: Path, digits16) -> dict:
     runs: dict = {"ports": [], "extensions": tmp / "torch_extensions"}  # DeepSpeed's JIT builds
     for stage in (2, 3):
         # a preview at step 2: under ZeRO-3 its forward gathers the partitioned parameters on both ranks
@@ -239,24 +278,19 @@ def straight_config(digits, stage: int, **train) -> dict:
 
 
 @pytest.fixture(scope="session")
-def straight_runs(tmp_path_factory, digits16):
+def straight_runs(once, digits16):
     """``straight_runs(stage)``: (run dir, config path) of straight_config(stage) on 2 ranks
     through the launcher, run once for the suite at the first test that asks for that stage: the
     uninterrupted runs the elastic (ZeRO-0, -2, -3), killed and preempted (ZeRO-0) runs are held
     to. A test that changes a run works on a copy (shutil.copytree)."""
-    tmp = tmp_path_factory.mktemp("straight")
-    runs: dict[int, tuple[Path, Path]] = {}
 
-    def get(stage: int) -> tuple[Path, Path]:
-        if stage not in runs:
-            path = write_config(tmp / f"z{stage}.json", straight_config(digits16, stage))
-            out = tmp / f"z{stage}"
-            r = run_cli(launch_cmd(2, path, out))
-            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-            runs[stage] = (out, path)
-        return runs[stage]
+    def build(stage: int, tmp: Path) -> tuple[Path, Path]:
+        path = write_config(tmp / "config.json", straight_config(digits16, stage))
+        r = run_cli(launch_cmd(2, path, tmp / "run"))
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return tmp / "run", path
 
-    return get
+    return lambda stage: once(f"straight{stage}", lambda tmp: build(stage, tmp))
 
 
 def listing(root: Path) -> set[str]:
@@ -269,12 +303,15 @@ def listing(root: Path) -> set[str]:
 
 
 @pytest.fixture(scope="session")
-def one_rank_run(tmp_path_factory, digits16):
+def one_rank_run(once, digits16):
     """``python pretrain/run.py`` (one process, 2 data workers) for 8 steps with a checkpoint
     every 2, the last 3 kept (steps 4, 6, 8): run once for the suite; the tests that damage its
     checkpoints or resume it with other settings work on a copy (shutil.copytree). Also what it
     wrote outside its run directory (under the repository and beside the shards): "outside"."""
-    tmp = tmp_path_factory.mktemp("one_rank")
+    return once("one_rank", lambda tmp: _one_rank_run(tmp, digits16))
+
+
+def _one_rank_run(tmp: Path, digits16) -> dict:
     cfg = tiny_config(
         digits16,
         train={"max_steps": 8, "ckpt_every": 2, "keep_last": 3},
@@ -317,14 +354,17 @@ def random_shards(out, sizes, prefix, label_of=lambda i: i % 10) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def zero3_finetune(tmp_path_factory, two_rank_runs, digits16):
+def zero3_finetune(once, two_rank_runs, digits16):
     """One fine-tuning run through the launcher, checked by test_downstream (the CLI from a ZeRO-2
     pretraining run, its augmentations, results and weights) and test_scale (what a first
     cluster run meets): 3 ranks under ZeRO-3, one epoch of 96 training images of which a quarter
     are labelled 99 in a 10-class task, and 2 val shards of 5 and 40 images: rank 0 reads 5 (a
     full batch of 4 and a short one), rank 1 40 (10 batches), rank 2 no shard at all.
     {"run", "config", "init"}."""
-    tmp = tmp_path_factory.mktemp("finetune")
+    return once("finetune", lambda tmp: _zero3_finetune(tmp, two_rank_runs, digits16))
+
+
+def _zero3_finetune(tmp: Path, two_rank_runs, digits16) -> dict:
     train = random_shards(
         tmp / "train", [24, 24, 24, 24], "t", lambda i: 99 if i % 4 == 0 else i % 10
     )
@@ -355,11 +395,14 @@ def zero3_finetune(tmp_path_factory, two_rank_runs, digits16):
 
 
 @pytest.fixture(scope="session")
-def one_rank_probes(tmp_path_factory, two_rank_runs, digits16):
+def one_rank_probes(once, two_rank_runs, digits16):
     """k-NN and the linear probe of the ZeRO-2 pretraining run (two_rank_runs[2]) in one process
     each: {"config": probe config path, "knn": results, "linear_probe": results}; test_scale
     runs the same on 2 ranks."""
-    tmp = tmp_path_factory.mktemp("probes")
+    return once("probes", lambda tmp: _one_rank_probes(tmp, two_rank_runs, digits16))
+
+
+def _one_rank_probes(tmp: Path, two_rank_runs, digits16) -> dict:
     probe = {
         "name": "p",
         "init": str(two_rank_runs[2][0]),

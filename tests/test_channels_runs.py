@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tifffile
 import torch
-from conftest import free_port, read_metrics, run_cli, write_config
+from conftest import launcher, read_metrics, run_cli, write_config
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
@@ -173,8 +173,8 @@ def runs(tmp_path_factory):
         cfg = pretrain_config(kind, data)
         path = write_config(tmp / f"{kind}.json", cfg)
         out = tmp / kind
-        launcher = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port())]
-        r = run_cli([*launcher, "pretrain/run.py", "--config", str(path), "--output-dir", str(out)])
+        head = launcher(ranks)
+        r = run_cli([*head, "pretrain/run.py", "--config", str(path), "--output-dir", str(out)])
         assert r.returncode == 0, f"{kind}: {r.stdout[-2000:]}{r.stderr[-3000:]}"
         made[kind] = {"run": out, "data": data, "cfg": cfg, "log": r.stdout + r.stderr}
     return made

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import webdataset as wds
-from conftest import free_port, read_metrics, run_cli, tiny_config, write_config
+from conftest import launcher, read_metrics, run_cli, tiny_config, write_config
 from test_data_loader import collect, encode, write_tar
 
 from mpp.data import make_eval_loader
@@ -151,13 +151,9 @@ def test_every_sample_of_unequal_shards_once_per_epoch(ranks, shards, digits16, 
         },
     )
     path = write_config(tmp_path / "c.json", cfg)
-    launcher = (
-        ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port())]
-        if ranks > 1
-        else ["python"]
-    )
+    head = launcher(ranks) if ranks > 1 else ["python"]
     r = run_cli(
-        [*launcher, "pretrain/run.py", "--config", str(path), "--output-dir", str(tmp_path / "run")]
+        [*head, "pretrain/run.py", "--config", str(path), "--output-dir", str(tmp_path / "run")]
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     per_epoch = trained_keys(tmp_path / "run")

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import free_port, read_metrics, run_cli
+from conftest import launcher, read_metrics, run_cli
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -48,11 +48,7 @@ def demo_runs(tmp_path_factory, demo_cache):
         runs = {kind: tmp / kind for kind in (*PRETRAIN, "finetune", "knn")}
         commands = {
             "mpp": [
-                "deepspeed",
-                "--num_gpus",
-                "2",
-                "--master_port",
-                str(free_port()),
+                *launcher(2),
                 "pretrain/run.py",
                 "--config",
                 "mpp_demo",

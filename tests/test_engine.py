@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import read_metrics, run_cli, tiny_config, write_config, zero
+from conftest import launcher, read_metrics, run_cli, tiny_config, write_config, zero
 from safetensors.torch import load_file
 
 from mpp.build import build_objective
@@ -17,7 +17,6 @@ from mpp.config import validate
 from mpp.hub.encoder_file import load_encoder_file
 from mpp.hub.pretrained import load_pretrained
 from mpp.models import create_vit
-from mpp.parallel.launch import free_port
 from mpp.train.optim import build_optimizer, lr_at, param_groups, set_lr
 
 
@@ -300,7 +299,7 @@ def test_stage0_multi_tensor_path_matches_deepspeeds_on_3_ranks(tmp_path):
     gradients and weights after two accumulated steps equal DeepSpeed's own path's, and every rank
     holds the same weights."""
     out = tmp_path / "stage0.json"
-    cmd = ["deepspeed", "--num_gpus", "3", "--master_port", str(free_port())]
+    cmd = launcher(3)
     r = run_cli([*cmd, "tests/stage0_probe.py", str(out)])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got = json.loads(out.read_text())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import free_port, read_metrics, run_cli, tiny_config, write_config
+from conftest import launcher, read_metrics, run_cli, tiny_config, write_config
 
 from mpp.data import expand_shards
 from mpp.data.labels import choose, label_index
@@ -25,9 +25,9 @@ def test_three_ranks_fine_tune_on_the_subset_and_the_probes_reuse_its_key_file(t
     raw["finetune"] = {"mixup": 0.0, "cutmix": 0.0, "randaug_n": 0, "reprob": 0.0}
     raw["finetune"]["eval_every"] = 4
     out = tmp_path / "ft"
-    launcher = ["deepspeed", "--num_gpus", "3", "--master_port", str(free_port())]
+    head = launcher(3)
     cmd = ["downstream/finetune.py", "--config", str(write_config(tmp_path / "ft.json", raw))]
-    r = run_cli([*launcher, *cmd, "--output-dir", str(out)])
+    r = run_cli([*head, *cmd, "--output-dir", str(out)])
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
 
     # the subset is the one chosen in this process: the same whatever the world size

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from conftest import free_port, read_metrics, run_cli, tiny_config, write_config, zero
+from conftest import launcher, read_metrics, run_cli, tiny_config, write_config, zero
 
 from mpp.checkpoint.format import zero_to_fp32
 from mpp.objectives.hpm import momentum_at
@@ -39,11 +39,7 @@ def hpm_runs(tmp_path_factory, digits16):
         out = tmp / f"h{stage}"
         r = run_cli(
             [
-                "deepspeed",
-                "--num_gpus",
-                "2",
-                "--master_port",
-                str(free_port()),
+                *launcher(2),
                 "pretrain/run.py",
                 "--config",
                 str(path),

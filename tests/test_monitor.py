@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import free_port, read_metrics, run_cli, tiny_config, write_config, zero
+from conftest import launcher, read_metrics, run_cli, tiny_config, write_config, zero
 
 from mpp.models.vit import create_vit
 from mpp.objectives import create_objective
@@ -104,8 +104,8 @@ def test_the_monitor_on_three_zero3_ranks_is_what_knn_py_reports(tmp_path, digit
     cfg["monitor"] = {"bank_per_class": 7}
     path = write_config(tmp_path / "c.json", cfg)
     out = tmp_path / "run"
-    launcher = ["deepspeed", "--num_gpus", "3", "--master_port", str(free_port())]
-    r = run_cli([*launcher, "pretrain/run.py", "--config", str(path), "--output-dir", str(out)])
+    head = launcher(3)
+    r = run_cli([*head, "pretrain/run.py", "--config", str(path), "--output-dir", str(out)])
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     monitored = [m for m in read_metrics(out) if "monitor/knn_top1" in m]
     assert [m["step"] for m in monitored] == [0, 2, 4, 5]

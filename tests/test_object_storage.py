@@ -15,7 +15,15 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port, listed_samples, read_metrics, run_cli, tiny_config, write_config
+from conftest import (
+    free_port,
+    launcher,
+    listed_samples,
+    read_metrics,
+    run_cli,
+    tiny_config,
+    write_config,
+)
 
 from mpp.data import expand_shards, sources
 
@@ -102,8 +110,8 @@ def test_a_two_rank_run_from_a_bucket_survives_a_deleted_shard(s3, digits16, tmp
     cfg["monitor"] = {"bank_per_class": 2}
     path = write_config(tmp_path / "c.json", cfg)
     out = tmp_path / "run"
-    launcher = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port())]
-    cmd = [*launcher, "pretrain/run.py", "--config", str(path), "--output-dir", str(out)]
+    head = launcher(2)
+    cmd = [*head, "pretrain/run.py", "--config", str(path), "--output-dir", str(out)]
     log = open(tmp_path / "log", "w")
     job = subprocess.Popen(
         cmd,

@@ -28,7 +28,8 @@ from mpp.train.preemption import PREEMPTED_EXIT
 
 
 def launch(cfg_path, out, extra=()) -> list[str]:
-    return launch_cmd(2, cfg_path, out, *extra)
+    """The command a user types (``deepspeed ...``): the signals here go to its runner too."""
+    return launch_cmd(2, cfg_path, out, *extra, runner=True)
 
 
 def run_until(cmd, out, step: int, send, log=None) -> int:

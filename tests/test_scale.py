@@ -7,7 +7,7 @@ workers is test_data_census's 3-rank run."""
 import json
 
 import pytest
-from conftest import free_port, read_metrics, run_cli, tiny_config, write_config
+from conftest import launcher, read_metrics, run_cli, tiny_config, write_config
 
 
 def test_three_ranks_zero3_finetune_on_unequal_val_shards_and_a_bad_label(zero3_finetune):
@@ -34,11 +34,7 @@ def test_ranks_that_see_different_files_agree_on_one_epoch_length_and_resume_tag
     path = write_config(tmp_path / "c.json", tiny_config(digits16))
     r = run_cli(
         [
-            "deepspeed",
-            "--num_gpus",
-            "2",
-            "--master_port",
-            str(free_port()),
+            *launcher(2),
             "tests/rank_view.py",
             str(path),
             str(root),
@@ -74,9 +70,9 @@ def test_probes_on_two_ranks_equal_one(tmp_path, one_rank_probes):
     path = one_rank_probes["config"]
     for tool in ("knn", "linear_probe"):
         out = tmp_path / f"{tool}2"
-        launcher = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port())]
+        head = launcher(2)
         r = run_cli(
-            [*launcher, f"downstream/{tool}.py", "--config", str(path), "--output-dir", str(out)]
+            [*head, f"downstream/{tool}.py", "--config", str(path), "--output-dir", str(out)]
         )
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         one, two = one_rank_probes[tool], json.loads((out / "results.json").read_text())

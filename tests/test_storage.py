@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import free_port, read_metrics, run_cli, tiny_config, write_config
+from conftest import launcher, read_metrics, run_cli, tiny_config, write_config
 
 from mpp.checkpoint import storage
 from mpp.checkpoint.format import MARKER, saved_layout, tag_for
@@ -143,11 +143,7 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_resume_finishes(
     )  # checkpoints of ~1.7 MiB: the disk below holds 2.5 of them
     path = write_config(tmp_path / "c.json", cfg)
     launch = [
-        "deepspeed",
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(free_port()),
+        *launcher(2),
         "pretrain/run.py",
         "--config",
         str(path),
