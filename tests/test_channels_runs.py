@@ -352,12 +352,12 @@ def test_rgb_weights_start_a_four_band_fine_tune_adapted_and_say_so(runs, tmp_pa
     assert r.returncode == 2 and "model.init_chans_policy=adapt adapts RGB weights" in r.stderr
 
 
-def test_channels_and_in_chans_that_disagree_exit_2_naming_both(tmp_path, runs):
+def test_channels_and_in_chans_that_disagree_exit_2_naming_both(tmp_path, runs, capsys):
     cfg = dict(runs["tif"]["cfg"])
     cfg["model"] = {**cfg["model"], "in_chans": 3}
     path = write_config(tmp_path / "c.json", cfg)
-    r = run_cli(
-        ["python", "pretrain/run.py", "--config", str(path), "--output-dir", str(tmp_path / "x")]
-    )
-    assert r.returncode == 2 and "model.in_chans=3 but data.channels=4" in r.stderr
+    from mpp.commands.pretrain import main
+
+    code = main(["--config", str(path), "--output-dir", str(tmp_path / "x")])
+    assert code == 2 and "model.in_chans=3 but data.channels=4" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

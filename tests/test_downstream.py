@@ -200,7 +200,7 @@ def test_timm_export_has_timms_layout(two_rank_runs, tmp_path):
     )
 
 
-def test_finetune_and_probes_through_the_clis(zero3_finetune, one_rank_probes, tmp_path):
+def test_finetune_and_probes_through_the_clis(zero3_finetune, one_rank_probes, tmp_path, capsys):
     """A ZeRO-3 fine-tune through the launcher from a ZeRO-2 pretraining run, with mixup, cutmix,
     RandAugment and random erasing (conftest.zero3_finetune: 3 ranks, one epoch); then k-NN and
     the linear probe of the pretraining run (conftest.one_rank_probes)."""
@@ -218,23 +218,12 @@ def test_finetune_and_probes_through_the_clis(zero3_finetune, one_rank_probes, t
         assert res["num_train"] == 1497 and res["num_val"] == 300 and 0 <= res["top1"] <= 100
         assert res["eval"] == {"knn": "knn", "linear_probe": "linear"}[tool]
         assert res["init"] == str(pre_dir)
-    r = run_cli(
-        [
-            "python",
-            "downstream/knn.py",
-            "--config",
-            str(one_rank_probes["config"]),
-            "--set",
-            "init=/missing",
-            "--output-dir",
-            str(tmp_path / "x"),
-        ]
-    )
-    assert (
-        r.returncode == 2
-        and "init: /missing: no such file" in r.stderr
-        and not (tmp_path / "x").exists()
-    )
+    from mpp.commands.knn import main as knn_main  # in this process
+
+    argv = ["--config", str(one_rank_probes["config"]), "--set", "init=/missing"]
+    code = knn_main([*argv, "--output-dir", str(tmp_path / "x")])
+    assert code == 2 and "init: /missing: no such file" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 def test_a_fresh_head_is_initialised_as_in_maes_fine_tuning():
