@@ -185,8 +185,7 @@ def launcher(ranks: int) -> list[str]:
     return [
         *("env", f"PYTHONPATH={path}", sys.executable, "-u", "-m", "deepspeed.launcher.launch"),
         f"--world_info={world.decode()}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
+        *("--master_addr", "127.0.0.1", "--master_port", str(free_port())),
     ]
 
 
