@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# What a process costs before and after its work (BENCHMARKS.md, "Process start and exit"), from a
+# clone's root with the venv active: a 4-step tiny pretraining run (the tests' tiny_config, 16-px
+# digits) in one process with the command's gc.freeze at exit (as shipped) and with it
+# unregistered; then the same run on 2 ranks through the `deepspeed` runner and through
+# DeepSpeed's per-node launcher alone (what the runner runs on one node). ROUNDS interleaved
+# rounds; wall and user+sys CPU seconds per run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=1
+ROUNDS=${ROUNDS:-3}
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+python - "$TMP" <<'PY'
+import json, sys
+sys.path.insert(0, "tests")
+from conftest import tiny_config
+from mpp.data import digits_shards
+tmp = sys.argv[1]
+json.dump(tiny_config(digits_shards(img_size=16, cache_dir=tmp)), open(f"{tmp}/cfg.json", "w"))
+PY
+report() { tail -1 "$TMP/err" | awk -v m="$1" '{printf "%-22s wall %5.1f s  cpu %5.1f s\n", m, $1, $2 + $3}'; }
+one() {  # $1: freeze | plain
+  local pre="import mpp.commands"
+  [ "$1" = plain ] && pre="import atexit, gc, mpp.commands; atexit.unregister(gc.freeze)"
+  rm -rf "$TMP/run"
+  /usr/bin/time -f "%e %U %S" python -c "$pre
+import runpy, sys
+sys.argv = ['pretrain/run.py', '--config', '$TMP/cfg.json', '--output-dir', '$TMP/run']
+runpy.run_path('pretrain/run.py', run_name='__main__')" > /dev/null 2> "$TMP/err" || true
+  report "1 process, $1"
+}
+two() {  # $1: runner | launch.py
+  local port world head
+  port=$(python -c "from mpp.parallel.launch import free_port; print(free_port())")
+  world=$(python -c "import base64, json; print(base64.urlsafe_b64encode(json.dumps({'localhost': [0, 1]}).encode()).decode())")
+  if [ "$1" = runner ]; then head=(deepspeed --num_gpus 2 --master_port "$port")
+  else head=(env "PYTHONPATH=$PWD" python -u -m deepspeed.launcher.launch "--world_info=$world" --master_addr 127.0.0.1 --master_port "$port"); fi
+  rm -rf "$TMP/run"
+  /usr/bin/time -f "%e %U %S" "${head[@]}" pretrain/run.py --config "$TMP/cfg.json" --output-dir "$TMP/run" > /dev/null 2> "$TMP/err" || true
+  report "2 ranks, $1"
+}
+for _ in $(seq "$ROUNDS"); do one freeze; one plain; two runner; two launch.py; done
