@@ -4,7 +4,7 @@
 # digits) in one process with the command's gc.freeze at exit (as shipped) and with it
 # unregistered; then the same run on 2 ranks through the `deepspeed` runner and through
 # DeepSpeed's per-node launcher alone (what the runner runs on one node). ROUNDS interleaved
-# rounds; wall and user+sys CPU seconds per run.
+# rounds; wall and user+sys CPU seconds per run, then the medians.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
@@ -19,7 +19,10 @@ from mpp.data import digits_shards
 tmp = sys.argv[1]
 json.dump(tiny_config(digits_shards(img_size=16, cache_dir=tmp)), open(f"{tmp}/cfg.json", "w"))
 PY
-report() { tail -1 "$TMP/err" | awk -v m="$1" '{printf "%-22s wall %5.1f s  cpu %5.1f s\n", m, $1, $2 + $3}'; }
+report() {  # $1: the row's name; a run that wrote no encoder failed: said, not timed
+  if [ ! -f "$TMP/run/encoder.safetensors" ]; then echo "$1: FAILED"; tail -5 "$TMP/err"; return; fi
+  tail -1 "$TMP/err" | awk -v m="$1" '{printf "%s\t%.1f\t%.1f\n", m, $1, $2 + $3}' | tee -a "$TMP/rows"
+}
 one() {  # $1: freeze | plain
   local pre="import mpp.commands"
   [ "$1" = plain ] && pre="import atexit, gc, mpp.commands; atexit.unregister(gc.freeze)"
@@ -41,3 +44,14 @@ two() {  # $1: runner | launch.py
   report "2 ranks, $1"
 }
 for _ in $(seq "$ROUNDS"); do one freeze; one plain; two runner; two launch.py; done
+echo "medians (wall / cpu s):"
+python - "$TMP/rows" <<'PY'
+import statistics, sys
+rows = {}
+for line in open(sys.argv[1]):
+    name, wall, cpu = line.rstrip("\n").split("\t")
+    rows.setdefault(name, []).append((float(wall), float(cpu)))
+for name, runs in rows.items():
+    wall, cpu = (statistics.median(x) for x in zip(*runs))
+    print(f"  {name:<22} {wall:5.1f} / {cpu:5.1f}  ({len(runs)} runs)")
+PY

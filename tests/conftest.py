@@ -3,10 +3,10 @@ import io
 import json
 import os
 import pickle
-import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -177,16 +177,13 @@ def dist_group():
 def launcher(ranks: int) -> list[str]:
     """DeepSpeed's launcher for RANKS ranks on this node: what the ``deepspeed --num_gpus RANKS``
     runner runs on one node (``python -m deepspeed.launcher.launch``, the world encoded, the
-    working directory on PYTHONPATH) without the runner's own start, a second import of
-    DeepSpeed: 5 s of CPU per launch on this machine. The tests of the runner itself (signals
-    to it, its multi-node flags, the wheel, the product's own launches) run ``deepspeed``."""
+    environment as it is) without the runner's own start, a second import of DeepSpeed: 2-4 s of
+    CPU per launch on this machine. The tests of the runner itself (signals to it, its
+    multi-node flags, the wheel, the product's own launches) run ``deepspeed``."""
     world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(ranks))}).encode())
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    return [
-        *("env", f"PYTHONPATH={path}", sys.executable, "-u", "-m", "deepspeed.launcher.launch"),
-        f"--world_info={world.decode()}",
-        *("--master_addr", "127.0.0.1", "--master_port", str(free_port())),
-    ]
+    module = [sys.executable, "-u", "-m", "deepspeed.launcher.launch"]
+    flags = ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--log_level=info"]
+    return [*module, f"--world_info={world.decode()}", *flags]
 
 
 def launch_cmd(
@@ -203,23 +200,30 @@ def launch_cmd(
 
 
 @pytest.fixture(scope="session")
-def once(tmp_path_factory, worker_id):
+def once(tmp_path_factory, request):
     """``once(name, build)``: ``build(folder)``'s result, built once for the whole session. Under
     xdist a session fixture runs once per worker: here the first worker to ask builds it under a
     file lock and the other reads the result (pickled), so the suite's shared runs are launched
     once, not once per worker."""
-    if worker_id == "master":
-        return lambda name, build: build(tmp_path_factory.mktemp(name))
+    made: dict = {}
+    if not hasattr(request.config, "workerinput"):  # no xdist worker: the session is the suite
+
+        def local(name: str, build):
+            if name not in made:
+                made[name] = build(tmp_path_factory.mktemp(name))
+            return made[name]
+
+        return local
     root = tmp_path_factory.getbasetemp().parent / "once"  # the workers' common folder
     root.mkdir(exist_ok=True)
 
     def get(name: str, build):
         with FileLock(root / f"{name}.lock"):
             done = root / f"{name}.pickle"
-            if not done.exists():
-                shutil.rmtree(root / name, ignore_errors=True)  # another worker's failed try
-                (root / name).mkdir()
-                done.write_bytes(pickle.dumps(build(root / name)))
+            if not done.exists():  # a folder of its own per try: a failed one may still be written
+                result = build(Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root)))
+                (root / f"{name}.part").write_bytes(pickle.dumps(result))
+                os.replace(root / f"{name}.part", done)
             return pickle.loads(done.read_bytes())
 
     return get

@@ -78,7 +78,7 @@ def test_three_ranks_fine_tune_on_the_subset_and_the_probes_reuse_its_key_file(t
 
 
 def test_a_bad_subset_setting_exits_2_naming_the_key_and_the_file_before_any_run(
-    tmp_path, digits16, capsys
+    tmp_path, digits16, capfd
 ):
     from mpp.commands.knn import main as knn_main
     from mpp.commands.pretrain import main as pretrain_main
@@ -94,16 +94,17 @@ def test_a_bad_subset_setting_exits_2_naming_the_key_and_the_file_before_any_run
         f"data.label_keys={tmp_path / 'none.txt'}": "data.label_keys: cannot read",
         "data.label_fraction=1.5": "data.label_fraction: Input should be less than or equal to 1",
     }
+    capfd.readouterr()  # what the imports above printed (DeepSpeed's accelerator line)
     for i, (setting, message) in enumerate(cases.items()):
         argv = ["--config", str(path), "--set", setting]
         if i == 0:  # the process's whole stderr: the one line
             r = run_cli(["python", "downstream/knn.py", *argv])
             code, err = r.returncode, r.stderr
         else:  # the rest through the command's main, in this process
-            code, err = knn_main(argv), capsys.readouterr().err
+            code, err = knn_main(argv), capfd.readouterr().err
         assert code == 2 and message in err, err[-2000:]
         assert str(path) in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
     code = pretrain_main(["--config", "mpp_demo", "--set", "data.labels_per_class=3"])
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert code == 2 and "data.labels_per_class: a labelled subset is for fine-tuning" in err

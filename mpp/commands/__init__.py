@@ -9,10 +9,11 @@ import gc
 import importlib
 import sys
 
-# A command's process ends without the interpreter's last full collection (gc.freeze moves every
-# object out of its reach): over torch's and DeepSpeed's objects it took 2.5 s of each rank's and
-# each CLI's exit on a CPU, a quarter of a small run. Atexit handlers still run and objects still
-# go by reference count; only cyclic garbage is left for the process's end to free.
+# A process started through here (``mpp X``, pretrain/run.py, downstream/*.py, so each rank) ends
+# without the interpreter's last full collection (gc.freeze moves every object out of its reach):
+# over torch's and DeepSpeed's objects it took about 2 s of each exit on a CPU (BENCHMARKS.md,
+# "Process start and exit"). Atexit handlers still run, objects still go by reference count;
+# only cyclic garbage is left for the process's end to free.
 atexit.register(gc.freeze)
 
 # name -> (module with main(argv), one line for ``mpp --help``)
