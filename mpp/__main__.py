@@ -1,5 +1,3 @@
-"""``python -m mpp``: the ``mpp`` command (mpp.commands)."""
-
 import sys
 
 from mpp.commands import main

@@ -104,8 +104,7 @@ def stated_architecture(model: ModelConfig, weights: str) -> dict:
 
 
 def build_objective(cfg: Config) -> Objective:
-    """The objective module the trainer trains, from a validated config: its typed section's
-    ``build`` with the encoder, the mask generator (``masking``) and the data's pixel stats."""
+    """The objective the trainer trains, from a validated config (``model.init`` loaded if set)."""
     source = getattr(cfg, "_source", "<config>")
     objective_cfg = cfg.objective
     encoder = build_encoder(cfg)

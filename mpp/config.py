@@ -437,9 +437,7 @@ class RunConfig(Section):
 
 class MonitorSection(Section):
     """What pretraining measures every ``train.monitor_every`` steps (``mpp.train.monitor``): the
-    weighted k-NN of ``downstream/knn.py`` (``pool``, ``k``, ``temperature``) with a bank of
-    ``bank_per_class`` labelled training samples per class (chosen with ``seed``) scored on the
-    whole of ``val_shards``, and the objective's own signal on those held-out images."""
+    weighted k-NN of ``downstream/knn.py``, and the objective's own signal on held-out images."""
 
     bank_per_class: int = Field(20, gt=0)
     """The k-NN bank: this many labelled training images per class."""

@@ -191,7 +191,6 @@ class Checkpointer:
         return state
 
     def save(self, state: RunState) -> None:
-        """A complete checkpoint: every entry of ``states``."""
         client = {key: entry.state_dict() for key, entry in self.states(state).items()}
         rank_state = client.pop(RANK_STATE)
         # DeepSpeed writes its own
@@ -201,8 +200,6 @@ class Checkpointer:
         )
 
     def restore(self, root: str | Path, tag: str, state: RunState) -> None:
-        """Every rank: every entry of ``states`` loaded from ``root/tag`` for this run's layout,
-        the run state into ``state``."""
         at = Loading(root, tag, self.plan, self.seed)
         for key, entry in self.states(state).items():
             entry.load_state_dict(at.part(key), at)
@@ -220,8 +217,7 @@ class Checkpointer:
             )
 
     def maybe_save(self, state: RunState, stop: int) -> bool:
-        """After an optimiser step: a checkpoint when due (every ``interval`` steps, and at
-        ``stop``); whether one was written."""
+        """After an optimiser step; whether a checkpoint was due (and written)."""
         due = state.step % self.interval == 0 or state.step == stop
         if due:
             self.save(state)

@@ -434,9 +434,8 @@ def make_train_loader(
 
     ``stream``'s settings (or a fresh ``StreamConfig``) with ``settings`` replacing fields of it:
     ``make_train_loader(shards, batch_size=64, num_batches=100, img_size=224)``, or
-    ``make_train_loader(shards, plan.stream, epoch=e, rank=r)``. ``persistent``: keep the workers
-    across passes, each pass set with ``Loader.set_epoch(epoch, start_batch)``. ``key_log``: a
-    file that gets {"epoch", "batch", "keys"} for every batch (turns ``with_keys`` on).
+    ``make_train_loader(shards, plan.stream, epoch=e, rank=r)``. ``persistent``: as ``Loader``'s.
+    ``key_log``: a file that gets {"epoch", "batch", "keys"} for every batch (turns ``with_keys`` on).
     Batches are {"image": (B,3,H,W) uint8, "label": (B,) int64 if with_labels, "skipped": int}.
     Order and augmentation depend only on (seed, epoch, global batch, shards) and the rank's
     place in the global batch, not on the workers: with clean data, start_batch=k gives exactly

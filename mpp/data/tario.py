@@ -206,9 +206,8 @@ def tar_samples(
 def shard_samples(
     src: Iterator[dict], errors: SkipCounter, allow_pipe: bool = False, images_only: bool = False
 ) -> Iterator[dict]:
-    """Pipeline stage: {url[, skip][, keys]} -> samples {"__key__", "__url__", ext: bytes},
-    grouped by key within a shard (``tar_samples``); ``keys``: only these samples (a labelled
-    subset); ``skip``: the shard's first samples (of those) are passed over unread."""
+    """Pipeline stage: {url[, skip][, keys]} -> samples {"__key__", "__url__", ext: bytes}, each
+    shard read by ``tar_samples`` (``skip`` and ``keys`` as there)."""
     for item in src:
         url = item["url"]
         errors.shard_opened(url)

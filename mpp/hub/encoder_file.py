@@ -25,7 +25,6 @@ def export_encoder(
     path: str | Path,
     prefix: str = "encoder.",
 ) -> None:
-    """Write the encoder's fp32 weights (timm names) with the architecture in the metadata."""
     enc = {k[len(prefix) :]: v.float() for k, v in state_dict.items() if k.startswith(prefix)}
     if not enc:
         raise ValueError(f"no '{prefix}*' weights in the state dict")

@@ -239,7 +239,6 @@ def tensor_facts(sd: dict[str, torch.Tensor]) -> dict:
 
 
 def model_facts(model: VisionTransformer) -> dict:
-    """The same facts of a built model."""
     arch = model.architecture()
     return {k: arch[k] for k in (*SHAPE_FACTS, *STATED_FACTS)}
 

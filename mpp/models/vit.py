@@ -153,11 +153,9 @@ def resample_abs_pos_embed(
     num_prefix_tokens: int = 1,
     mode: str = "bicubic",
 ) -> Tensor:
-    """Resample a (1, prefix + H*W, D) position embedding to a new patch grid.
-
-    The prefix (cls) part is kept as is; the patch part is interpolated in 2-D (bicubic by
-    default, like timm and MAE's fine-tuning). A pure function, no module state.
-    """
+    """Resample a (1, prefix + H*W, D) position embedding to a new patch grid: the prefix (cls)
+    part kept, the patch part interpolated in 2-D (bicubic by default, as timm and MAE's
+    fine-tuning do)."""
     num_patches = pos_embed.shape[1] - num_prefix_tokens
     if old_size is None:
         side = math.isqrt(num_patches)

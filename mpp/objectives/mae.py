@@ -27,9 +27,7 @@ def normalize_patches(patches: Tensor, eps: float = 1e-6) -> Tensor:
 
 
 class MaskedAutoencoder(PerPatchObjective):
-    """``forward(images) -> (loss, metrics)`` on normalised images (B, C, H, W).
-
-    Targets are computed on the normalised images the objective receives, as MAE does."""
+    """Targets are computed on the normalised images the objective receives, as MAE does."""
 
     def __init__(
         self,
@@ -107,9 +105,7 @@ class MaskedAutoencoder(PerPatchObjective):
         return self.decoder_embed(self.forward_encoder(images, visible_idx), visible_idx)
 
     def forward_per_patch(self, images: Tensor, mask: Tensor | None = None) -> PerPatch:
-        """The whole step up to per-patch losses. Returns loss (B, N_mask) at the masked
-        indices idx (B, N_mask), the mask (B, N), the decoder input tokens (B, 1 + N, Dd)
-        and the pixel predictions pred (B, N, P*P*C)."""
+        """The step up to per-patch losses (``PerPatch``): n = N_mask, pred (B, N, P*P*C)."""
         if mask is None:
             mask = self.mask_generator(images.shape[0], images.device)
         visible_idx, masked_idx = mask_indices(mask, self.num_masked)  # (B, N_vis), (B, N_mask)
@@ -120,7 +116,6 @@ class MaskedAutoencoder(PerPatchObjective):
         return {"loss": loss, "idx": masked_idx, "mask": mask, "tokens": tokens, "pred": pred}
 
     def per_image_metrics(self, out: PerPatch) -> dict[str, Tensor]:
-        """The reconstruction loss of the masked patches, per image."""
         return {"rec_loss": out["loss"].mean(1)}
 
     def forward(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:

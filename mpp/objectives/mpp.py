@@ -58,8 +58,6 @@ class MPPPerPatch(PerPatch):
 
 
 class MaskedPatchPrediction(PerPatchObjective):
-    """``forward(images) -> (loss, metrics)`` on normalised images (B, 3, H, W)."""
-
     def __init__(
         self,
         encoder: VisionTransformer,
@@ -170,9 +168,7 @@ class MaskedPatchPrediction(PerPatchObjective):
         return self.encoder.encode(self.corrupt(self.encoder.patch_embed(images), mask)[0])
 
     def forward_per_patch(self, images: Tensor, mask: Tensor | None = None) -> MPPPerPatch:
-        """The whole step up to per-patch losses; HPM ranks these. Returns the corrupted
-        indices (B, n), their losses and accuracies (B, n), the kinds, the mask, the encoder
-        tokens (B, 1 + N, D) and the head's outputs pred (B, n, out)."""
+        """The step up to per-patch losses (``MPPPerPatch``), n the corrupted patches."""
         B = images.shape[0]
         if mask is None:
             mask = self.mask_generator(B, images.device)  # (B, N), exactly num_corrupt True

@@ -20,11 +20,10 @@ architecture fine-tuned from scratch on its own recipe (``scratch_config``: long
 init) -- the fair comparison -- and on the pretrained cells' recipe (``finetune_config``), which
 under-trains scratch and overstates pretraining's gain; results.md labels which is which.
 
-Every cell is validated in-process (config + objective + the evaluations' configs) before
-anything is launched. A finished cell+seed is skipped on a rerun, a half-done pretraining run
-resumes from its last checkpoint, and a failed run is recorded and does not stop the others.
-A preempted run (exit 75, ``mpp.train.preemption``), or SIGTERM / SIGUSR1 to the runner itself, stops
-the whole ablation with exit 75: the same command continues it.
+A finished cell+seed is skipped on a rerun, a half-done pretraining run resumes from its last
+checkpoint, and a failed run is recorded and does not stop the others. A preempted run (exit 75,
+``mpp.train.preemption``), or SIGTERM / SIGUSR1 to the runner itself, stops the whole ablation
+with exit 75: the same command continues it.
 """
 
 from __future__ import annotations
@@ -544,8 +543,7 @@ def prepare(spec: AblationSpec) -> tuple[AblationSpec, list[Job], list[Baseline]
 
 
 def run_ablation(spec: AblationSpec) -> tuple[list[dict], int]:
-    """Validate every cell, then run them all and the baselines on this machine; (rows, number
-    of failed rows). ConfigError before anything is created when a cell is bad."""
+    """``prepare``, then every cell and baseline run on this machine; (rows, how many failed)."""
     spec, jobs, baselines, model_sets = prepare(spec)
     launcher_args = (
         spec.launcher_args if spec.launcher_args is not None else default_launcher_args()

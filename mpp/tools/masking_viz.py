@@ -73,7 +73,6 @@ def strategy_rows(grid: int, ratio: float) -> list[tuple[str, str, dict]]:
 def render(
     grid: int = 14, ratio: float = 0.75, samples: int = 4, patch: int = 16, seed: int = 0
 ) -> Image.Image:
-    """The whole sheet as a PIL image."""
     size = grid * patch
     image = load_image(size)
     scores = patch_scores(image, grid)

@@ -61,9 +61,8 @@ def load_images(
 
 
 def deepspeed_weights(folder: Path) -> dict[str, Tensor]:
-    """The module's weights in a DeepSpeed checkpoint folder: the root (``latest`` names the
-    tag) or one tag folder, in fp32 (``mpp.checkpoint.format.zero_to_fp32``: ZeRO 1-3 consolidated
-    from the optimiser shards, frozen parameters such as the teacher's included)."""
+    """The module's fp32 weights in a DeepSpeed checkpoint folder, its root (``latest`` names the
+    tag) or a tag (``mpp.checkpoint.format.zero_to_fp32``: frozen ones such as the teacher's too)."""
     found = find_checkpoint(folder)
     if found is None:
         raise FileNotFoundError(f"{folder}: no DeepSpeed checkpoint there")

@@ -103,7 +103,6 @@ class Schedule:
         )
 
     def apply(self, optimizer: torch.optim.Optimizer, state: Any) -> float:
-        """Set the lr of the step ``state`` is about to take; returns it."""
         set_lr(optimizer, lr := self.lr(state))
         return lr
 

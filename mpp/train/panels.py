@@ -180,7 +180,6 @@ def panel_grid(panels: list[Tensor], scale: int | None = None) -> Tensor:
 
 
 def save_picture(panels: list[Tensor], path: str | Path, scale: int | None = None) -> Image.Image:
-    """``panel_grid`` as a PNG at ``path``; returns the image."""
     picture = Image.fromarray(panel_grid(panels, scale).permute(1, 2, 0).numpy())
     picture.save(path, format="PNG")
     return picture

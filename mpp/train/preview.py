@@ -1,8 +1,5 @@
-"""Pictures of the objective while it trains (``train.preview_every`` steps): on a fixed set of
-validation images, the masked input, the reconstruction (MAE with ``norm_pix_loss``: each
-predicted patch un-normalised with the true patch's own mean and variance; MPP: each masked
-patch in its predicted colour) and for HPM the teacher's predicted-loss map and the mask it chose
-(``mpp.train.panels``), into TensorBoard and W&B.
+"""Pictures of the objective while it trains (``train.preview_every`` steps): the panels of
+``mpp.train.panels`` on a fixed set of validation images, into TensorBoard and W&B.
 
 The images are drawn once, the masks from a fixed seed in a forked RNG, so every preview shows
 the same images under the same masks and training draws exactly what it would without them. A

@@ -186,9 +186,8 @@ class Trainer:
         return stepped and self.state.step % self.evaluate_every == 0
 
     def recover(self, error: NonFiniteLossError) -> None:
-        """``train.on_nonfinite=rollback``: back to the last complete checkpoint with the data past
-        the batch that failed (``mpp.train.nonfinite.roll_back``), metrics.jsonl rewound to that step with
-        the event recorded; re-raises otherwise."""
+        """``train.on_nonfinite=rollback`` (``mpp.train.nonfinite.roll_back``), metrics.jsonl
+        rewound to the step it went back to, the event recorded; re-raises otherwise."""
         # the batch that failed is behind us
         advance(self.state, self.plan, self.cfg, stepped=False)
         roll_back(self.checkpointer, self.state, error, self.cfg.train)

@@ -70,9 +70,8 @@ def train_classifier(
     resume: str | None = None,
     hooks: Sequence[Any] = (),
 ) -> dict:
-    """Fine-tune under DeepSpeed, evaluate every epoch (or ``finetune.eval_every`` steps), keep
-    the last and the best weights, write results.json (top1, top5, epoch and init of the last
-    evaluation; ``max_top1`` the best on the validation set, an extra) and, with few labels,
+    """Fine-tune under DeepSpeed, evaluated every epoch (or ``finetune.eval_every`` steps) by
+    ``Evaluator`` (the last and best weights, results.json) and, with few labels, write
     ``label_keys.txt``. Returns the results on rank 0."""
     model_kwargs = {**vit_config(cfg.model.name), **encoder_kwargs(cfg, model.encoder)}
     if plan.subset is not None and dist.get_rank() == 0:  # few labels: which ones, for reuse

@@ -143,8 +143,7 @@ def linear_probes(
 ) -> list[dict[str, float]]:
     """A BatchNorm + Linear head per slot of the cached features (N, S, D), all trained in one
     pass with SGD (lr = blr x batch / 256, warm-up + cosine); top-1/top-5 of the last epoch on
-    ``val`` per slot. Each head starts from ``seed``, as it would alone. ``settings``: the probe
-    section's epochs, batch_size, blr, momentum, weight_decay and warmup_epochs."""
+    ``val`` per slot. Each head starts from ``seed``, as it would alone."""
     epochs, batch_size = settings.epochs, settings.batch_size
     device = train_y.device
     peak = scaled_lr(settings.blr, batch_size)
