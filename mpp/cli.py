@@ -17,6 +17,16 @@ from mpp.config import Config, ConfigError, load_config, save_config
 from mpp.hub.encoder_file import MODEL_FILE
 
 
+def add_set_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key, value as JSON",
+    )
+
+
 def run_parser(
     doc: str, configs: str, resume: bool = True, submit: bool = False
 ) -> argparse.ArgumentParser:
@@ -28,13 +38,7 @@ def run_parser(
     p.add_argument(
         "--config", required=True, help=f"a JSON file, or a name in configs/ ({configs})"
     )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a key, value as JSON",
-    )
+    add_set_argument(p)
     p.add_argument("--output-dir", help="the run directory (default: the config's output_dir)")
     if resume:
         g = p.add_mutually_exclusive_group()

@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from mpp.cli import add_set_argument
 from mpp.config import Config, ConfigError, FinetuneConfig, ProbeConfig, load_config
 
 KINDS = {"pretrain": Config, "finetune": FinetuneConfig, "probe": ProbeConfig}
@@ -68,13 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "config", nargs="?", help="a config to show resolved (a file, or a name in configs/)"
     )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a key, value as JSON",
-    )
+    add_set_argument(p)
     p.add_argument(
         "--explain", metavar="KEY", help="what KEY means: its type, default and description"
     )

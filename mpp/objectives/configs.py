@@ -130,9 +130,6 @@ class MAEConfig(MAEBase, _Decoder):
         return MaskedAutoencoder(encoder, mask, **self.kwargs())
 
 
-HPM_BASE_CONFIGS: dict[str, type[MAEBase | MPPConfig]] = {"mae": MAEBase, "mpp": MPPConfig}
-
-
 class HPMConfig(_Section, _Decoder):
     """HPM (mpp.objectives.hpm) around ``base``; it chooses its masks itself (its teacher)."""
 

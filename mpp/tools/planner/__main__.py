@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mpp.cli import add_set_argument
 from mpp.tools.planner.cli import add_plan_arguments, plan_main
 
 
@@ -20,13 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("config", help="a JSON file, or a name in configs/ (mae_b16, ...)")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a key, value as JSON",
-    )
+    add_set_argument(p)
     add_plan_arguments(p)
     args = p.parse_args(argv)
     return plan_main(args.config, args.set, args.gpus, args.gpu, args.out)

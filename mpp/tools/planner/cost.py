@@ -85,11 +85,6 @@ class OpCosts(TorchDispatchMode):
         self.calls[(int(flops), _nbytes(args) + _nbytes(kwargs) + written)] += 1
         return out
 
-    def totals(self) -> tuple[int, int]:
-        """(FLOPs, bytes) of all calls."""
-        flops = sum(f * n for (f, _), n in self.calls.items())
-        return flops, sum(b * n for (_, b), n in self.calls.items())
-
 
 def roofline(calls: list[tuple[int, int, int]], images: int, spec: GPU) -> dict[str, float]:
     """Seconds per image on ``spec`` from op calls (flops, bytes, count) measured on ``images``
