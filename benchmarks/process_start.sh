@@ -4,7 +4,10 @@
 # digits) in one process with the command's gc.freeze at exit (as shipped) and with it
 # unregistered; then the same run on 2 ranks through the `deepspeed` runner and through
 # DeepSpeed's per-node launcher alone (what the runner runs on one node). ROUNDS interleaved
-# rounds; wall and user+sys CPU seconds per run, then the medians.
+# rounds; wall and user+sys CPU seconds per run, then the medians. Last, what a rank imports before
+# its first step, stage by stage (each a fresh interpreter): torch; DeepSpeed and mpp's command;
+# torch._dynamo, which torch.optim's first optimizer imports; torch._inductor, which DeepSpeed's
+# check for its Muon optimizer imports at deepspeed.initialize under ZeRO 1-3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
@@ -43,7 +46,16 @@ two() {  # $1: runner | launch.py
   /usr/bin/time -f "%e %U %S" "${head[@]}" pretrain/run.py --config "$TMP/cfg.json" --output-dir "$TMP/run" > /dev/null 2> "$TMP/err" || true
   report "2 ranks, $1"
 }
-for _ in $(seq "$ROUNDS"); do one freeze; one plain; two runner; two launch.py; done
+imports() {  # $1: the row's name, $2: the modules
+  /usr/bin/time -f "%e %U %S" python -c "import $2" > /dev/null 2> "$TMP/err" || true
+  tail -1 "$TMP/err" | awk -v m="$1" '{printf "%s\t%.1f\t%.1f\n", m, $1, $2 + $3}' | tee -a "$TMP/rows"
+}
+STAGES=(torch "torch, deepspeed, mpp.commands.pretrain" torch._dynamo deepspeed.runtime.zero.muon.muon_optimizer)
+for _ in $(seq "$ROUNDS"); do
+  one freeze; one plain; two runner; two launch.py
+  mods=""
+  for m in "${STAGES[@]}"; do mods="${mods:+$mods, }$m"; imports "imports up to $m" "$mods"; done
+done
 echo "medians (wall / cpu s):"
 python - "$TMP/rows" <<'PY'
 import statistics, sys
@@ -53,5 +65,5 @@ for line in open(sys.argv[1]):
     rows.setdefault(name, []).append((float(wall), float(cpu)))
 for name, runs in rows.items():
     wall, cpu = (statistics.median(x) for x in zip(*runs))
-    print(f"  {name:<22} {wall:5.1f} / {cpu:5.1f}  ({len(runs)} runs)")
+    print(f"  {name:<62} {wall:5.1f} / {cpu:5.1f}  ({len(runs)} runs)")
 PY

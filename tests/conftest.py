@@ -9,6 +9,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+import forkrun
 import pytest
 import torch
 from filelock import FileLock
@@ -28,30 +29,34 @@ torch.set_num_threads(1)
 # default of a thread per core (measured 67 s -> 30 s, one process 41 s -> 18 s); a value set
 # outside is kept
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# unbuffered as python -u and the launchers' ranks: forkrun's server is started with this
+# environment, and a buffered line would be written twice by a data worker forked from a rank
+os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 
 # make test runs --dist loadfile --no-loadscope-reorder: the files go out to the 2 workers in the
-# order collected, and these go first, the longest first (a full suite's durations, 2026-11-27),
-# so that no long one starts while the other worker is nearly done; xdist's default sends the
-# files with the most tests first, most of them quick. (Grouping files that share a session
+# order collected, and these go first, the longest first (a full suite's durations with forkrun,
+# 2026-11-27), so that no long one starts while the other worker is nearly done; xdist's default
+# sends the files with the most tests first, most of them quick. (Grouping files that share a session
 # fixture's runs with --dist loadgroup does not work with pytest 9: xdist 3.8 renames the test
 # ids through Node._nodeid, which pytest 9 no longer reads, so every test became its own group.)
 LONGEST_FIRST = (
     "test_ablate",
-    "test_demo_runs",
-    "test_faults",
-    "test_runner",
     "test_preemption",
-    "test_elastic",
     "test_benchmarks",
-    "test_submit",
-    "test_channels_runs",
     "test_api",
     "test_reference",
-    "test_engine",
-    "test_storage",
-    "test_hpm_zero",
     "test_plan_gpu",
+    "test_submit",
+    "test_demo_runs",
+    "test_runner",
+    "test_elastic",
+    "test_faults",
+    "test_doctor",
+    "test_channels_runs",
+    "test_object_storage",
+    "test_hpm_zero",
+    "test_engine",
     "test_downstream",
 )
 
@@ -129,6 +134,12 @@ def listed_samples(spec) -> int:
     return sum(listed[s.rsplit("/", 1)[-1]] for s in shards)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def forkserver():
+    """forkrun's server, started before the first test (not inside one that patches the env)."""
+    forkrun.start()
+
+
 def write_config(path: Path, cfg: dict) -> Path:
     path.write_text(json.dumps(cfg))
     return path
@@ -140,11 +151,13 @@ def cli_env(extra: dict | None = None) -> dict:
 
 
 def run_cli(
-    args: list[str], timeout: int = 240, env: dict | None = None, **kw
+    args: list[str], timeout: int = 240, env: dict | None = None, fresh: bool = False
 ) -> subprocess.CompletedProcess:
-    """Run a command from the repo root; output captured as text."""
-    return subprocess.run(
-        args, cwd=REPO, env=cli_env(env), capture_output=True, text=True, timeout=timeout, **kw
+    """Run a command from the repo root; output captured as text. A python command or a launch
+    runs forked from a warm interpreter (forkrun) unless ``fresh``."""
+    done = None if fresh else forkrun.run(args, REPO, cli_env(env), timeout)
+    return done or subprocess.run(
+        args, cwd=REPO, env=cli_env(env), capture_output=True, text=True, timeout=timeout
     )
 
 
