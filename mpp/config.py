@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from mpp.masking import MASKING_CONFIGS, MaskingConfig, RandomMasking
-from mpp.objectives.configs import HPMConfig, MPPConfig, ObjectiveConfig
+from mpp.objectives.configs import MPPConfig, ObjectiveConfig
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
 from mpp.parallel.ds_config import derive
 from mpp.sections import Section, refusal
@@ -645,27 +645,22 @@ def as_overrides(values: dict[str, Any]) -> list[str]:
 
 
 def _format_error(
-    err: ValidationError, source: str, cls: type[BaseModel], overrides: list[str] = ()
+    err: ValidationError, raw: Any, source: str, cls: type[BaseModel], overrides: list[str] = ()
 ) -> str:
     """The first error in one line: where (the file, or the ``--set`` that made it), the key,
     what is wrong (``mpp.sections.refusal``)."""
-    key, msg = refusal(err, cls)
+    key, msg = refusal(err, cls, raw)
     source = attributed(source, key, overrides, err.errors()[0]["type"] == "extra_forbidden")
     return f"{source}: {key}: {msg}" if key else f"{source}: {msg}"
 
 
 def attributed(source: str, key: str, overrides: list[str], unknown: bool = False) -> str:
     """Where ``key``'s value came from: the ``--set`` that made it (over the file), else the
-    file. ``unknown``: an unknown key, which a ``--set`` of a key below it may have made, or
-    HPM's flat form filed under objective.base (a key HPM does not own)."""
+    file. ``unknown``: an unknown key, which a ``--set`` of a key below it may have made."""
     for item in overrides:
         name = item.split("=", 1)[0].strip()
-        parent, _, leaf = name.rpartition(".")
         if key and (
-            key == name
-            or key.startswith(name + ".")
-            or (unknown and name.startswith(key + "."))
-            or (unknown and key == f"{parent}.base.{leaf}" and leaf not in HPMConfig.model_fields)
+            key == name or key.startswith(name + ".") or (unknown and name.startswith(key + "."))
         ):
             return f"--set {item} (over {source})"
     return source
@@ -685,7 +680,7 @@ def validate(
     try:
         return cls.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_format_error(err, source, cls, overrides)) from None
+        raise ConfigError(_format_error(err, raw, source, cls, overrides)) from None
 
 
 def load_config(

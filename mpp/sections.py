@@ -40,10 +40,11 @@ def _keys(members: list[type[BaseModel]]) -> list[str]:
     return sorted({n for m in members for n, f in m.model_fields.items() if _tag(f) is None})
 
 
-def refusal(err: ValidationError, cls: type[BaseModel]) -> tuple[str, str]:
+def refusal(err: ValidationError, cls: type[BaseModel], raw: Any = None) -> tuple[str, str]:
     """pydantic's first error in ``cls`` as (dotted key, what is wrong): a tagged union's tag is
     no key (objective.base.bits, not objective.hpm.base.mpp.bits); an unknown key comes with the
-    nearest key its section has, else with all of them; a refused value, with the value."""
+    nearest key its section has, else with all of them; a refused value, with the value. With
+    the ``raw`` input, a key of HPM's flat form is named as written (objective.bits)."""
     e = err.errors()[0]
     loc = [str(x) for x in e["loc"] if not str(x).startswith("function-after")]
     unknown = e["type"] == "extra_forbidden"
@@ -80,4 +81,21 @@ def refusal(err: ValidationError, cls: type[BaseModel]) -> tuple[str, str]:
         msg = f"Input should be {', '.join(tags[:-1])} or {tags[-1]} (got {e['ctx']['tag']!r})"
     elif "input" in e and e["type"] not in ("missing", "value_error"):
         msg += f" (got {e['input']!r})"
+    return _as_written(keys, msg, raw)
+
+
+def _as_written(keys: list[str], msg: str, raw: Any) -> tuple[str, str]:
+    """HPM's flat form puts its base's keys beside its own; its validator files them under
+    ``base``. Where ``raw`` has the key there and no ``base`` section, name it (and a hint in
+    ``msg``) as the user wrote it."""
+    node = raw
+    for i, part in enumerate(keys[:-1]):
+        if not isinstance(node, dict):
+            break
+        flat = part == "base" and not isinstance(node.get("base"), dict)
+        if flat and keys[i + 1] != "name" and keys[i + 1] in node:  # its name is "base": X
+            nested = "".join(k + "." for k in keys[: i + 1])
+            written = nested.removesuffix("base.")
+            return written + ".".join(keys[i + 1 :]), msg.replace(nested, written)
+        node = node.get(part)
     return ".".join(keys), msg

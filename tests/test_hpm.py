@@ -403,7 +403,7 @@ def test_bad_arguments():
         (dict(base="simmim"), r"base.name: Input should be 'mae' or 'mpp' \(got 'simmim'\)"),
         (dict(hard_ratio=1.5), "hard_ratio.*1.5"),
         # the keys of the base it picked, mpp's
-        (dict(base="mpp", norm_pix_loss=True), "base.norm_pix_loss: unknown key; allowed: bits,"),
+        (dict(base="mpp", norm_pix_loss=True), "'hpm': norm_pix_loss: unknown key; allowed: bits,"),
     ]:
         with pytest.raises(ValueError, match=match):
             create_objective("hpm", enc, **SMALL, **kwargs)

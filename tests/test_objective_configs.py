@@ -58,12 +58,20 @@ def test_hpm_flat_and_nested_forms_are_one_config():
             "objective.base.name: Input should be 'mae' or 'mpp' (got 'simmim')",
         ),
         (
-            {"name": "hpm", "base": "mpp", "bits": 0},
+            {"name": "hpm", "base": "mpp", "bits": 0},  # the flat form: named as written
+            "objective.bits: Input should be greater than or equal to 1",
+        ),
+        (
+            {"name": "hpm", "base": {"name": "mpp", "bits": 0}},
             "objective.base.bits: Input should be greater than or equal to 1",
         ),
         (
             {"name": "hpm", "base": "mpp", "norm_pix_loss": True},
-            "objective.base.norm_pix_loss: unknown key",
+            "objective.norm_pix_loss: unknown key",
+        ),
+        (
+            {"name": "hpm", "mask_rati": 0.5},
+            "objective.mask_rati: unknown key (did you mean objective.mask_ratio?)",
         ),
         (
             {"name": "hpm", "schedule": "linear"},

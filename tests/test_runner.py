@@ -279,7 +279,7 @@ def test_bare_config_name_resolves_in_configs_dir(capsys, tmp_path):
     code = main(["--config", "hpm_demo", "--set", "objective.hard_ration=0.5"])
     err = capsys.readouterr().err
     assert code == 2 and "--set objective.hard_ration=0.5 (over " in err, err
-    assert "objective.base.hard_ration: unknown key (did you mean objective.hard_ratio?)" in err
+    assert "objective.hard_ration: unknown key (did you mean objective.hard_ratio?)" in err
     # ... but HPM's own key in the file's nested base is the file's, beside a valid --set of it
     hpm = json.loads((REPO / "configs" / "hpm_demo.json").read_text())
     hpm["objective"] = {"name": "hpm", "base": {"name": "mae", "hard_ratio": 0.5}}

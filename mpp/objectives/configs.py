@@ -204,5 +204,5 @@ def parse_objective(name: str, kwargs: dict[str, Any]) -> MPPConfig | MAEConfig 
     try:
         return section.model_validate({**kwargs, "name": name})
     except ValidationError as err:
-        key, msg = refusal(err, section)
+        key, msg = refusal(err, section, kwargs)
         raise ValueError(f"objective {name!r}: " + (f"{key}: {msg}" if key else msg)) from None
