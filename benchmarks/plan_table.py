@@ -1,6 +1,6 @@
 """The planning table of BENCHMARKS.md: ViT-B/L/H x MPP/MAE/HPM x ZeRO 1/2/3 on 8 and 64 GPUs.
 
-    python -m mpp.tools.planner.table [--gpu h100] [--out plan-table.md]
+    python -m benchmarks.plan_table [--gpu h100] [--out plan-table.md]
 
 One fake step per model and objective (``mpp.tools.planner.fake_step``; its measurements do not depend on the
 ZeRO stage or the GPU count), then ``mpp.tools.planner.report.plan_gpus`` for every stage and count.
@@ -82,7 +82,7 @@ def rows_for(model: str, objective: str, spec: Any) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mpp.tools.planner.table", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.plan_table", description=__doc__)
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100")
     p.add_argument("--out", help="also write the table here")
     args = p.parse_args(argv)
