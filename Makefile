@@ -1,8 +1,8 @@
 # One entry point. `make test` and `make demo` create .venv themselves.
 # On a machine without an NVIDIA GPU the CPU build of torch is installed first, pinned,
 # so that no dependency drags in the multi-GB CUDA wheels; with one, the `gpu` extra. The rest
-# goes in through uv (the same versions as pip, fetched in parallel: the install took 61 s
-# instead of pip's 280 s, BENCHMARKS "Install"); pip takes over should uv fail.
+# goes in through uv (the same versions as pip: 39 s instead of pip's 175 s on the CI machine,
+# BENCHMARKS.md "Install"); pip takes over should uv fail.
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
