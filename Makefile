@@ -1,11 +1,12 @@
 # One entry point. `make test` and `make demo` create .venv themselves.
 # On a machine without an NVIDIA GPU the CPU build of torch is installed first, pinned,
-# so that no dependency drags in the multi-GB CUDA wheels; with one, the `gpu` extra. The rest
-# goes in through uv (the same versions as pip: 39 s instead of pip's 175 s on the CI machine,
-# BENCHMARKS.md "Install"); pip takes over should uv fail.
+# so that no dependency drags in the multi-GB CUDA wheels, and the rest goes in through uv (the
+# same versions as pip: 39 s instead of pip's 175 s on this machine, BENCHMARKS.md "Install";
+# pip does it where uv cannot be installed or fails); with a GPU, pip and the `gpu` extra.
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
+UV        ?= uv==0.13.9
 # on a GPU machine: the torch the xformers wheel was built for (pyproject's `gpu` extra), from
 # PyTorch's index for its CUDA (README, "GPU install")
 TORCH_GPU_INDEX ?= https://download.pytorch.org/whl/cu128
@@ -20,10 +21,12 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q "$(TORCH_CPU)" uv; fi
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q "$(TORCH_CPU)" && \
+		{ $(PY) -m pip install -q "$(UV)" || true; }; fi
 	if command -v nvidia-smi >/dev/null 2>&1; then \
 		$(PY) -m pip install -q -e '.[test,gpu]' --extra-index-url $(TORCH_GPU_INDEX); \
-	else $(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode -e '.[test]' \
+	else { test -x $(VENV)/bin/uv && \
+		$(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode -e '.[test]'; } \
 		|| $(PY) -m pip install -q -e '.[test]'; fi
 	touch $@
 

@@ -20,7 +20,7 @@ for way in uv pip; do
   python3 -m venv "$TMP/$way"
   py="$TMP/$way/bin/python"
   if [ "$way" = uv ]; then
-    step "uv: pip install torch uv" "$py" -m pip install -q "$TORCH" uv
+    step "uv: pip install torch uv" "$py" -m pip install -q "$TORCH" "${UV:-uv==0.13.9}"
     step "uv: uv pip install -e .[test]" "$TMP/$way/bin/uv" pip install -q --python "$py" --compile-bytecode -e '.[test]'
   else
     step "pip: pip install torch" "$py" -m pip install -q "$TORCH"

@@ -46,11 +46,13 @@ two() {  # $1: runner | launch.py
   /usr/bin/time -f "%e %U %S" "${head[@]}" pretrain/run.py --config "$TMP/cfg.json" --output-dir "$TMP/run" > /dev/null 2> "$TMP/err" || true
   report "2 ranks, $1"
 }
-imports() {  # $1: the row's name, $2: the modules
-  /usr/bin/time -f "%e %U %S" python -c "import $2" > /dev/null 2> "$TMP/err" || true
+imports() {  # $1: the row's name, $2: the modules; a failed import is said, not timed
+  if ! /usr/bin/time -f "%e %U %S" python -c "import $2" > /dev/null 2> "$TMP/err"; then
+    echo "$1: FAILED"; tail -5 "$TMP/err"; return
+  fi
   tail -1 "$TMP/err" | awk -v m="$1" '{printf "%s\t%.1f\t%.1f\n", m, $1, $2 + $3}' | tee -a "$TMP/rows"
 }
-STAGES=(torch "torch, deepspeed, mpp.commands.pretrain" torch._dynamo deepspeed.runtime.zero.muon.muon_optimizer)
+STAGES=(torch "deepspeed, mpp.commands.pretrain" torch._dynamo deepspeed.runtime.zero.muon.muon_optimizer)
 for _ in $(seq "$ROUNDS"); do
   one freeze; one plain; two runner; two launch.py
   mods=""

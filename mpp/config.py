@@ -656,8 +656,9 @@ def _format_error(
 
 def attributed(source: str, key: str, overrides: list[str], unknown: bool = False) -> str:
     """Where ``key``'s value came from: the ``--set`` that made it (over the file), else the
-    file. ``unknown``: an unknown key, which a ``--set`` of a key below it may have made."""
-    for item in overrides:
+    file (the last such ``--set``: it is the one that holds). ``unknown``: an unknown key, which a
+    ``--set`` of a key below it may have made."""
+    for item in reversed(overrides):
         name = item.split("=", 1)[0].strip()
         if key and (
             key == name or key.startswith(name + ".") or (unknown and name.startswith(key + "."))

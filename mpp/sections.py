@@ -50,9 +50,12 @@ def refusal(err: ValidationError, cls: type[BaseModel], raw: Any = None) -> tupl
     unknown = e["type"] == "extra_forbidden"
     keys, members = [], [cls]
     entered = [("", members)]  # each section the walk entered, after its key
+    owners = {}  # where a "base" field sits in keys: the keys its section owns (HPM's)
     for part in loc[:-1] if unknown else loc:
         fields = [m.model_fields[part] for m in members if part in m.model_fields]
         if fields:
+            if part == "base":
+                owners[len(keys)] = {n for m in members for n in m.model_fields}
             keys.append(part)
             if sections_in(fields[0].annotation):
                 members = sections_in(fields[0].annotation)
@@ -81,21 +84,26 @@ def refusal(err: ValidationError, cls: type[BaseModel], raw: Any = None) -> tupl
         msg = f"Input should be {', '.join(tags[:-1])} or {tags[-1]} (got {e['ctx']['tag']!r})"
     elif "input" in e and e["type"] not in ("missing", "value_error"):
         msg += f" (got {e['input']!r})"
-    return _as_written(keys, msg, raw)
+    return _as_written(keys, msg, raw, owners)
 
 
-def _as_written(keys: list[str], msg: str, raw: Any) -> tuple[str, str]:
-    """HPM's flat form puts its base's keys beside its own; its validator files them under
-    ``base``. Where ``raw`` has the key there and no ``base`` section, name it (and a hint in
-    ``msg``) as the user wrote it."""
+def _as_written(
+    keys: list[str], msg: str, raw: Any, owners: dict[int, set[str]]
+) -> tuple[str, str]:
+    """HPM's flat form puts its base's keys beside its own, and its validator files each key it
+    does not own under ``base``: such a key, found beside ``base`` in ``raw``, is named (its
+    hint too) as the user wrote it."""
     node = raw
     for i, part in enumerate(keys[:-1]):
         if not isinstance(node, dict):
             break
-        flat = part == "base" and not isinstance(node.get("base"), dict)
-        if flat and keys[i + 1] != "name" and keys[i + 1] in node:  # its name is "base": X
+        moved = keys[i + 1]
+        if i in owners and moved in node and moved not in owners[i]:
             nested = "".join(k + "." for k in keys[: i + 1])
             written = nested.removesuffix("base.")
-            return written + ".".join(keys[i + 1 :]), msg.replace(nested, written)
+            msg = msg.replace(f"did you mean {nested}", f"did you mean {written}")
+            if msg.startswith("unknown key; allowed: "):
+                msg += f" (its base's); its own: {', '.join(sorted(owners[i] - {'name', 'base'}))}"
+            return written + ".".join(keys[i + 1 :]), msg
         node = node.get(part)
     return ".".join(keys), msg

@@ -84,7 +84,8 @@ def _child(argv: list[str], env: dict, cwd: str, out: str, err: str) -> None:
         if argv[0] == "-m":
             sys.argv = argv[1:]
             sys.path[:0] = [cwd, *extra]
-            sys.modules.pop(argv[1], None)  # preloaded: run as __main__, as python -m does
+            if not hasattr(sys.modules.get(argv[1]), "__path__"):  # a package runs __main__
+                sys.modules.pop(argv[1], None)  # preloaded: run as __main__, as python -m does
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(argv)

@@ -403,7 +403,11 @@ def test_bad_arguments():
         (dict(base="simmim"), r"base.name: Input should be 'mae' or 'mpp' \(got 'simmim'\)"),
         (dict(hard_ratio=1.5), "hard_ratio.*1.5"),
         # the keys of the base it picked, mpp's
-        (dict(base="mpp", norm_pix_loss=True), "'hpm': norm_pix_loss: unknown key; allowed: bits,"),
+        (
+            dict(base="mpp", norm_pix_loss=True),
+            r"'hpm': norm_pix_loss: unknown key; allowed: bits, .* \(its base's\); "
+            "its own: .*hard_ratio,",
+        ),
     ]:
         with pytest.raises(ValueError, match=match):
             create_objective("hpm", enc, **SMALL, **kwargs)

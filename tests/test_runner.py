@@ -287,6 +287,13 @@ def test_bare_config_name_resolves_in_configs_dir(capsys, tmp_path):
     code = main(["--config", str(tmp_path / "nested.json"), "--set", "objective.hard_ratio=0.6"])
     err = capsys.readouterr().err
     assert code == 2 and f"error: {tmp_path / 'nested.json'}: objective.base.hard_ratio:" in err
+    # a key --set beside the file's nested base: HPM files it under base, named as written
+    hpm["objective"] = {"name": "hpm", "base": {"name": "mae"}}
+    (tmp_path / "nested.json").write_text(json.dumps(hpm))
+    code = main(["--config", str(tmp_path / "nested.json"), "--set", "objective.bits=0"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--set objective.bits=0 (over " in err, err
+    assert "objective.bits: unknown key" in err, err
 
 
 def test_demo_config_learns(tmp_path, demo_cache):

@@ -200,6 +200,8 @@ class Checkpointer:
         )
 
     def restore(self, root: str | Path, tag: str, state: RunState) -> None:
+        """Every rank: every entry of ``states`` loaded from ``root/tag`` for this run's layout,
+        the run state into ``state``."""
         at = Loading(root, tag, self.plan, self.seed)
         for key, entry in self.states(state).items():
             entry.load_state_dict(at.part(key), at)

@@ -77,7 +77,10 @@ def _build(folder: Path, img_size: int, resample: str) -> None:
 def digits_shards(
     img_size: int = 32, cache_dir: str | os.PathLike | None = None, resample: str = "bicubic"
 ) -> dict:
-    """Build (once) and describe the digits shards: {"train": spec, "val": spec, "num_classes", ...}."""
+    """Build (once) and describe the digits shards: {"train": spec, "val": spec, "num_classes", ...}.
+
+    `cache_dir` (or $MPP_CACHE) is the cache root; `resample` is "bicubic" or "nearest".
+    """
     if resample not in ("bicubic", "nearest"):
         raise ValueError(f"resample must be 'bicubic' or 'nearest', got {resample!r}")
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()

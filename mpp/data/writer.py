@@ -123,7 +123,8 @@ class WriterOptions:
 
 
 def encode_image(image: ImageLike, encoding: ImageEncoding | None = None) -> tuple[bytes, str]:
-    """-> (bytes, extension), stored as ``encoding`` (``ImageEncoding``) says."""
+    """-> (bytes, extension). Encoded input is kept byte-for-byte unless ``encoding`` asks to
+    resize/re-encode."""
     e = encoding or ImageEncoding()
     resize, reencode, quality = e.resize, e.reencode, e.quality
     if isinstance(image, (str, os.PathLike)):
@@ -229,7 +230,11 @@ def write_shards(
     class_names: list[str] | None = None,
 ) -> list[str]:
     """Write `samples` [(image, label or None)] to `out_dir/prefix-000000.tar ...`; returns the shard paths.
-    ``class_names`` go to sizes.json."""
+
+    ``options`` (``WriterOptions``): when a shard closes, the shuffle seed, overwrite, progress.
+    ``encoding`` (``ImageEncoding``): the bytes each image is stored as. ``class_names`` go to
+    sizes.json.
+    """
     o = options or WriterOptions()
     out_dir = Path(out_dir)
     _clear_old_shards(out_dir, prefix, o.overwrite)

@@ -71,7 +71,7 @@ def train_classifier(
     hooks: Sequence[Any] = (),
 ) -> dict:
     """Fine-tune under DeepSpeed, evaluated every epoch (or ``finetune.eval_every`` steps) by
-    ``Evaluator`` (the last and best weights, results.json) and, with few labels, write
+    ``Evaluator`` (the last and best weights, results.json); with few labels, also write
     ``label_keys.txt``. Returns the results on rank 0."""
     model_kwargs = {**vit_config(cfg.model.name), **encoder_kwargs(cfg, model.encoder)}
     if plan.subset is not None and dist.get_rank() == 0:  # few labels: which ones, for reuse
