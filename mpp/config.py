@@ -111,7 +111,7 @@ class DataConfig(Section):
     """Brace patterns, paths or http(s) URLs."""
     val_shards: str | list[str] | None = None
     """The validation shards (fine-tuning's evaluation, the probes, the monitor's held-out images);
-    the same forms."""
+    the same forms. Fine-tuning and the probes on train_shards refuse to run without them."""
     builtin: Literal["digits"] | None = None
     """Used when train_shards is not given."""
     num_samples: int | None = Field(None, gt=0)
@@ -336,6 +336,16 @@ def _channels_agree(cfg: Any) -> None:
         )
 
 
+def _validated_on_its_own_data(cfg: Any) -> None:
+    """Fine-tuning and the probes score ``data.val_shards``; unset, the built-in digits'
+    validation split, which only a run on the built-in digits may be scored on."""
+    if cfg.data.train_shards is not None and cfg.data.val_shards is None:
+        raise ValueError(
+            "data.val_shards: not set beside data.train_shards; the scores would come from the "
+            "built-in digits' validation split: give your data's validation shards"
+        )
+
+
 class RunConfig(Section):
     """What every DeepSpeed run has: a model, data, an optimiser, a loop and DeepSpeed's keys."""
 
@@ -539,6 +549,11 @@ class FinetuneConfig(RunConfig):
     init: str = "scratch"
     finetune: FinetuneSection = FinetuneSection()
 
+    @model_validator(mode="after")
+    def _check_val(self) -> FinetuneConfig:
+        _validated_on_its_own_data(self)
+        return self
+
     def stream_settings(self) -> dict[str, Any]:
         f = self.finetune
         return {
@@ -594,6 +609,7 @@ class ProbeConfig(Section):
     @model_validator(mode="after")
     def _check(self) -> ProbeConfig:
         _channels_agree(self)
+        _validated_on_its_own_data(self)
         return self
 
 

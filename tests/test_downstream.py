@@ -136,6 +136,7 @@ def test_class_count_that_does_not_match_the_shards(digits16, tmp_path):
     raw = tiny_config(digits16)
     raw.pop("objective"), raw.pop("masking")
     raw["finetune"] = {"num_classes": 12}
+    raw["data"]["val_shards"] = digits16["val"]
     cfg = validate(raw, "ft.json", cls=FinetuneConfig)
     with pytest.raises(ConfigError, match="finetune.num_classes: 12 does not match the 10 classes"):
         build_classifier(cfg)

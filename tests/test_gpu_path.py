@@ -26,7 +26,8 @@ SMALL_DECODER = {"decoder_dim": 32, "decoder_depth": 2, "decoder_heads": 2}
 
 def shipped(name: str):
     cls = FinetuneConfig if name.startswith("finetune") else Config
-    return load_config(TRAINING[name], ["data.train_shards=/nowhere/{0..1}.tar"], cls=cls)
+    shards = ["data.train_shards=/nowhere/{0..1}.tar", "data.val_shards=/nowhere/v.tar"]
+    return load_config(TRAINING[name], shards, cls=cls)
 
 
 @pytest.mark.parametrize("name", sorted(TRAINING))
@@ -337,7 +338,7 @@ def test_fine_tune_evaluation_reads_with_the_configured_workers(
         raise Enough
 
     monkeypatch.setattr(evaluate, "make_eval_loader", loader)
-    raw = tiny_config(digits16, data={"num_workers": 6})
+    raw = tiny_config(digits16, data={"num_workers": 6, "val_shards": digits16["val"]})
     raw.pop("objective"), raw.pop("masking")
     cfg = FinetuneConfig.model_validate(raw)
     from mpp.data.stats import Pixels

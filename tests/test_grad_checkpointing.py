@@ -51,7 +51,7 @@ def test_gradients_equal_with_and_without(digits16, objective):
 def test_the_classifier_too(digits16):
     from mpp.transfer.finetune import build_classifier
 
-    raw = tiny_config(digits16, model={"drop_path_rate": 0.2})
+    raw = tiny_config(digits16, model={"drop_path_rate": 0.2}, data={"val_shards": digits16["val"]})
     raw.pop("objective"), raw.pop("masking")
     images, labels = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 3])
     results = []

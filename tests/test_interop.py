@@ -173,6 +173,7 @@ def test_maes_release_format_initialises_pretraining_and_fine_tuning_and_a_pickl
     from mpp.config import FinetuneConfig
 
     ft_raw = {k: v for k, v in raw.items() if k not in ("objective",)}
+    ft_raw["data"] = {**raw["data"], "val_shards": digits16["val"]}
     ft = validate({**ft_raw, "init": str(path)}, cls=FinetuneConfig)
     encoder = build_encoder(ft, num_classes=10, global_pool="avg")  # fine-tuning from it
     assert torch.equal(encoder.blocks[1].mlp.fc2.weight, source.encoder.blocks[1].mlp.fc2.weight)
