@@ -142,6 +142,25 @@ def test_class_count_that_does_not_match_the_shards(digits16, tmp_path):
         build_classifier(cfg)
 
 
+def test_own_train_shards_without_val_shards_are_refused_before_anything_runs(
+    digits16, tmp_path, capsys
+):
+    """Unset, val_shards meant the built-in digits' validation split: a fine-tune or a probe on
+    other data was scored on the digits. Now each command stops at its config, naming the key."""
+    from mpp.commands import finetune, knn
+
+    for main, config in ((finetune.main, "finetune_demo"), (knn.main, "linear_demo")):
+        out = tmp_path / config
+        argv = ["--config", config, "--set", f"data.train_shards={digits16['train']}"]
+        assert main([*argv, "--output-dir", str(out)]) == 2
+        errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+        assert len(errors) == 1 and f"configs/{config}.json: data.val_shards: not set" in errors[0]
+        assert not out.exists()
+        argv += ["--set", f"data.val_shards={digits16['val']}", "--set", "init=nowhere"]
+        assert main([*argv, "--output-dir", str(out)]) == 2  # past it: the next check's refusal
+        assert "data.val_shards" not in capsys.readouterr().err
+
+
 def test_mixup_cutmix_targets_and_label_smoothing():
     labels = torch.tensor([0, 1, 2, 3])
     t = soft_targets(labels, 4, 0.1)
