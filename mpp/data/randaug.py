@@ -15,34 +15,16 @@ def _signed(v: float, rng: random.Random) -> float:
     return -v if rng.random() < 0.5 else v
 
 
-def _shear_x(img, m, rng):
-    return img.transform(
-        img.size, Image.Transform.AFFINE, (1, _signed(0.3 * m, rng), 0, 0, 1, 0), fillcolor=_FILL
-    )
+def _affine(slot: int, amount: float, axis: int | None = None):
+    """Shear or translate: coefficient ``slot`` of the identity (1, 0, 0, 0, 1, 0) set to
+    +-``amount`` m, a fraction of the image's size along ``axis`` when given (timm's translate_rel)."""
 
+    def op(img, m, rng):
+        coeffs = [1, 0, 0, 0, 1, 0]
+        coeffs[slot] = _signed(amount * m, rng) * (1 if axis is None else img.size[axis])
+        return img.transform(img.size, Image.Transform.AFFINE, tuple(coeffs), fillcolor=_FILL)
 
-def _shear_y(img, m, rng):
-    return img.transform(
-        img.size, Image.Transform.AFFINE, (1, 0, 0, _signed(0.3 * m, rng), 1, 0), fillcolor=_FILL
-    )
-
-
-def _translate_x(img, m, rng):  # fraction of the width, as timm's translate_rel
-    return img.transform(
-        img.size,
-        Image.Transform.AFFINE,
-        (1, 0, _signed(0.45 * m, rng) * img.size[0], 0, 1, 0),
-        fillcolor=_FILL,
-    )
-
-
-def _translate_y(img, m, rng):
-    return img.transform(
-        img.size,
-        Image.Transform.AFFINE,
-        (1, 0, 0, 0, 1, _signed(0.45 * m, rng) * img.size[1]),
-        fillcolor=_FILL,
-    )
+    return op
 
 
 def _rotate(img, m, rng):
@@ -82,10 +64,10 @@ RAND_OPS = {
     "Contrast": _enhance(ImageEnhance.Contrast),
     "Brightness": _enhance(ImageEnhance.Brightness),
     "Sharpness": _enhance(ImageEnhance.Sharpness),
-    "ShearX": _shear_x,
-    "ShearY": _shear_y,
-    "TranslateX": _translate_x,
-    "TranslateY": _translate_y,
+    "ShearX": _affine(1, 0.3),
+    "ShearY": _affine(3, 0.3),
+    "TranslateX": _affine(2, 0.45, axis=0),
+    "TranslateY": _affine(5, 0.45, axis=1),
 }
 
 
