@@ -21,7 +21,6 @@ rank plans with the same numbers.
 from __future__ import annotations
 
 import gzip
-import json
 import logging
 import os
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .sources import _local_path, _read_json, _scheme, _sizes_url, open_shard
+from .sources import _local_path, _read_json, _scheme, _sizes_url, _write_json, open_shard
 from .tario import tar_samples
 from .transforms import IMAGE_KEYS
 
@@ -240,9 +239,3 @@ def _save_beside_shards(scanned: dict[str, ShardCount]) -> dict:
         except OSError:  # a full or read-only filesystem: the run directory keeps them
             rest.update(records)
     return rest
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # ranks of other jobs may write at once
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)

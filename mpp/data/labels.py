@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .sources import open_shard
+from .sources import _write_text, open_shard
 from .tario import split_name, tar_samples
 
 log = logging.getLogger(__name__)
@@ -122,9 +122,7 @@ class LabelledSubset:
         ]
 
     def write(self, path: Path) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(f"{line}\n" for line in self.lines()))
-        tmp.replace(path)
+        _write_text(path, "".join(f"{line}\n" for line in self.lines()))
 
     def summary(self) -> str:
         counts = sorted(self.per_class.values())

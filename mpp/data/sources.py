@@ -16,6 +16,7 @@ import os
 import time
 import urllib.request
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from urllib.parse import urlparse
 
 import braceexpand
@@ -156,19 +157,25 @@ def object_exists(url: str) -> bool:
 
 
 def _read_json(url: str) -> dict | None:
+    """A JSON file beside the shards (local, http(s) or an object), opened as a shard is; None
+    when it is not there or not JSON."""
     try:
-        if _scheme(url) in OBJECT_SCHEMES:
-            import fsspec
-
-            with fsspec.open(url, "rb") as f:
-                return json.loads(f.read())
-        if _scheme(url) in ("http", "https"):
-            with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as f:
-                return json.loads(f.read())
-        with open(_local_path(url)) as f:
+        with open_shard(url) as f:
             return json.load(f)
     except (OSError, ValueError):
         return None
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Through a temporary beside ``path`` and a rename: a reader never sees half a file (the
+    process id in the temporary's name: ranks of other jobs may write at once)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    _write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
 def _sizes_url(shard: str) -> str:

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .census import _local_path, _stat, _write_json
+from .census import _stat
 from .errors import SkipCounter
-from .sources import _read_json
+from .sources import _local_path, _read_json, _write_json
 from .tario import shard_samples
 from .transforms import IMAGE_KEYS, PixelFormat, raw_array
 

@@ -16,7 +16,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from .sources import SIZES_FILE
+from .sources import SIZES_FILE, _write_json
 
 ImageLike = bytes | str | os.PathLike | np.ndarray | Image.Image
 Sample = tuple[ImageLike, int | None]
@@ -202,9 +202,7 @@ def _update_sizes(
         k: v for k, v in sizes["shards"].items() if not pattern.fullmatch(k)
     } | counts
     sizes["class_names"] = class_names if class_names is not None else sizes.get("class_names")
-    tmp = out_dir / f".{SIZES_FILE}.tmp"
-    tmp.write_text(json.dumps(sizes, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    _write_json(path, sizes)
 
 
 def _clear_old_shards(out_dir: Path, prefix: str, overwrite: bool) -> None:
