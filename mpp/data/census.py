@@ -20,7 +20,6 @@ rank plans with the same numbers.
 
 from __future__ import annotations
 
-import gzip
 import logging
 import os
 import time
@@ -111,8 +110,6 @@ def scan_shard(url: str, allow_pipe: bool = False) -> ShardCount:
     except Exception as exn:
         count.problem = f"cannot open: {exn!r}"
         return count
-    if url.endswith((".tar.gz", ".tgz")):
-        stream = gzip.GzipFile(fileobj=stream)
     try:
         for key, sample in tar_samples(stream, headers_only=True):
             if any(ext in sample for ext in IMAGE_KEYS):

@@ -17,7 +17,6 @@ The training stream and the feature extraction then read only the subset's sampl
 
 from __future__ import annotations
 
-import gzip
 import logging
 import random
 from collections import defaultdict
@@ -66,8 +65,6 @@ def shard_labels(url: str, allow_pipe: bool = False) -> list[tuple[str, int]]:
     except Exception as exn:
         log.warning("label index: cannot open %s: %r", url, exn)
         return out
-    if url.endswith((".tar.gz", ".tgz")):
-        stream = gzip.GzipFile(fileobj=stream)
     try:
         for key, sample in tar_samples(stream, images_only=True, members={"cls"}):
             try:

@@ -10,6 +10,7 @@ is skipped and named like any other bad shard.
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import os
@@ -112,21 +113,24 @@ def open_shard(
     url: str, *, allow_pipe: bool = False, on_retry: Callable[[str, Exception], None] | None = None
 ):
     """A readable binary stream for one shard (local file, http(s), object storage or, if
-    allowed, a `pipe:`); an object's transient open error is retried (``on_retry`` hears each)."""
+    allowed, a `pipe:`), a ``.tar.gz`` / ``.tgz`` one decompressed; an object's transient open
+    error is retried (``on_retry`` hears each)."""
     scheme = _scheme(url)
     if scheme in ("", "file"):
-        return open(_local_path(url), "rb")
-    if scheme in OBJECT_SCHEMES:
-        return _open_object(url, on_retry)
-    if scheme in ("http", "https"):
+        stream = open(_local_path(url), "rb")
+    elif scheme in OBJECT_SCHEMES:
+        stream = _open_object(url, on_retry)
+    elif scheme in ("http", "https"):
         # urllib, not webdataset's curl pipe: curl retries an unreachable host for a minute
         # and reports nothing useful; urlopen fails at once with the reason.
-        return urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S)
-    if scheme == "pipe" and allow_pipe:
+        stream = urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S)
+    elif scheme == "pipe" and allow_pipe:
         import webdataset as wds
 
-        return wds.gopen(url)
-    raise ValueError(f"refusing to open shard {url!r}")
+        stream = wds.gopen(url)
+    else:
+        raise ValueError(f"refusing to open shard {url!r}")
+    return gzip.GzipFile(fileobj=stream) if url.endswith((".tar.gz", ".tgz")) else stream
 
 
 def _open_object(url: str, on_retry: Callable[[str, Exception], None] | None = None):

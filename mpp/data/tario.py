@@ -8,7 +8,6 @@ at the cut is dropped (it may be missing members).
 
 from __future__ import annotations
 
-import gzip
 import io
 from collections.abc import Callable, Collection, Iterator
 
@@ -216,8 +215,6 @@ def shard_samples(
         except Exception as exn:  # any failure to open is bad data
             errors.skip(f"cannot open shard {url}: {exn!r}", url=url)
             continue
-        if url.endswith((".tar.gz", ".tgz")):
-            stream = gzip.GzipFile(fileobj=stream)
         try:
             samples = tar_samples(
                 stream, item.get("skip", 0), images_only=images_only, keys=item.get("keys")
