@@ -28,7 +28,6 @@ IMAGE_KEYS = ("jpg", "jpeg", "png", "webp", "npy", "tif", "tiff")
 EVAL_CROP_PCT = 0.875
 
 Box = tuple[float, float, float, float]  # (left, upper, right, lower) in source pixels
-_NPY_MAGIC, _TIFF_MAGIC = b"\x93NUMPY", (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")
 
 
 class SampleFormatError(ValueError):
@@ -48,13 +47,29 @@ class PixelFormat:
 RGB = PixelFormat()
 
 
+def sniff_format(data: bytes) -> str | None:
+    """'jpeg' | 'png' | 'webp' | 'npy' | 'tiff' from the magic bytes, None for anything else."""
+    if data[:3] == b"\xff\xd8\xff":
+        return "jpeg"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return "png"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    if data[:6] == b"\x93NUMPY":
+        return "npy"
+    if data[:4] in (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+"):
+        return "tiff"
+    return None
+
+
 def decode(data: bytes, fmt: PixelFormat = RGB, scale: bool = True) -> Image.Image | np.ndarray:
     """Encoded bytes -> a PIL image (8-bit, ``fmt.channels`` 1 or 3: the fast path) or an HWC
     array (anything else: uint8, or float32 in [0, 1] through ``fmt.value_range``; ``scale``
     False: in its own dtype)."""
-    if data[:6] == _NPY_MAGIC:
+    kind = sniff_format(data)
+    if kind == "npy":
         return to_hwc(np.load(io.BytesIO(data), allow_pickle=False), fmt, scale)
-    if data[:4] in _TIFF_MAGIC:
+    if kind == "tiff":
         import tifffile
 
         return to_hwc(tifffile.imread(io.BytesIO(data)), fmt, scale)

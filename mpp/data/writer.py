@@ -17,6 +17,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from .sources import SIZES_FILE, _write_json
+from .transforms import sniff_format
 
 ImageLike = bytes | str | os.PathLike | np.ndarray | Image.Image
 Sample = tuple[ImageLike, int | None]
@@ -60,21 +61,6 @@ def from_arrays(
     if labels is not None and len(labels) != len(images):
         raise ValueError(f"{len(images)} images but {len(labels)} labels")
     return [(images[i], None if labels is None else int(labels[i])) for i in range(len(images))]
-
-
-def sniff_format(data: bytes) -> str | None:
-    """'jpeg' | 'png' | 'webp' | 'npy' | 'tiff' from the magic bytes, None for anything else."""
-    if data[:3] == b"\xff\xd8\xff":
-        return "jpeg"
-    if data[:8] == b"\x89PNG\r\n\x1a\n":
-        return "png"
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "webp"
-    if data[:6] == b"\x93NUMPY":
-        return "npy"
-    if data[:4] in (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+"):
-        return "tiff"
-    return None
 
 
 def _png_able(array: np.ndarray) -> bool:
