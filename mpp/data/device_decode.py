@@ -11,11 +11,14 @@ TIFF, arrays, CMYK JPEGs, RandAugment) is decoded by the workers as before.
 
 from __future__ import annotations
 
+import io
 import logging
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from torch import Tensor
 
 log = logging.getLogger(__name__)
@@ -31,9 +34,6 @@ def nvjpeg_refusal(device: torch.device) -> str:
     if device.type != "cuda":
         return f"device {device.type} is not a GPU"
     try:
-        import io
-
-        from PIL import Image
         from torchvision.io import ImageReadMode, decode_jpeg
 
         buffer = io.BytesIO()
@@ -82,11 +82,6 @@ def nvjpeg(device: torch.device) -> Decoder:
 
 def on_host(files: list[Tensor]) -> list[Tensor]:
     """The same interface on the CPU, through PIL: each file's (3, H, W) uint8 (grey as RGB)."""
-    import io
-
-    import numpy as np
-    from PIL import Image
-
     out = []
     for f in files:
         image = Image.open(io.BytesIO(f.numpy().tobytes())).convert("RGB")
