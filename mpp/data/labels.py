@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,15 +139,9 @@ def _subset(index: LabelIndex, chosen: Iterable[tuple[int, str]], source: str) -
     for i, key in chosen:
         by_shard[i].add(key)
     labels = {(i, k): c for i, samples in enumerate(index.samples) for k, c in samples}
-    per_class: dict[int, int] = defaultdict(int)
-    for i, keys in by_shard.items():
-        for key in keys:
-            per_class[labels[i, key]] += 1
+    per_class = Counter(labels[i, key] for i, keys in by_shard.items() for key in keys)
     order = sorted(by_shard)
-    seen: dict[str, int] = defaultdict(int)
-    for samples in index.samples:
-        for key in {k for k, _ in samples}:
-            seen[key] += 1
+    seen = Counter(key for samples in index.samples for key in {k for k, _ in samples})
     return LabelledSubset(
         [index.shards[i] for i in order],
         tuple(frozenset(by_shard[i]) for i in order),
