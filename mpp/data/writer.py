@@ -112,11 +112,10 @@ def encode_image(image: ImageLike, encoding: ImageEncoding | None = None) -> tup
     """-> (bytes, extension). Encoded input is kept byte-for-byte unless ``encoding`` asks to
     resize/re-encode."""
     e = encoding or ImageEncoding()
-    resize, reencode, quality = e.resize, e.reencode, e.quality
     if isinstance(image, (str, os.PathLike)):
         image = Path(image).read_bytes()
     if isinstance(image, np.ndarray) and not _png_able(image):
-        if resize is not None or reencode is not None:
+        if e.resize is not None or e.reencode is not None:
             raise ValueError(
                 f"a {image.dtype} array of shape {image.shape} is kept as .npy as it is"
             )
@@ -126,39 +125,33 @@ def encode_image(image: ImageLike, encoding: ImageEncoding | None = None) -> tup
     if isinstance(image, bytes):
         fmt = sniff_format(image)
         if fmt in _KEPT:
-            if resize is not None or reencode is not None:
+            if e.resize is not None or e.reencode is not None:
                 raise ValueError(f"{fmt} samples are kept as they are (no resize or re-encoding)")
             return image, _EXT[fmt]
-        kept = fmt is not None and reencode in (None, fmt)
-        if kept and resize is None and e.max_side is None:
+        kept = fmt is not None and e.reencode in (None, fmt)
+        if kept and e.resize is None and e.max_side is None:
             return image, _EXT[fmt]
         img = Image.open(io.BytesIO(image))  # the header: the size, no pixels yet
         if kept and _new_size(img, e) is None:
             return image, _EXT[fmt]
+    elif isinstance(image, Image.Image):
+        fmt, img = None, image
     else:
-        fmt = None
-        array = image if isinstance(image, Image.Image) else np.asarray(image)
-        img = (
-            array
-            if isinstance(array, Image.Image)
-            else Image.fromarray(
-                array.squeeze(-1) if array.ndim == 3 and array.shape[-1] == 1 else array
-            )
-        )
-    target = reencode or fmt or "png"  # arrays and unknown formats: PNG, lossless
+        a = np.asarray(image)
+        fmt, img = None, Image.fromarray(a.squeeze(-1) if a.ndim == 3 and a.shape[-1] == 1 else a)
+    target = e.reencode or fmt or "png"  # arrays and unknown formats: PNG, lossless
     if target not in _EXT:
         raise ValueError(f"reencode must be one of {sorted(_EXT)}, got {target!r}")
     # arrays are the user's pixels: resized when asked, never by max_side
     size = _new_size(img, replace(e, max_side=None) if isinstance(image, np.ndarray) else e)
-    if size is not None:
-        if img.format == "JPEG":
-            img.draft("RGB", size)  # decode at 1/2..1/8 scale when that still covers `size`
-        img = img.convert("RGB") if img.mode not in ("RGB", "L") else img
-        img = img.resize(size, Image.Resampling.BICUBIC)
+    if size is not None and img.format == "JPEG":
+        img.draft("RGB", size)  # decode at 1/2..1/8 scale when that still covers `size`
     if img.mode not in ("RGB", "L"):
         img = img.convert("RGB")
+    if size is not None:
+        img = img.resize(size, Image.Resampling.BICUBIC)
     out = io.BytesIO()
-    img.save(out, format=target.upper(), **({"quality": quality} if target != "png" else {}))
+    img.save(out, format=target.upper(), **({"quality": e.quality} if target != "png" else {}))
     return out.getvalue(), _EXT[target]
 
 
