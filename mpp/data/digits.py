@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from .sources import SIZES_FILE, expand_shards
+from .sources import SIZES_FILE, _read_json, expand_shards
 from .writer import WriterOptions, from_arrays, shard_spec, write_shards
 
 NUM_VAL, TRAIN_SHARDS, VAL_SHARDS, SPLIT_SEED = 300, 8, 4, 0
@@ -46,11 +46,7 @@ def _digit_images(img_size: int, resample: str) -> tuple[np.ndarray, np.ndarray]
 
 
 def _is_complete(folder: Path) -> bool:
-    try:
-        sizes = json.loads((folder / SIZES_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    counts = sizes.get("shards", {})
+    counts = (_read_json(str(folder / SIZES_FILE)) or {}).get("shards", {})
     return (
         sum(v for k, v in counts.items() if k.startswith("val-")) == NUM_VAL
         and len(counts) == TRAIN_SHARDS + VAL_SHARDS
