@@ -69,22 +69,20 @@ class Census:
         if self.scan_s:
             made += f" ({self.scan_s:.1f} s)"
         lines = [f"{self.total:,} samples in {len(self.shards)} shards ({made})"]
-        _name(lines, "empty", [s for s, c in self._items() if c.samples == 0 and not c.problem])
-        _name(lines, "ending early", [f"{s} ({c.problem})" for s, c in self._items() if c.problem])
-        _name(
-            lines,
-            "keys held twice",
-            [f"{c.duplicate_keys} in {s}" for s, c in self._items() if c.duplicate_keys],
-        )
-        _name(
-            lines,
-            "samples without an image, not trained",
-            [f"{c.without_image} in {s}" for s, c in self._items() if c.without_image],
-        )
+        pairs = list(zip(self.shards, self.counts, strict=True))
+        named = {  # the shards that are not clean, five of each kind shown
+            "empty": [s for s, c in pairs if c.samples == 0 and not c.problem],
+            "ending early": [f"{s} ({c.problem})" for s, c in pairs if c.problem],
+            "keys held twice": [f"{c.duplicate_keys} in {s}" for s, c in pairs if c.duplicate_keys],
+            "samples without an image, not trained": [
+                f"{c.without_image} in {s}" for s, c in pairs if c.without_image
+            ],
+        }
+        for what, items in named.items():
+            if items:
+                more = " ..." if len(items) > 5 else ""
+                lines.append(f"{what}: {len(items)} ({', '.join(items[:5])}{more})")
         return "; ".join(lines)
-
-    def _items(self):
-        return zip(self.shards, self.counts, strict=True)
 
     def write_run_cache(self, run_dir: Path) -> None:
         """The counts no shard folder could keep, into ``RUN/shard_counts.json`` (rank 0)."""
@@ -92,13 +90,6 @@ class Census:
             path = Path(run_dir) / RUN_CACHE_FILE
             old = (_read_json(str(path)) or {}).get("shards", {})
             _write_json(path, {"shards": {**old, **self.to_run_cache}})
-
-
-def _name(lines: list[str], what: str, items: list[str]) -> None:
-    if items:
-        lines.append(
-            f"{what}: {len(items)} ({', '.join(items[:5])}{' ...' if len(items) > 5 else ''})"
-        )
 
 
 def scan_shard(url: str, allow_pipe: bool = False) -> ShardCount:
