@@ -1,39 +1,24 @@
-"""How a training job's command ends (``mpp pretrain``, ``mpp finetune``): the exit status that
-the launchers, ``mpp.submit`` and a requeue wrapper read."""
+"""What ``mpp pretrain`` and ``mpp finetune`` share once parsed (``train_main``), down to how a
+training job's command ends: the exit status that the launchers, ``mpp.submit`` and a requeue
+wrapper read."""
 
 from __future__ import annotations
 
+import logging
 import sys
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from mpp.checkpoint.storage import CheckpointError, DiskFullError
+from mpp.cli import config_from_args
 from mpp.config import ConfigError
 from mpp.data import DataError
-from mpp.parallel.distributed import PortInUse
+from mpp.jobs import start_of
+from mpp.parallel.distributed import PortInUse, world_from_env
+from mpp.submit import submit
 from mpp.train.nonfinite import NonFiniteLossError
 from mpp.train.preemption import PREEMPTED_EXIT, Preempted
-
-
-def ending(state: Any, run_dir: Path, seconds: float, weights: str) -> str:
-    """The line a training run ends with: steps, images, the last figures, this invocation's
-    time and the run's recent img/s, and where it all is (its curves drawn: ``mpp plot``)."""
-    from mpp.tools.plot import curves_at_end
-    from mpp.train.metrics import last_figures, read_records
-
-    recent = [r["imgs_per_sec"] for r in read_records(run_dir)[-5:]]
-    rate = f", {sorted(recent)[len(recent) // 2]:.0f} img/s" if recent else ""
-    minutes, secs = divmod(round(seconds), 60)
-    figures = last_figures(run_dir)
-    return (
-        f"done: {state.step} steps, {state.samples} images in {minutes}m{secs:02d}s{rate}"
-        + (f"; {figures}" if figures else "")
-        + f" -> {run_dir}: metrics.jsonl, {curves_at_end(run_dir)}, checkpoints/, {weights}"
-    )
-
 
 # the one mapping from how a job stopped to its exit status (a subclass before its base)
 EXIT_STATUS: tuple[tuple[type[BaseException], int], ...] = (
@@ -47,17 +32,27 @@ EXIT_STATUS: tuple[tuple[type[BaseException], int], ...] = (
 )
 
 
-def exit_status(error: BaseException) -> int | None:
-    """The exit status of a job stopped by ``error``; None for an error that is a bug."""
-    return next((status for kind, status in EXIT_STATUS if isinstance(error, kind)), None)
+def train_main(
+    args: Any, argv: list[str] | None, command: str, cls: type, model, run, report
+) -> int:
+    """A training command once parsed. With --submit: what a submission checks of the run before
+    the job exists (``model(cfg)``, its initial weights, and where it starts; not the data: the
+    shards may be visible on the compute nodes only), then the job, whose every task runs
+    ``command`` (a module, ``mpp.commands.pretrain``) without --submit. Else ``run(cfg, resume,
+    restart)`` in this process and rank 0's ``report`` of what it returns (``mpp.jobs.Finished``).
 
-
-def run_command(job: Callable[[], Any], rank: int) -> tuple[int, Any]:
-    """``job()``: (0, its result), or the exit status of how it stopped (``EXIT_STATUS``), said
-    in one line: by rank 0 where every rank stops alike (a stop signal, a refusal once the
-    process group exists), else by each rank. An error that is not in the mapping propagates."""
+    0, or the exit status of how it stopped (``EXIT_STATUS``), said in one line: by rank 0
+    where every rank stops alike (a stop signal, a refusal once the process group exists), else
+    by each rank. An error that is not in the mapping propagates."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    rank = world_from_env()[0]
     try:
-        return 0, job()
+        cfg = config_from_args(args, cls)
+        if args.submit:  # checked here, run there
+            model(cfg)
+            start_of(cfg, args.resume, args.restart, rank)
+        else:
+            done = run(cfg, args.resume, args.restart)
     except tuple(kind for kind, _ in EXIT_STATUS) as e:
         if isinstance(e, Preempted):
             line = f"stopped: {e}"
@@ -69,4 +64,9 @@ def run_command(job: Callable[[], Any], rank: int) -> tuple[int, Any]:
         )
         if rank == 0 or not alike:
             print(line, file=sys.stderr)
-        return exit_status(e), None
+        return next(status for kind, status in EXIT_STATUS if isinstance(e, kind))
+    if args.submit:
+        return submit(command, argv, cfg)
+    if rank == 0:
+        report(done)
+    return 0

@@ -14,14 +14,12 @@ The same command run again goes on from the run directory's newest complete chec
 
 from __future__ import annotations
 
-import logging
 import sys
 
-from mpp.cli import config_from_args, run_parser
-from mpp.commands.job import ending, run_command
-from mpp.jobs import pretrain_objective, run_pretrain, start_of
-from mpp.parallel.distributed import world_from_env
-from mpp.submit import submit
+from mpp.cli import run_parser
+from mpp.commands.job import train_main
+from mpp.config import Config
+from mpp.jobs import pretrain_objective, run_pretrain
 from mpp.tools.planner.cli import add_plan_arguments, plan_main
 
 
@@ -34,25 +32,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.plan:  # nothing created: no process group, no run directory
         return plan_main(args.config, args.set, args.gpus, args.gpu, args.out)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    rank = world_from_env()[0]
-    if args.submit:  # checked here, run there: each task runs this command without --submit
-        status, cfg = run_command(lambda: _checked(config_from_args(args), args, rank), rank)
-        return status or submit("mpp.commands.pretrain", argv, cfg)
-    status, done = run_command(
-        lambda: run_pretrain(config_from_args(args), args.resume, args.restart), rank
+    command = "mpp.commands.pretrain"
+    return train_main(args, argv, command, Config, pretrain_objective, run_pretrain, _report)
+
+
+def _report(done) -> None:
+    """The line a run ends with: steps, images, the last figures, this invocation's time and the
+    run's recent img/s, and where it all is (its curves drawn: ``mpp plot``)."""
+    from mpp.tools.plot import curves_at_end
+    from mpp.train.metrics import last_figures, read_records
+
+    run_dir, state = done.run_dir, done.result
+    recent = [r["imgs_per_sec"] for r in read_records(run_dir)[-5:]]
+    rate = f", {sorted(recent)[len(recent) // 2]:.0f} img/s" if recent else ""
+    minutes, secs = divmod(round(done.seconds), 60)
+    figures = last_figures(run_dir)
+    print(
+        f"done: {state.step} steps, {state.samples} images in {minutes}m{secs:02d}s{rate}"
+        + (f"; {figures}" if figures else "")
+        + f" -> {run_dir}: metrics.jsonl, {curves_at_end(run_dir)}, checkpoints/, "
+        "encoder.safetensors"
     )
-    if status == 0 and rank == 0:
-        print(ending(done.result, done.run_dir, done.seconds, "encoder.safetensors"))
-    return status
-
-
-def _checked(cfg, args, rank):
-    """What a submission checks of the run before the job exists (not the data: the shards may be
-    visible on the compute nodes only)."""
-    pretrain_objective(cfg)
-    start_of(cfg, args.resume, args.restart, rank)
-    return cfg
 
 
 if __name__ == "__main__":
