@@ -19,10 +19,11 @@ class Section(BaseModel):
 
 
 def sections_in(annotation: Any) -> list[type[BaseModel]]:
-    """The models an annotation holds: itself, or the members of a union or an optional."""
+    """The models an annotation holds: itself, or the members of a union or an optional (each
+    once)."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
-    return [s for a in typing.get_args(annotation) for s in sections_in(a)]
+    return list(dict.fromkeys(s for a in typing.get_args(annotation) for s in sections_in(a)))
 
 
 def _tag(field: Any) -> Any:

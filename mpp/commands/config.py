@@ -12,23 +12,15 @@ import argparse
 import json
 import sys
 import textwrap
-import typing
 from typing import Any
 
 from pydantic import BaseModel
 
 from mpp.cli import add_set_argument
 from mpp.config import Config, ConfigError, FinetuneConfig, ProbeConfig, load_config
+from mpp.sections import sections_in
 
 KINDS = {"pretrain": Config, "finetune": FinetuneConfig, "probe": ProbeConfig}
-
-
-def _models(annotation: Any) -> list[type[BaseModel]]:
-    """The section classes a field's annotation admits (a typed union's members too)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    found = [m for arg in typing.get_args(annotation) for m in _models(arg)]
-    return list(dict.fromkeys(found))
 
 
 def explain(key: str) -> list[str]:
@@ -45,7 +37,7 @@ def explain(key: str) -> list[str]:
                 if field is None:
                     continue
                 if depth < len(parts) - 1:
-                    nxt += [(m, m.__name__) for m in _models(field.annotation)]
+                    nxt += [(m, m.__name__) for m in sections_in(field.annotation)]
                     continue
                 default = field.get_default(call_default_factory=True)
                 shown = "a section" if isinstance(default, BaseModel) else json.dumps(default)
@@ -87,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.config:
         p.print_usage(sys.stderr)
         return 2
+    from mpp.config import resolve_config_path
+
     try:
-        raw = json.loads(open(_path(args.config)).read())
+        raw = json.loads(resolve_config_path(args.config).read_text())
         kind = FinetuneConfig if "finetune" in raw else ProbeConfig if "probe" in raw else Config
         cfg = load_config(args.config, args.set, cls=kind)
     except ConfigError as e:
@@ -96,12 +90,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(json.dumps(cfg.model_dump(mode="json"), indent=2))
     return 0
-
-
-def _path(config: str) -> str:
-    from mpp.config import resolve_config_path
-
-    return str(resolve_config_path(config))
 
 
 if __name__ == "__main__":
