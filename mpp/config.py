@@ -282,9 +282,7 @@ class TrainConfig(Section):
     the same 16 bytes per parameter), bf16 at stages 1-3 (2-byte weights); fp32 on CPU."""
     max_bad_steps: int = Field(10, ge=0)
     """Non-finite losses skipped before the run stops (or rolls back)"""
-    on_nonfinite: Literal["skip", "rollback", "stop"] = (
-        "skip"  # past max_bad_steps: stop, or roll back
-    )
+    on_nonfinite: Literal["skip", "rollback", "stop"] = "skip"
     """Past max_bad_steps non-finite losses: stop, or roll back to the last checkpoint and go on
     (skip: only skip)."""
     rollback_lr_scale: float = Field(1.0, gt=0.0, le=1.0)
@@ -300,9 +298,7 @@ class TrainConfig(Section):
     after the last, a k-NN top-1 of the encoder and the objective's held-out signal; 0: never.
     At 1000 it costs ~1-1.5 % of a ViT-B/16 recipe's FLOPs with ImageNet's 50,000 held-out images
     (BENCHMARKS.md, monitor); the demo configs, 690 steps long, set 200."""
-    report_to: list[Literal["tensorboard", "wandb"]] = [
-        "tensorboard"
-    ]  # besides metrics.jsonl; wandb is optional
+    report_to: list[Literal["tensorboard", "wandb"]] = ["tensorboard"]
     """Where metrics go besides metrics.jsonl: TensorBoard (RUN/tb) and/or W&B."""
 
     @model_validator(mode="after")
@@ -382,14 +378,8 @@ class RunConfig(Section):
 
     def stream_settings(self) -> dict[str, Any]:
         """The training stream's settings from the data section (``mpp.data.StreamConfig`` fields)."""
-        d = self.data
-        return dict(
-            crop_scale=d.crop_scale,
-            crop_ratio=d.crop_ratio,
-            hflip=d.hflip,
-            shuffle_buffer=d.shuffle_buffer,
-            allow_pipe=d.allow_pipe,
-        )
+        keys = {"crop_scale", "crop_ratio", "hflip", "shuffle_buffer", "allow_pipe"}
+        return self.data.model_dump(include=keys)
 
     @property
     def zero_stage(self) -> Any:
@@ -565,9 +555,7 @@ class FinetuneConfig(RunConfig):
 class ProbeSection(Section):
     """Frozen-encoder evaluations (docs/ARCHITECTURE.md §4.6): linear probe and k-NN on cached features."""
 
-    pool: Literal["token", "avg"] = (
-        "token"  # cls token (MAE's linear probe) or mean of patch tokens
-    )
+    pool: Literal["token", "avg"] = "token"
     """The feature: the cls token (MAE's linear probe) or the mean of the patch tokens."""
     batch_size: int = Field(256, gt=0)
     """The head's batch (the mae protocol: the global step, across ranks)."""
@@ -588,9 +576,7 @@ class ProbeSection(Section):
     protocol: Literal["fast", "mae", "dinov2"] = "fast"
     """The linear probe's recipe (docs/downstream.md, "Probe protocols"): cached features + SGD, MAE's (BatchNorm
     + LARS, augmented images through the frozen encoder), DINOv2's (a grid in one pass)"""
-    layers: Literal["last", "all"] = (
-        "last"  # all: every block's features, probed in one feature pass
-    )
+    layers: Literal["last", "all"] = "last"
     """last: the last block's feature; all: every block's, in one feature pass (a table per block)."""
     holdout: float = Field(0.1, gt=0.0, lt=1.0)
     """Dinov2: the share of train that picks the grid's best head."""
@@ -630,22 +616,18 @@ def resolve_config_path(path: str | Path) -> Path:
     )
 
 
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """``a.b=value`` -> (["a", "b"], value parsed as JSON, else the string)."""
-    if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected key=value")
-    key, raw = item.split("=", 1)
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        value = raw
-    return key.strip().split("."), value
-
-
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """A copy of ``raw`` with each ``a.b=value`` set, the value parsed as JSON, else the string."""
     raw = copy.deepcopy(raw)
     for item in overrides:
-        keys, value = parse_override(item)
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value")
+        key, value = item.split("=", 1)
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            pass
+        keys = key.strip().split(".")
         node = raw
         for k in keys[:-1]:
             node = node.setdefault(k, {})
@@ -658,16 +640,6 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 def as_overrides(values: dict[str, Any]) -> list[str]:
     """``{"train.max_steps": 50}`` (the API's overrides) as ``--set`` items, each value as JSON."""
     return [f"{key}={json.dumps(value)}" for key, value in values.items()]
-
-
-def _format_error(
-    err: ValidationError, raw: Any, source: str, cls: type[BaseModel], overrides: list[str] = ()
-) -> str:
-    """The first error in one line: where (the file, or the ``--set`` that made it), the key,
-    what is wrong (``mpp.sections.refusal``)."""
-    key, msg = refusal(err, cls, raw)
-    source = attributed(source, key, overrides, err.errors()[0]["type"] == "extra_forbidden")
-    return f"{source}: {key}: {msg}" if key else f"{source}: {msg}"
 
 
 def attributed(source: str, key: str, overrides: list[str], unknown: bool = False) -> str:
@@ -694,10 +666,14 @@ def validate(
     cls: type[BaseModel] = Config,
     overrides: list[str] = (),
 ) -> Any:
+    """``raw`` as ``cls``; a refusal is a ConfigError of its first error in one line: where (the
+    file, or the ``--set`` that made it), the key, what is wrong (``mpp.sections.refusal``)."""
     try:
         return cls.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_format_error(err, raw, source, cls, overrides)) from None
+        key, msg = refusal(err, cls, raw)
+        source = attributed(source, key, overrides, err.errors()[0]["type"] == "extra_forbidden")
+        raise ConfigError(f"{source}: {key}: {msg}" if key else f"{source}: {msg}") from None
 
 
 def load_config(
