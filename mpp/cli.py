@@ -94,14 +94,11 @@ def add_submit_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _output_key(cls: type[BaseModel]) -> str:
-    return "train.output_dir" if "train" in cls.model_fields else "output_dir"
-
-
 def config_from_args(args: argparse.Namespace, cls: type[BaseModel] = Config):
     """The validated config with --set and --output-dir applied. ConfigError (naming the key
     and the file) on a bad config, and on --restart with --submit."""
-    overrides = args.set + ([f"{_output_key(cls)}={args.output_dir}"] if args.output_dir else [])
+    key = "train.output_dir" if "train" in cls.model_fields else "output_dir"
+    overrides = args.set + ([f"{key}={args.output_dir}"] if args.output_dir else [])
     cfg = load_config(args.config, overrides, cls=cls)
     if getattr(args, "restart", False) and getattr(args, "submit", None):
         # a job's requeue runs its command again: it would start over each time

@@ -47,15 +47,6 @@ class RunFailed(RuntimeError):
         self.status = status
 
 
-def import_submitit() -> Any:
-    """submitit, an optional extra: imported only when a job is submitted."""
-    try:
-        import submitit
-    except ImportError:
-        raise SubmitError("--submit needs submitit: pip install 'mpp[slurm]'") from None
-    return submitit
-
-
 def split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(the submission flags, ``argv`` without them: the command each task runs). The same flags
     as the CLI's parser (``add_submit_arguments``), so the same abbreviations."""
@@ -125,7 +116,10 @@ def make_executor(
         raise SubmitError(
             f"--submit local --nodes {sub.nodes}: the local executor runs on this machine only"
         )
-    submitit = import_submitit()
+    try:  # an optional extra: imported only when a job is submitted
+        import submitit
+    except ImportError:
+        raise SubmitError("--submit needs submitit: pip install 'mpp[slurm]'") from None
     executor = submitit.AutoExecutor(
         folder=folder,
         cluster=sub.submit,
@@ -158,15 +152,8 @@ def submit(command: str, argv: list[str] | None, cfg: Any, resumable: bool = Tru
     run = SubmittedRun(command, argv, resumable)
     try:
         job = make_executor(sub, run_dir / "submitit", cfg.name).submit(run)
-    except SubmitError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    # submitit's: no srun here, or sbatch refused the job (its own words above)
-    except RuntimeError as e:
-        print(
-            f"error: --submit {sub.submit}: {str(e).strip() or type(e).__name__}", file=sys.stderr
-        )
-        return 1
+    except (SubmitError, RuntimeError) as e:
+        return refused(e, sub.submit)
     logs = f"{run_dir}/submitit/{job.job_id}_*"
     shape = f"{sub.nodes} node(s) x {sub.gpus_per_node} task(s)"
     print(
@@ -181,6 +168,17 @@ def submit(command: str, argv: list[str] | None, cfg: Any, resumable: bool = Tru
         return 130
     print(f"job {job.job_id} ended: exit status {status}; logs: {logs}", flush=True)
     return status
+
+
+def refused(error: Exception, how: str) -> int:
+    """A submission that did not happen, in one line: exit status 2 for a flag that cannot work
+    (SubmitError), 1 for submitit's RuntimeError (no srun here, or sbatch refused the job: its
+    own words above)."""
+    if isinstance(error, SubmitError):
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"error: --submit {how}: {str(error).strip() or type(error).__name__}", file=sys.stderr)
+    return 1
 
 
 def wait_for(job: Any) -> int:

@@ -183,19 +183,13 @@ def cli_values(args: argparse.Namespace) -> dict:
 
 def submit(spec, args: argparse.Namespace) -> int:
     """Each cell a job (--submit), then with --wait the table once they have ended."""
-    from mpp.submit import SubmitError
+    from mpp.submit import SubmitError, refused
     from mpp.tools.ablation_jobs import submit_ablation, wait_all
 
     try:
         submitted, _ = submit_ablation(spec, args)
-    except SubmitError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:  # submitit's: no srun here, or sbatch refused the job
-        print(
-            f"error: --submit {args.submit}: {str(e).strip() or type(e).__name__}", file=sys.stderr
-        )
-        return 1
+    except (SubmitError, RuntimeError) as e:  # a flag that cannot work, or submitit's refusal
+        return refused(e, args.submit)
     out = spec.out_dir
     print(
         f"{len(submitted)} submitted; pretrain/ablate.py --status {out} shows their state",
