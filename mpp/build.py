@@ -21,6 +21,9 @@ from mpp.objectives.configs import HPMConfig
 
 log = logging.getLogger(__name__)
 
+# how a weights file is refused: missing, of another shape or kind, damaged (CheckpointError names it)
+WEIGHTS_ERRORS = (FileNotFoundError, ValueError, CheckpointError)
+
 
 def build_encoder(cfg: Any, **overrides: Any) -> VisionTransformer:
     """``cfg.model``'s encoder (plus ``overrides``, e.g. a classification head); for downstream
@@ -37,7 +40,7 @@ def build_encoder(cfg: Any, **overrides: Any) -> VisionTransformer:
     if weights:
         try:
             stated = stated_architecture(cfg.model, weights)
-        except (FileNotFoundError, ValueError, CheckpointError) as e:
+        except WEIGHTS_ERRORS as e:
             raise ConfigError(f"{source}: {key}: {e}") from None
     try:
         kwargs = {"in_chans": cfg.data.channels, **stated, **cfg.model.vit_kwargs()}
@@ -49,11 +52,7 @@ def build_encoder(cfg: Any, **overrides: Any) -> VisionTransformer:
         try:
             load_into(encoder, init, cfg.model.init_chans_policy)
             read = init_record(init)
-        except (
-            FileNotFoundError,
-            ValueError,
-            CheckpointError,
-        ) as e:  # CheckpointError: damaged files, named
+        except WEIGHTS_ERRORS as e:
             raise ConfigError(f"{source}: init: {e}") from None
         if read.get("init_finished") is False and os.environ.get("RANK", "0") == "0":
             log.warning(
@@ -106,10 +105,9 @@ def stated_architecture(model: ModelConfig, weights: str) -> dict:
 def build_objective(cfg: Config) -> Objective:
     """The objective the trainer trains, from a validated config (``model.init`` loaded if set)."""
     source = getattr(cfg, "_source", "<config>")
-    objective_cfg = cfg.objective
     encoder = build_encoder(cfg)
     try:
-        objective = objective_cfg.build(encoder, mask_generator(cfg, encoder), pixel_stats(cfg))
+        objective = cfg.objective.build(encoder, mask_generator(cfg, encoder), pixel_stats(cfg))
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
     except (ValueError, TypeError) as e:  # a combination only the constructor checks
@@ -117,7 +115,7 @@ def build_objective(cfg: Config) -> Objective:
     if cfg.model.init:
         try:
             init_objective(objective, cfg.model.init, cfg.model.init_chans_policy)
-        except (FileNotFoundError, ValueError, CheckpointError) as e:
+        except WEIGHTS_ERRORS as e:
             raise ConfigError(f"{source}: model.init: {e}") from None
     # the decoders too (HPM's teacher runs no-grad)
     set_grad_checkpointing(objective, cfg.model.grad_checkpointing)
