@@ -51,12 +51,13 @@ def load_encoder(source: str | Path) -> nn.Module:
 def _config(
     config: str | Path,
     kind: type,
-    output_dir: str | Path | None,
     overrides: dict[str, Any] | list[str] | None,
     sections: dict[str, dict[str, Any]],
+    given: dict[str, str | Path | None],
 ) -> Any:
     """The loaded config: ``overrides`` ({"train.max_steps": 50} or ["train.max_steps=50"]) and
-    whole sections (``train={"max_steps": 50}``) over the file, ``output_dir`` over its own."""
+    whole sections (``train={"max_steps": 50}``) over the file, and over them the keys ``given``
+    by name (``output_dir``, ``init``) where they are not None."""
     from mpp.config import as_overrides, load_config
 
     flat = dict(overrides) if isinstance(overrides, dict) else {}
@@ -66,8 +67,7 @@ def _config(
                 f"{section}=...: a section's keys as a dict (e.g. train={{'max_steps': 50}})"
             )
         flat |= {f"{section}.{k}": v for k, v in values.items()}
-    if output_dir is not None:
-        flat["train.output_dir"] = str(output_dir)
+    flat |= {key: str(value) for key, value in given.items() if value is not None}
     items = list(overrides) if isinstance(overrides, list) else []
     return load_config(config, items + as_overrides(flat), cls=kind)
 
@@ -88,7 +88,7 @@ def pretrain(
     from mpp.config import Config
     from mpp.jobs import run_pretrain
 
-    cfg = _config(config, Config, output_dir, overrides, sections)
+    cfg = _config(config, Config, overrides, sections, {"train.output_dir": output_dir})
     return run_pretrain(cfg, resume, restart).run_dir
 
 
@@ -108,12 +108,7 @@ def finetune(
     from mpp.config import FinetuneConfig
     from mpp.jobs import run_finetune
 
-    if init is not None:
-        overrides = (
-            [*overrides, f"init={json.dumps(str(init))}"]
-            if isinstance(overrides, list)
-            else {**(overrides or {}), "init": str(init)}
-        )
-    cfg = _config(config, FinetuneConfig, output_dir, overrides, sections)
+    given = {"init": init, "train.output_dir": output_dir}
+    cfg = _config(config, FinetuneConfig, overrides, sections, given)
     done = run_finetune(cfg, resume, restart)
     return {**json.loads((done.run_dir / "results.json").read_text()), "run_dir": str(done.run_dir)}
