@@ -266,7 +266,7 @@ def test_hpm_recipes_match_the_official_scripts():
         "hpm_b16",
         ["model.depth=1", "model.img_size=32", "objective.decoder_depth=1", "data.builtin=digits"],
     )
-    assert pre.objective.kwargs()["norm_pix_loss"] is False
+    assert pre.objective.base.norm_pix_loss is False
     assert build_objective(pre).base.norm_pix_loss is False
     digits = ["data.builtin=digits"]
     assert load_config("finetune_hpm_b16", digits, cls=FinetuneConfig).optim.layer_decay == 0.8

@@ -34,9 +34,9 @@ class _Section(BaseModel):
 
 
 class _Decoder(BaseModel):
-    model_config = ConfigDict(use_attribute_docstrings=True)
-
     """A decoder's size: MAE's pixel decoder, HPM's loss predictor (and its MAE base's decoder)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
 
     decoder_dim: int = Field(512, gt=0)
     """The decoder's width (MAE: 512)."""
@@ -169,12 +169,6 @@ class HPMConfig(_Section, _Decoder):
         base = dict(base) if isinstance(base, dict) else {"name": base}
         base.update({k: v for k, v in raw.items() if k not in own})
         return {**{k: v for k, v in raw.items() if k in own}, "base": base}
-
-    def kwargs(self) -> dict[str, Any]:
-        """The flat form: HPM's arguments and its base's, beside ``base``'s name (what
-        ``create_objective("hpm", ...)`` takes)."""
-        own = self.model_dump(exclude={"name", "base"})
-        return {**own, "base": self.base.name, **self.base.kwargs()}
 
     def build(
         self, encoder: VisionTransformer, mask: MaskGenerator | None, pixels: Pixels
