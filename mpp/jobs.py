@@ -61,21 +61,16 @@ def start_of(cfg: Any, resume: str | None, restart: bool, rank: int) -> str | No
     return "auto"
 
 
-def pretrain_objective(cfg: Config) -> nn.Module:
-    """The objective, the same initial weights on every rank and every run (ConfigError)."""
+def initial_model(cfg: Config | FinetuneConfig) -> nn.Module:
+    """What the run trains, the same initial weights on every rank and every run (ConfigError):
+    pretraining's objective, or fine-tuning's classifier around its initial encoder."""
     seed_everything(cfg.train.seed)
-    return build_objective(cfg)
-
-
-def finetune_model(cfg: FinetuneConfig) -> nn.Module:
-    """The classifier around its initial encoder, seeded as ``pretrain_objective`` (ConfigError)."""
-    seed_everything(cfg.train.seed)
-    return build_classifier(cfg)
+    return build_classifier(cfg) if isinstance(cfg, FinetuneConfig) else build_objective(cfg)
 
 
 def run_pretrain(cfg: Config, resume: str | None = None, restart: bool = False) -> Finished:
     """Pretrain: the final encoder in ``RUN/encoder.safetensors``; ``result`` the last RunState."""
-    objective = pretrain_objective(cfg)
+    objective = initial_model(cfg)
 
     def train(plan, run_dir, device, resume):
         # data.mean / std "auto": measured with the plan (mpp.data.stats), known now
@@ -90,7 +85,7 @@ def run_pretrain(cfg: Config, resume: str | None = None, restart: bool = False) 
 
 def run_finetune(cfg: FinetuneConfig, resume: str | None = None, restart: bool = False) -> Finished:
     """Fine-tune for classification: ``result`` is what ``RUN/results.json`` holds (rank 0)."""
-    model = finetune_model(cfg)
+    model = initial_model(cfg)
 
     def train(plan, run_dir, device, resume):
         hooks = [StopHook(run_dir)]  # a classifier has no masks to preview, no monitor section

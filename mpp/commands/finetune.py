@@ -17,15 +17,13 @@ import sys
 from mpp.cli import run_parser
 from mpp.commands.job import train_main
 from mpp.config import FinetuneConfig
-from mpp.jobs import finetune_model, run_finetune
+from mpp.jobs import run_finetune
 from mpp.tools.plot import curves_at_end
 
 
 def main(argv: list[str] | None = None) -> int:
     args = run_parser(__doc__, "finetune_b16, finetune_demo", submit=True).parse_args(argv)
-    return train_main(
-        args, argv, "mpp.commands.finetune", FinetuneConfig, finetune_model, run_finetune, _report
-    )
+    return train_main(args, argv, "mpp.commands.finetune", FinetuneConfig, run_finetune, _report)
 
 
 def _report(done) -> None:

@@ -14,7 +14,7 @@ from mpp.checkpoint.storage import CheckpointError, DiskFullError
 from mpp.cli import config_from_args
 from mpp.config import ConfigError
 from mpp.data import DataError
-from mpp.jobs import start_of
+from mpp.jobs import initial_model, start_of
 from mpp.parallel.distributed import PortInUse, world_from_env
 from mpp.submit import submit
 from mpp.train.nonfinite import NonFiniteLossError
@@ -32,14 +32,13 @@ EXIT_STATUS: tuple[tuple[type[BaseException], int], ...] = (
 )
 
 
-def train_main(
-    args: Any, argv: list[str] | None, command: str, cls: type, model, run, report
-) -> int:
+def train_main(args: Any, argv: list[str] | None, command: str, cls: type, run, report) -> int:
     """A training command once parsed. With --submit: what a submission checks of the run before
-    the job exists (``model(cfg)``, its initial weights, and where it starts; not the data: the
-    shards may be visible on the compute nodes only), then the job, whose every task runs
-    ``command`` (a module, ``mpp.commands.pretrain``) without --submit. Else ``run(cfg, resume,
-    restart)`` in this process and rank 0's ``report`` of what it returns (``mpp.jobs.Finished``).
+    the job exists (its initial weights, ``mpp.jobs.initial_model``, and where it starts; not the
+    data: the shards may be visible on the compute nodes only), then the job, whose every task
+    runs ``command`` (a module, ``mpp.commands.pretrain``) without --submit. Else ``run(cfg,
+    resume, restart)`` in this process and rank 0's ``report`` of what it returns
+    (``mpp.jobs.Finished``).
 
     0, or the exit status of how it stopped (``EXIT_STATUS``), said in one line: by rank 0
     where every rank stops alike (a stop signal, a refusal once the process group exists), else
@@ -49,7 +48,7 @@ def train_main(
     try:
         cfg = config_from_args(args, cls)
         if args.submit:  # checked here, run there
-            model(cfg)
+            initial_model(cfg)
             start_of(cfg, args.resume, args.restart, rank)
         else:
             done = run(cfg, args.resume, args.restart)

@@ -19,7 +19,7 @@ import sys
 from mpp.cli import run_parser
 from mpp.commands.job import train_main
 from mpp.config import Config
-from mpp.jobs import pretrain_objective, run_pretrain
+from mpp.jobs import run_pretrain
 from mpp.tools.planner.cli import add_plan_arguments, plan_main
 
 
@@ -32,8 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.plan:  # nothing created: no process group, no run directory
         return plan_main(args.config, args.set, args.gpus, args.gpu, args.out)
-    command = "mpp.commands.pretrain"
-    return train_main(args, argv, command, Config, pretrain_objective, run_pretrain, _report)
+    return train_main(args, argv, "mpp.commands.pretrain", Config, run_pretrain, _report)
 
 
 def _report(done) -> None:
