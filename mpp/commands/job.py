@@ -57,7 +57,8 @@ def train_main(args: Any, argv: list[str] | None, command: str, cls: type, run, 
             line = f"stopped: {e}"
         else:  # DataLoader workers wrap the message in a traceback: its last line is the error
             text = str(e).strip()
-            line = f"error: {text.splitlines()[-1] if isinstance(e, (NonFiniteLossError, DataError, DiskFullError)) else text}"
+            wrapped = isinstance(e, (NonFiniteLossError, DataError, DiskFullError))
+            line = f"error: {text.splitlines()[-1] if wrapped else text}"
         alike = isinstance(e, Preempted) or (
             isinstance(e, (ConfigError, PortInUse)) and dist.is_initialized()
         )
