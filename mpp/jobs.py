@@ -19,7 +19,7 @@ from torch import nn
 
 from mpp.build import build_objective
 from mpp.checkpoint.manager import encoder_kwargs
-from mpp.checkpoint.rng import seed_everything
+from mpp.checkpoint.state import seed_everything
 from mpp.cli import open_run_dir
 from mpp.config import Config, ConfigError, FinetuneConfig
 from mpp.parallel.distributed import device_type, from_rank0, init_distributed, world_from_env

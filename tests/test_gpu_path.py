@@ -243,7 +243,7 @@ def test_a_training_step_builds_no_tensor_from_host_data(digits16, objective):
 def test_rng_restore_with_fewer_visible_gpus_than_at_save(monkeypatch):
     """set_rng_state_all raised IndexError when a rank saw fewer GPUs than at save (8 x 8
     resumed as 16 x 4, or one visible GPU per SLURM task): each rank keeps its own device's."""
-    from mpp.checkpoint import rng
+    from mpp.checkpoint.state import rng_state, set_rng_state
 
     states = [torch.full((4,), i, dtype=torch.uint8) for i in range(8)]
     set_to = []
@@ -256,10 +256,10 @@ def test_rng_restore_with_fewer_visible_gpus_than_at_save(monkeypatch):
     monkeypatch.setattr(
         torch.cuda, "set_rng_state_all", lambda s: pytest.fail("restores every device")
     )
-    saved = rng.rng_state()
+    saved = rng_state()
     assert [int(s[0]) for s in saved["cuda"]] == [3]  # only the rank's own device
-    rng.set_rng_state(saved)
-    rng.set_rng_state({**saved, "cuda": states})  # a checkpoint in the old all-devices format
+    set_rng_state(saved)
+    set_rng_state({**saved, "cuda": states})  # a checkpoint in the old all-devices format
     assert set_to == [3, 0]
 
 

@@ -128,7 +128,7 @@ LAYERS = {
         "mpp.checkpoint",
     },
     # below train, imported one way only: the Trainer owns a Checkpointer; the RunState and the
-    # RNG states it saves live here (checkpoint.state, checkpoint.rng)
+    # RNG states it saves live here (checkpoint.state)
     "mpp.checkpoint": {"mpp.config", "mpp.parallel", "mpp.hub.encoder_file"},
     "mpp.hub": {
         "mpp.models",

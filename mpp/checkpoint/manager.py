@@ -19,8 +19,7 @@ import torch.distributed as dist
 
 from mpp.checkpoint import elastic
 from mpp.checkpoint import format as ckpt
-from mpp.checkpoint.rng import rng_state, seed_everything, set_rng_state
-from mpp.checkpoint.state import RunState
+from mpp.checkpoint.state import RunState, rng_state, seed_everything, set_rng_state
 from mpp.config import RunConfig, save_config
 from mpp.hub.encoder_file import export_encoder
 from mpp.parallel.distributed import from_rank0

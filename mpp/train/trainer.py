@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mpp.checkpoint.manager import Checkpointer
-from mpp.checkpoint.rng import seed_everything
-from mpp.checkpoint.state import RunState
+from mpp.checkpoint.state import RunState, seed_everything
 from mpp.config import RunConfig
 from mpp.data import device_decode, make_train_loader
 from mpp.ops import normalize
