@@ -1,5 +1,5 @@
-"""The probe protocols' facts against the papers' text and code (mpp/transfer/probe.py, probe_protocols.py,
-lars.py): LARS's trust ratio by hand, MAE's lr rule and BatchNorm head, DINOv2's grid and its
+"""The probe protocols' facts against the papers' text and code (mpp/transfer/probe.py,
+probe_protocols.py): LARS's trust ratio by hand, MAE's lr rule and BatchNorm head, DINOv2's grid and its
 concatenation widths, per-block features from one forward, heads trained together exactly as
 alone, DINO's weighted k-NN vote. The CLIs run on a demo run in test_demo_runs.py."""
 
@@ -12,13 +12,14 @@ from torch import nn
 from mpp.config import ProbeSection
 from mpp.features import feature_slots, knn_scores, pooled_features
 from mpp.models import create_vit
-from mpp.transfer.lars import LARS, trust_ratio
 from mpp.transfer.probe import (
+    LARS,
     HeadTrainer,
     LinearHead,
     Probe,
     linear_probes,
     scaled_lr,
+    trust_ratio,
 )
 from mpp.transfer.probe_protocols import (
     DINOV2_LRS,

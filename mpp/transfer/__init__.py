@@ -1,2 +1,2 @@
 """Evaluation of a pretrained encoder: fine-tuning (finetune, evaluate), linear probes and k-NN
-(probe, probe_protocols, lars, probe_report, probe_cli)."""
+(probe, probe_protocols, probe_cli)."""

@@ -9,6 +9,7 @@ import json
 import sys
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -121,8 +122,6 @@ def run_probe(kind: str, argv: list[str] | None = None, script: str | None = Non
         return 0
     results = {**results, "eval": kind, "init": cfg.init, **init_record(cfg.init), "ranks": world}
     if "per_block" in results:
-        from mpp.transfer.probe_report import write_per_block
-
         print(
             write_per_block(run_dir, results["per_block"], f"{kind} top-1 per block of {cfg.init}")
         )
@@ -193,6 +192,39 @@ def _headline(per_slot: list[dict], slots: list) -> dict:
     if len(slots) > 1:
         out["per_block"] = [{"block": b, **r} for (b, _), r in zip(slots, per_slot, strict=True)]
     return out
+
+
+def write_per_block(run_dir: Path, rows: list[dict], title: str) -> str:
+    """Top-1 per block (``--layers all``, ``rows``: [{"block", "top1", "top5"}, ...]): a Markdown
+    table in results.md, returned to print, and a bar chart in per_block.png (drawn with
+    matplotlib where the ``plot`` extra is installed)."""
+    lines = [f"# {title}", "", "| block | top-1 (%) | top-5 (%) |", "|---|---|---|"]
+    lines += [f"| {r['block']} | {r['top1']:.2f} | {r['top5']:.2f} |" for r in rows]
+    table = "\n".join(lines) + "\n"
+    (run_dir / "results.md").write_text(table)
+    try:
+        _plot_per_block(rows, title, run_dir / "per_block.png")
+    except ImportError:  # the table is the result; the chart needs the plot extra
+        table += "(per_block.png: pip install 'mpp[plot]' to draw it)\n"
+    return table
+
+
+def _plot_per_block(rows: list[dict], title: str, path: Path) -> None:
+    """One bar per block, its top-1 written above it. Needs matplotlib (the ``plot`` extra)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(max(3.6, 0.9 + 0.45 * len(rows)), 3.2))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    bars = ax.bar([str(r["block"]) for r in rows], [r["top1"] for r in rows], color="#1f77b4")
+    ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    ax.set_xlabel("block (0 = first)")
+    ax.set_ylabel("top-1 (%)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def _mae(cfg, setup: ProbeSetup, val: tuple, features: FeatureSpec, rank: int, world: int) -> dict:
