@@ -7,7 +7,7 @@ from mpp.transfer.probe_cli import run_probe
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_probe("knn", argv, "mpp.commands.knn")
+    return run_probe("knn", argv)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from mpp.transfer.probe_cli import run_probe
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_probe("linear", argv, "mpp.commands.probe")
+    return run_probe("linear", argv)
 
 
 if __name__ == "__main__":

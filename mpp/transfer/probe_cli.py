@@ -75,9 +75,9 @@ def probe_parser(kind: str):
     return p
 
 
-def run_probe(kind: str, argv: list[str] | None = None, script: str | None = None) -> int:
+def run_probe(kind: str, argv: list[str] | None = None) -> int:
     """``kind`` = "linear" or "knn". Exit status 2 on a bad config or init. With --submit, the
-    validated run is submitted as a job (``script``: the CLI, which the job runs)."""
+    validated run is submitted as a job, which runs the kind's CLI."""
     from mpp.cli import config_from_args, open_run_dir
     from mpp.parallel.distributed import PortInUse, init_distributed, world_from_env
     from mpp.train.runlock import release
@@ -98,7 +98,7 @@ def run_probe(kind: str, argv: list[str] | None = None, script: str | None = Non
     if args.submit:  # checked here, run there: each task runs the CLI without --submit (mpp.submit)
         from mpp.submit import submit
 
-        command = script or ("mpp.commands.probe" if kind == "linear" else "mpp.commands.knn")
+        command = {"linear": "mpp.commands.probe", "knn": "mpp.commands.knn"}[kind]
         return submit(command, argv, cfg, resumable=False)
     try:
         device = (
