@@ -25,7 +25,7 @@ from mpp.hub.encoder_file import save_weights
 from mpp.hub.hf import hf_config, to_hf
 from mpp.hub.pretrained import load_pretrained, run_model_kwargs
 from mpp.models.vit import full_vit_config
-from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
+from mpp.ops import IMAGENET_MEAN, IMAGENET_STD, to_2tuple
 
 # model kwargs of ours that are timm VisionTransformer constructor arguments
 _TIMM_ARGS = (
@@ -177,11 +177,7 @@ def write_hf(sd: dict, kwargs: dict, info: dict, folder: Path) -> None:
         {"format": "pt"},
     )
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    h, w = (
-        (full["img_size"], full["img_size"])
-        if isinstance(full["img_size"], int)
-        else full["img_size"]
-    )
+    h, w = to_2tuple(full["img_size"], "img_size")
     processor = {
         "image_processor_type": "ViTImageProcessor",
         "do_resize": True,

@@ -72,15 +72,10 @@ def to_hf(state_dict: dict[str, Tensor], depth: int, classifier: bool) -> dict[s
     }
     for i in range(depth):
         src, dst = f"blocks.{i}.", f"{p}encoder.layer.{i}."
-        for name, w in zip(
-            ("query", "key", "value"), sd[src + "attn.qkv.weight"].chunk(3), strict=True
-        ):
-            out[f"{dst}attention.attention.{name}.weight"] = w
-        if src + "attn.qkv.bias" in sd:  # qkv_bias=False: none
-            for name, b in zip(
-                ("query", "key", "value"), sd[src + "attn.qkv.bias"].chunk(3), strict=True
-            ):
-                out[f"{dst}attention.attention.{name}.bias"] = b
+        # qkv_bias=False: no bias
+        for kind in ("weight", "bias") if f"{src}attn.qkv.bias" in sd else ("weight",):
+            for name, t in zip(_QKV, sd[f"{src}attn.qkv.{kind}"].chunk(3), strict=True):
+                out[f"{dst}attention.attention.{name}.{kind}"] = t
         for ours, theirs in _BLOCK_NAMES:
             for kind in ("weight", "bias"):
                 out[f"{dst}{theirs}.{kind}"] = sd[f"{src}{ours}.{kind}"]
@@ -89,6 +84,7 @@ def to_hf(state_dict: dict[str, Tensor], depth: int, classifier: bool) -> dict[s
     return {k: v.contiguous() for k, v in out.items()}
 
 
+_QKV = ("query", "key", "value")  # HF's split of the fused qkv, in its order
 _BLOCK_NAMES = (
     ("attn.proj", "attention.output.dense"),
     ("norm1", "layernorm_before"),
@@ -135,13 +131,9 @@ def from_hf(state_dict: dict[str, Tensor], depth: int) -> dict[str, Tensor]:
         out["norm.weight"], out["norm.bias"] = sd["layernorm.weight"], sd["layernorm.bias"]
     for i in range(depth):
         src, dst = f"encoder.layer.{i}.attention.attention.", f"blocks.{i}."
-        out[dst + "attn.qkv.weight"] = torch.cat(
-            [sd[f"{src}{n}.weight"] for n in ("query", "key", "value")]
-        )
-        if f"{src}query.bias" in sd:  # qkv_bias=False: none
-            out[dst + "attn.qkv.bias"] = torch.cat(
-                [sd[f"{src}{n}.bias"] for n in ("query", "key", "value")]
-            )
+        # qkv_bias=False: no bias
+        for kind in ("weight", "bias") if f"{src}query.bias" in sd else ("weight",):
+            out[f"{dst}attn.qkv.{kind}"] = torch.cat([sd[f"{src}{n}.{kind}"] for n in _QKV])
         for ours, theirs in _BLOCK_NAMES:
             for kind in ("weight", "bias"):
                 out[f"{dst}{ours}.{kind}"] = sd[f"encoder.layer.{i}.{theirs}.{kind}"]
@@ -157,7 +149,7 @@ def model_kwargs_from_hf(config: dict) -> dict:
     patch_side = patch if isinstance(patch, int) else patch[0]
     if config.get("hidden_act", "gelu") != "gelu":
         raise ValueError(f"hidden_act {config['hidden_act']!r}: our ViT uses the exact GELU only")
-    kwargs = {
+    return {
         "name": f"vit_base_patch{patch_side}_{side}",
         "img_size": img,
         "patch_size": patch_side,
@@ -169,7 +161,6 @@ def model_kwargs_from_hf(config: dict) -> dict:
         "qkv_bias": config.get("qkv_bias", True),
         "norm_eps": config.get("layer_norm_eps", 1e-12),
     }
-    return kwargs
 
 
 def read_hf_folder(folder: str | Path) -> tuple[dict[str, Tensor], dict]:
