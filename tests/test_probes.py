@@ -226,6 +226,6 @@ def test_knn_votes_with_exp_similarity_over_temperature():
 
 
 def test_probe_is_a_dataclass_over_slots():
-    p = Probe("x", [2, 0], 0.1, nn.Identity())
+    p = Probe([2, 0], 0.1, nn.Identity())
     feats = torch.arange(6.0).view(1, 3, 2)
     assert p.inputs(feats).tolist() == [[4.0, 5.0, 0.0, 1.0]]

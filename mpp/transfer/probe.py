@@ -47,7 +47,6 @@ class LinearHead(nn.Module):
 class Probe:
     """One linear head reading the concatenation of some feature slots, at its own peak lr."""
 
-    name: str
     slots: list[int]  # indices into the features' slot axis, concatenated in this order
     lr: float
     head: nn.Module
@@ -200,9 +199,7 @@ def linear_probes(
     peak = scaled_lr(settings.blr, batch_size)
     dim, slots = train_x.shape[2], range(train_x.shape[1])
     probes = [
-        Probe(
-            f"slot{s}", [s], peak, LinearHead(dim, num_classes, torch.Generator().manual_seed(seed))
-        )
+        Probe([s], peak, LinearHead(dim, num_classes, torch.Generator().manual_seed(seed)))
         for s in slots
     ]
     for p in probes:

@@ -137,10 +137,9 @@ def _evaluate(kind: str, cfg, setup: ProbeSetup, rank: int, world: int) -> dict:
     encoder, num_classes = setup.encoder, setup.num_classes
     depth = len(encoder.blocks)
     protocol = pr.protocol if kind == "linear" else "knn"
-    if protocol == "dinov2":
-        slots = dinov2_slots(depth)
-    else:
-        slots = feature_slots(depth, pr.pool, pr.layers)
+    slots = (
+        dinov2_slots(depth) if protocol == "dinov2" else feature_slots(depth, pr.pool, pr.layers)
+    )
     px = setup.pixels
     features = FeatureSpec(slots, px.mean, px.std)
     eval_loader = partial(  # this rank's share of a split, keyed: extract_features orders by key

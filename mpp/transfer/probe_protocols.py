@@ -48,11 +48,7 @@ def mae_heads(slots: list[Slot], dim: int, num_classes: int, lr: float, seed: in
     """A BatchNorm + Linear head per slot (one: the cls token of the last block), each from ``seed``."""
     return [
         Probe(
-            f"block{b}",
-            [i],
-            lr,
-            LinearHead(dim, num_classes, torch.Generator().manual_seed(seed)),
-            {"block": b},
+            [i], lr, LinearHead(dim, num_classes, torch.Generator().manual_seed(seed)), {"block": b}
         )
         for i, (b, _) in enumerate(slots)
     ]
@@ -144,9 +140,8 @@ def dinov2_heads(depth: int, dim: int, num_classes: int, batch_size: int, seed: 
                     head.weight, std=0.01, generator=torch.Generator().manual_seed(seed)
                 )
                 nn.init.zeros_(head.bias)
-                name = f"classifier_{n}_blocks_avgpool_{avgpool}_lr_{lr:.5f}"  # DINOv2's names
                 facts = {"lr": lr, "n_blocks": n, "avgpool": avgpool}
-                probes.append(Probe(name, slots, scaled_lr(lr, batch_size), head, facts))
+                probes.append(Probe(slots, scaled_lr(lr, batch_size), head, facts))
     return probes
 
 
