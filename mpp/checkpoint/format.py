@@ -150,9 +150,8 @@ def save_checkpoint(
     except (OSError, RuntimeError) as e:
         if not storage.is_disk_full(e, root, size):
             raise
-        free = storage.free_bytes(root)
-        storage.remove_partial(root / tag)  # the other ranks stop too: the launcher ends the job
-        raise DiskFullError(storage.no_room(root, tag, size, latest_complete(root), free)) from None
+        # the other ranks stop too: the launcher ends the job
+        raise DiskFullError(storage.filled_up(root, tag, size, latest_complete(root))) from None
     dist.barrier()  # every rank's shard is on disk before the marker says so
     files = storage.manifest(root / tag)  # hashed by every rank, a share each
     problem = (
@@ -182,11 +181,7 @@ def _mark_complete(
             root / tag / MARKER, json.dumps({"step": step, **layout(engine), "files": files}) + "\n"
         )
     except OSError:
-        free = storage.free_bytes(root)
-        storage.remove_partial(root / tag)
-        return storage.no_room(
-            root, tag, storage.checkpoint_bytes(files), latest_complete(root), free
-        )
+        return storage.filled_up(root, tag, storage.checkpoint_bytes(files), latest_complete(root))
     for old in complete_tags(root)[:-keep_last]:
         shutil.rmtree(root / old, ignore_errors=True)
     return None

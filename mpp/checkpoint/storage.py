@@ -74,7 +74,7 @@ def manifest(tag_dir: Path) -> dict[str, dict]:
     return {name: record for part in parts for name, record in sorted(part.items())}
 
 
-def damage(tag_dir: Path, recorded: dict | None, hashes: bool = True) -> str | None:
+def damage(tag_dir: Path, recorded: dict | None) -> str | None:
     """The first way ``tag_dir`` differs from its marker's manifest (None: intact, or a marker from
     before manifests). Sizes first, for every file (cheap), then the checksums."""
     if not recorded:
@@ -85,7 +85,7 @@ def damage(tag_dir: Path, recorded: dict | None, hashes: bool = True) -> str | N
             return f"{path} is missing"
         if path.stat().st_size != want["bytes"]:
             return f"{path} has {path.stat().st_size} bytes, its checkpoint's marker says {want['bytes']}"
-    for name, want in recorded.items() if hashes else ():
+    for name, want in recorded.items():
         if sha256(Path(tag_dir) / name) != want["sha256"]:
             return f"{Path(tag_dir) / name} differs from the checksum in its checkpoint's marker"
     return None
@@ -160,8 +160,12 @@ def is_disk_full(error: BaseException, ckpt_root: Path, size: int) -> bool:
     return isinstance(error, (OSError, RuntimeError)) and free_bytes(ckpt_root) < size
 
 
-def remove_partial(tag_dir: Path) -> None:
-    shutil.rmtree(tag_dir, ignore_errors=True)
+def filled_up(ckpt_root: Path, tag: str, size: int, previous: str | None) -> str:
+    """A save the disk could not hold: the free space measured, its partial files removed, and the
+    line it stops with (``no_room``)."""
+    free = free_bytes(ckpt_root)
+    shutil.rmtree(Path(ckpt_root) / tag, ignore_errors=True)
+    return no_room(ckpt_root, tag, size, previous, free)
 
 
 def _mb(n: int) -> str:
