@@ -253,11 +253,8 @@ def resolve_on_rank0(resume: str | None, ckpt_root: Path) -> tuple[str, str] | s
         return None
     try:
         return ckpt.resolve_resume(resume, ckpt_root)  # the newest intact checkpoint: files checked
-    except (
-        FileNotFoundError,
-        ckpt.CheckpointError,
-    ) as e:  # every rank must learn it, not wait in the broadcast
-        return str(e)
+    except (FileNotFoundError, ckpt.CheckpointError) as e:
+        return str(e)  # every rank must learn it, not wait in the broadcast
 
 
 def _intact(ckpt_root: Path) -> str | None:

@@ -204,12 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         path = export(args.source, args.format, args.out)
-    except (
-        FileNotFoundError,
-        ValueError,
-        CheckpointError,
-    ) as e:  # CheckpointError: a damaged file, named
-        print(f"error: {e}", file=sys.stderr)
+    except (FileNotFoundError, ValueError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)  # CheckpointError: a damaged file, named
         return 2
     print(path)
     return 0

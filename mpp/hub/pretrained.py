@@ -69,9 +69,8 @@ def load_pretrained(init: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     prefix = prefixes[0]
     encoder = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
     kwargs = run_model_kwargs(Path(found[0]).parent)
-    if (
-        "head.weight" in encoder
-    ):  # a fine-tuning run's classifier (an older run's config.json leaves the head out)
+    # a fine-tuning run's classifier (an older run's config.json leaves the head out)
+    if "head.weight" in encoder:
         pool = "avg" if "fc_norm.weight" in encoder else "token"
         kwargs.update(num_classes=encoder["head.weight"].shape[0], global_pool=pool)
     return encoder, kwargs
@@ -136,10 +135,8 @@ def run_model_kwargs(run_dir: Path) -> dict:
         model = json.loads((run_dir / "config.json").read_text()).get("model", {})
     else:
         return {}
-    architecture = {
-        "name",
-        *inspect.signature(VisionTransformer).parameters,
-    }  # not init, grad_checkpointing
+    # not init, grad_checkpointing
+    architecture = {"name", *inspect.signature(VisionTransformer).parameters}
     return {k: v for k, v in model.items() if v is not None and k in architecture}
 
 
@@ -261,11 +258,8 @@ def stated_facts(sd: dict[str, torch.Tensor], model_kwargs: dict, init: str | Pa
 
 
 def _same(a: object, b: object) -> bool:
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a == b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return math.isclose(a, b, rel_tol=1e-9)
-    return a == b
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
+    return math.isclose(a, b, rel_tol=1e-9) if numbers else a == b
 
 
 def check_pooling(model: VisionTransformer, sd: dict[str, torch.Tensor], init: str | Path) -> None:
