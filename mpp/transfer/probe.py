@@ -123,8 +123,9 @@ class HeadTrainer:
         momentum: float,
         weight_decay: float,
         optimizer: str = "sgd",
+        device: torch.device | None = None,  # where the heads train (None: where they are)
     ) -> None:
-        self.probes, self.heads = probes, nn.ModuleList(p.head for p in probes)
+        self.probes, self.heads = probes, nn.ModuleList(p.head for p in probes).to(device)
         groups = [{"params": list(p.head.parameters()), "peak": p.lr} for p in probes]
         if optimizer == "lars":
             self.optimizer = LARS(groups, weight_decay=weight_decay, momentum=momentum)
@@ -195,15 +196,12 @@ def linear_probes(
     pass with SGD (lr = blr x batch / 256, warm-up + cosine); top-1/top-5 of the last epoch on
     ``val`` per slot. Each head starts from ``seed``, as it would alone."""
     epochs, batch_size = settings.epochs, settings.batch_size
-    device = train_y.device
     peak = scaled_lr(settings.blr, batch_size)
     dim, slots = train_x.shape[2], range(train_x.shape[1])
     probes = [
         Probe([s], peak, LinearHead(dim, num_classes, torch.Generator().manual_seed(seed)))
         for s in slots
     ]
-    for p in probes:
-        p.head.to(device)
     steps_per_epoch = max(1, -(-train_x.shape[0] // batch_size))
     trainer = HeadTrainer(
         probes,
@@ -211,6 +209,7 @@ def linear_probes(
         warmup_steps=settings.warmup_epochs * steps_per_epoch,
         momentum=settings.momentum,
         weight_decay=settings.weight_decay,
+        device=train_y.device,
     )
     train_on_features(trainer, train_x, train_y, epochs=epochs, batch_size=batch_size, seed=seed)
     losses = trainer.last_losses.tolist()

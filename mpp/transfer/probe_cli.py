@@ -248,8 +248,6 @@ def _mae(cfg, setup: ProbeSetup, val: tuple, features: FeatureSpec, rank: int, w
         )
     lr = scaled_lr(pr.blr, pr.batch_size)
     heads = mae_heads(slots, encoder.embed_dim, num_classes, lr, cfg.seed)
-    for p in heads:
-        p.head.to(next(encoder.parameters()).device)
     trainer = HeadTrainer(
         heads,
         total_steps=pr.epochs * steps,
@@ -257,6 +255,7 @@ def _mae(cfg, setup: ProbeSetup, val: tuple, features: FeatureSpec, rank: int, w
         momentum=pr.momentum,
         weight_decay=pr.weight_decay,
         optimizer="lars",
+        device=next(encoder.parameters()).device,
     )
     accum = micro_batches(pr.batch_size // world)
     loader = make_train_loader(

@@ -168,8 +168,6 @@ def dinov2_probe(
     (x, y), batch_size = train, settings.batch_size
     fit, held = holdout_split(len(y), settings.holdout, seed)
     probes = dinov2_heads(depth, x.shape[2], num_classes, batch_size, seed)
-    for p in probes:
-        p.head.to(y.device)
     steps = max(1, -(-len(fit) // batch_size))
     trainer = HeadTrainer(
         probes,
@@ -177,6 +175,7 @@ def dinov2_probe(
         warmup_steps=0,  # CosineAnnealingLR(max_iter, eta_min=0)
         momentum=settings.momentum,
         weight_decay=settings.weight_decay,
+        device=y.device,
     )
     fit_x, fit_y = x[fit.to(x.device)], y[fit.to(y.device)]
     train_on_features(
