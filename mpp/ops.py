@@ -28,18 +28,23 @@ def normalize(
     """uint8 (B, C, H, W) -> ``dtype`` (x/255 - mean)/std, or float32 pixels already in [0, 1]
     (data that is not 8-bit) -> (x - mean)/std; computed on the tensor's own device."""
     scale = 255.0 if images.dtype == torch.uint8 else 1.0
-    mean_t, std_t = _pixel_stats(tuple(mean), tuple(std), images.device, scale)
+    mean_t, std_t = _pixel_stats(tuple(mean), tuple(std), images.device, scale=scale)
     # out of place: a float input stays intact
     return (images.float() - mean_t).div_(std_t).to(dtype)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=32)
 def _pixel_stats(
-    mean: tuple[float, ...], std: tuple[float, ...], device: torch.device, scale: float = 255.0
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    scale: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
-    # made once per device: building them from Python lists every step is a blocking host-to-device copy
+    # made once per device: building them from Python lists every step is a blocking
+    # host-to-device copy (normalising does it every step, and so do MPP's un-normalised targets)
     def as_tensor(v):
-        return torch.tensor(v, dtype=torch.float32).mul_(scale).view(1, -1, 1, 1).to(device)
+        return torch.tensor(v, dtype=dtype).mul_(scale).view(1, -1, 1, 1).to(device)
 
     return as_tensor(mean), as_tensor(std)
 
@@ -52,17 +57,8 @@ def unnormalize(images: Tensor, mean: tuple[float, ...], std: tuple[float, ...])
     reachable with 256-pixel patches). A public implementation skipped this step entirely
     and put every normalised patch into one class.
     """
-    m, s = _channel_stats(tuple(mean), tuple(std), images.device, images.dtype)
+    m, s = _pixel_stats(tuple(mean), tuple(std), images.device, images.dtype)
     return ((images * s + m).clamp(0.0, 1.0) * 255.0).round() / 255.0
-
-
-@functools.lru_cache(maxsize=16)
-def _channel_stats(
-    mean: tuple[float, ...], std: tuple[float, ...], device: torch.device, dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
-    # MPP's targets un-normalise every step: new_tensor from lists was a blocking copy each time
-    as_tensor = lambda v: torch.tensor(v, dtype=dtype).view(1, -1, 1, 1).to(device)  # noqa: E731
-    return as_tensor(mean), as_tensor(std)
 
 
 def patchify(images: Tensor, patch_size: int) -> Tensor:

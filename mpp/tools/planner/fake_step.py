@@ -121,7 +121,7 @@ def fake_mode() -> Iterator[None]:
     a fake step."""
     from mpp import ops
 
-    caches = (ops._channel_stats, ops._pixel_stats)
+    caches = (ops._pixel_stats,)
     for cache in caches:
         cache.cache_clear()
     try:
