@@ -5,8 +5,8 @@ kernels per step; xformers against SDPA; optionally under torch.compile (``--com
 issue 36's other levers (``--levers``: DeepSpeed's ZeRO-1 bf16 path as mpp now sets it, and as it
 ran before).
 
-Each row is ``mpp.tools.doctor.engine_step``: the objective from configs/{objective}_b16.json at
-the setting's batch on one rank, stepped as mpp.train.trainer steps it, in the precision the
+Each row is ``mpp.tools.doctor.engine_step`` on ``step_config``: the objective from
+configs/{objective}_b16.json at the setting's batch on one rank, stepped as mpp.train.trainer steps it, in the precision the
 recipe takes on a GPU (TF32 off, as training leaves it). MFU = model FLOPs (mpp.tools.flops)
 ÷ the dense bf16 peak of the GPU's datasheet (mpp.tools.planner.hardware.SPEC_BF16_DENSE: H100 SXM 989 TFLOP/s),
 never a figure measured here; the bf16 matmul it measures is its own column. Recorded by hand on
@@ -17,13 +17,19 @@ code on a tiny model, MFU then against this CPU's measured bf16 matmul: a check,
 from __future__ import annotations
 
 import argparse
+import json
+import re
+import time
+from collections import Counter
 from typing import Any
 
 import torch
 
-from benchmarks.common import Unavailable, format_table, matmul_roofline
+from benchmarks.common import Unavailable, format_table, matmul_roofline, median
+from mpp.config import Config, load_config
 from mpp.models.attention import xformers_refusal
-from mpp.tools.doctor.engine_step import EngineStep, measure, spec_peak, step_config
+from mpp.tools.doctor.engine_step import EngineStep, measure
+from mpp.tools.planner.hardware import spec_peak
 
 GOALS = {"mpp_mfu_min": 0.40, "mae_mfu_min": 0.30, "hpm_vs_mae_time_max": 2.0}
 OBJECTIVES = ("mpp", "mae", "hpm")
@@ -108,6 +114,81 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+# validated by the config, never read: the step's images are made on the device
+DUMMY_SHARDS = "unused-{000000..000000}.tar"
+
+
+def step_config(
+    objective: str, setting: dict, attn_backend: str = "auto", precision: str = "as on a GPU"
+) -> Config:
+    """``configs/{objective}_b16.json`` at the setting's model, decoder and batch, one rank, micro
+    batch = batch (no accumulation), everything else (optimiser, ZeRO stage) as shipped; the
+    precision the recipe takes on a GPU (its ``auto`` resolved for CUDA) on any device, unless
+    given or set (``setting["sets"]`` win over everything)."""
+    if precision == "as on a GPU":
+        cfg = step_config(objective, setting, attn_backend, "auto")
+        precision = cfg.resolved_precision("cuda")
+    overrides = {
+        "model.name": setting["model"],
+        "model.attn_backend": attn_backend,
+        **{f"model.{k}": v for k, v in setting["overrides"].items()},
+        **(
+            {f"objective.{k}": v for k, v in setting["decoder"].items()}
+            if objective != "mpp"
+            else {}
+        ),
+        # the decoders too (MAE's, HPM's predictor): a row's attention is the whole step's
+        **({"objective.attn_backend": attn_backend} if objective != "mpp" else {}),
+        "train.batch_size": setting["batch"],
+        "train.max_micro_batch_size": None,
+        "train.max_steps": 1,
+        "train.precision": precision,
+        "data.train_shards": DUMMY_SHARDS,
+    }
+    # the setting's own overrides (gpu-step --set) last: they win
+    sets = [f"{k}={json.dumps(v)}" for k, v in overrides.items()] + setting.get("sets", [])
+    return load_config(f"{objective}_b16", sets)
+
+
+# a CUDA kernel's kind, by its name, first match (cuBLAS's Hopper GEMMs are nvjet/sm90 xmma; SDPA's flash and
+# efficient kernels; torch's fused AdamW is multi_tensor/foreach); anything else is elementwise work
+KERNEL_KINDS = (
+    ("attention", re.compile(r"flash|fmha|attention", re.I)),
+    ("matmul", re.compile(r"gemm|nvjet|xmma|wgmma|cutlass|cublas", re.I)),
+    ("optimizer", re.compile(r"multi_tensor|foreach|adam", re.I)),
+    ("communication", re.compile(r"nccl", re.I)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "elementwise")
+
+
+def kernel_shares(runner: EngineStep, steps: int = 3) -> tuple[dict[str, float], float]:
+    """Where ``steps`` steps spend the GPU's time, from torch.profiler's kernel records: each kind's
+    share of the wall time, and ``idle`` (the GPU running no kernel: the host is the limit); and
+    the kernels launched per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner.step()
+    torch.cuda.synchronize(runner.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            runner.step()
+        torch.cuda.synchronize(runner.device)
+        wall_us = (time.perf_counter() - start) * 1e6
+    busy: Counter = Counter()
+    kernels = 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            busy[kernel_kind(e.name)] += e.device_time_total
+            kernels += 1
+    shares = {kind: round(us / wall_us, 3) for kind, us in busy.most_common()}
+    shares["idle"] = round(max(0.0, 1 - sum(busy.values()) / wall_us), 3)
+    return shares, kernels / steps
+
+
 def run(
     quick: bool = False,
     compile: bool = False,
@@ -186,7 +267,10 @@ def measure_row(
     # bf16 on the CPU as well: the check runs DeepSpeed's bf16 path that the GPU runs
     runner = EngineStep(step_config(name, s, backend), dev, compile=compiled)
     try:
-        row = measure(runner, s["rounds"], s["warmup"], matmul, s["profile"])
+        row = measure(runner, s["rounds"], s["warmup"], beside=matmul[0])
+        row["matmul_tflops_per_s"] = matmul[2] / median(matmul[1][-s["rounds"] :]) / 1e12
+        if cuda and s["profile"]:
+            row["gpu_time"], row["kernels_per_step"] = kernel_shares(runner)
     finally:
         runner.close()
     if cuda:

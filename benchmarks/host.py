@@ -158,7 +158,8 @@ def measure_recipe(
     recipe: str, depth: int | None, sets: list[str], steps: int, warmup: int
 ) -> dict[str, Any]:
     """One recipe at one depth: ops and host ms per optimizer step, by phase and source."""
-    from mpp.tools.doctor.engine_step import EngineStep, step_config
+    from benchmarks.gpu_step import step_config
+    from mpp.tools.doctor.engine_step import EngineStep
 
     setting = dict(SETTING, sets=sets)
     if depth is not None:

@@ -271,8 +271,7 @@ def test_gpu_step_times_the_recipes_step_against_the_datasheet_peak(tmp_path):
 
 def test_gpu_step_overrides_reach_every_rows_config():
     """``gpu-step --set KEY=VALUE``: the shipped config as pretraining would take the override."""
-    from benchmarks.gpu_step import SETTINGS
-    from mpp.tools.doctor.engine_step import step_config
+    from benchmarks.gpu_step import SETTINGS, step_config
 
     setting = {**SETTINGS["cpu"], "sets": ["deepspeed.zero_optimization.stage=1"]}
     for name in ("mpp", "mae", "hpm"):
@@ -285,7 +284,7 @@ def test_gpu_step_overrides_reach_every_rows_config():
 
 def test_kernels_are_sorted_by_their_names():
     """What ``gpu-step --profile`` splits the GPU time by (kernel names an H200 printed)."""
-    from mpp.tools.doctor.engine_step import kernel_kind
+    from benchmarks.gpu_step import kernel_kind
 
     names = {
         "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT": "matmul",

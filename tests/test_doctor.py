@@ -14,7 +14,6 @@ from torch.nn.attention import SDPBackend
 from mpp.tools.doctor import FAIL, NEEDS_GPU, PASS, VERDICTS, WARN, Row
 from mpp.tools.doctor.engine_gpu import memory_row, mfu_row, sync_row
 from mpp.tools.doctor.engine_run import plan_for
-from mpp.tools.doctor.engine_step import spec_peak
 from mpp.tools.doctor.environment import (
     parse_xformers_info,
     xformers_build_problems,
@@ -22,6 +21,7 @@ from mpp.tools.doctor.environment import (
     xformers_row,
 )
 from mpp.tools.doctor.parity import TOLERANCE, NoKernel, parity_row, relative_error, sdpa_with
+from mpp.tools.planner.hardware import spec_peak
 
 CPU = torch.device("cpu")
 GPU_ROWS = {

@@ -11,7 +11,8 @@ import torch
 
 from mpp.config import load_config
 from mpp.tools.doctor import FAIL, PASS, WARN, Row
-from mpp.tools.doctor.engine_step import EngineStep, measure, spec_peak
+from mpp.tools.doctor.engine_step import EngineStep, measure
+from mpp.tools.planner.hardware import spec_peak
 
 SECTION = "engine"
 MFU_OF_CEILING_MIN = 0.5  # a run below half the planner's roofline ceiling is worth a look

@@ -1,7 +1,7 @@
-"""The training step as a run takes it, timed in this process: an objective built from a shipped
-config (``configs/{objective}_b16.json`` at a chosen size, one rank), ``deepspeed.initialize``
-with that config's own DeepSpeed dict, and one micro-step exactly as ``mpp.train.trainer.Trainer`` takes
-it. Shared by the gpu-step suite and ``python -m mpp.tools.doctor``.
+"""The training step as a run takes it, timed in this process: an objective built from a config
+(one rank), ``deepspeed.initialize`` with that config's own DeepSpeed dict, and one micro-step
+exactly as ``mpp.train.trainer.Trainer`` takes it. Shared by ``python -m mpp.tools.doctor`` and
+the clone's gpu-step and host suites (``benchmarks/gpu_step.py`` builds their configs).
 
 What "as a run takes it" means here, and what the old autocast benchmark got wrong:
 - bf16 is DeepSpeed's bf16 mode (the module cast to bf16, fp32 master weights in the ZeRO
@@ -12,10 +12,7 @@ What "as a run takes it" means here, and what the old autocast benchmark got wro
 
 from __future__ import annotations
 
-import json
-import re
 import sys
-import time
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -27,46 +24,10 @@ import torch
 import mpp
 from mpp.build import build_objective, pixel_stats
 from mpp.checkpoint.state import RunState
-from mpp.config import Config, load_config
+from mpp.config import Config
 from mpp.tools.flops import step_flops
 from mpp.tools.measure import interleaved_times, median
-from mpp.tools.planner.hardware import spec_peak  # noqa: F401  (gpu_step and the doctor take it from here)
 from mpp.train.trainer import after_optimizer_step, micro_step, start_engine, to_device
-
-# validated by the config, never read: the step's images are made on the device
-DUMMY_SHARDS = "unused-{000000..000000}.tar"
-
-
-def step_config(
-    objective: str, setting: dict, attn_backend: str = "auto", precision: str = "as on a GPU"
-) -> Config:
-    """``configs/{objective}_b16.json`` at the setting's model, decoder and batch, one rank, micro
-    batch = batch (no accumulation), everything else (optimiser, ZeRO stage) as shipped; the
-    precision the recipe takes on a GPU (its ``auto`` resolved for CUDA) on any device, unless
-    given or set (``setting["sets"]`` win over everything)."""
-    if precision == "as on a GPU":
-        cfg = step_config(objective, setting, attn_backend, "auto")
-        precision = cfg.resolved_precision("cuda")
-    overrides = {
-        "model.name": setting["model"],
-        "model.attn_backend": attn_backend,
-        **{f"model.{k}": v for k, v in setting["overrides"].items()},
-        **(
-            {f"objective.{k}": v for k, v in setting["decoder"].items()}
-            if objective != "mpp"
-            else {}
-        ),
-        # the decoders too (MAE's, HPM's predictor): a row's attention is the whole step's
-        **({"objective.attn_backend": attn_backend} if objective != "mpp" else {}),
-        "train.batch_size": setting["batch"],
-        "train.max_micro_batch_size": None,
-        "train.max_steps": 1,
-        "train.precision": precision,
-        "data.train_shards": DUMMY_SHARDS,
-    }
-    # the setting's own overrides (gpu-step --set) last: they win
-    sets = [f"{k}={json.dumps(v)}" for k, v in overrides.items()] + setting.get("sets", [])
-    return load_config(f"{objective}_b16", sets)
 
 
 class EngineStep:
@@ -161,59 +122,16 @@ def sync_counts(runner: EngineStep) -> dict[str, Any]:
     return counts
 
 
-# a CUDA kernel's kind, by its name, first match (cuBLAS's Hopper GEMMs are nvjet/sm90 xmma; SDPA's flash and
-# efficient kernels; torch's fused AdamW is multi_tensor/foreach); anything else is elementwise work
-KERNEL_KINDS = (
-    ("attention", re.compile(r"flash|fmha|attention", re.I)),
-    ("matmul", re.compile(r"gemm|nvjet|xmma|wgmma|cutlass|cublas", re.I)),
-    ("optimizer", re.compile(r"multi_tensor|foreach|adam", re.I)),
-    ("communication", re.compile(r"nccl", re.I)),
-)
-
-
-def kernel_kind(name: str) -> str:
-    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "elementwise")
-
-
-def kernel_shares(runner: EngineStep, steps: int = 3) -> tuple[dict[str, float], float]:
-    """Where ``steps`` steps spend the GPU's time, from torch.profiler's kernel records: each kind's
-    share of the wall time, and ``idle`` (the GPU running no kernel: the host is the limit); and
-    the kernels launched per step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    runner.step()
-    torch.cuda.synchronize(runner.device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            runner.step()
-        torch.cuda.synchronize(runner.device)
-        wall_us = (time.perf_counter() - start) * 1e6
-    busy: Counter = Counter()
-    kernels = 0
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            busy[kernel_kind(e.name)] += e.device_time_total
-            kernels += 1
-    shares = {kind: round(us / wall_us, 3) for kind, us in busy.most_common()}
-    shares["idle"] = round(max(0.0, 1 - sum(busy.values()) / wall_us), 3)
-    return shares, kernels / steps
-
-
 def measure(
-    runner: EngineStep,
-    rounds: int,
-    warmup: int,
-    matmul: tuple | None = None,
-    profile: bool = False,
+    runner: EngineStep, rounds: int, warmup: int, beside: Callable[[], Any] | None = None
 ) -> dict[str, Any]:
-    """Median step time (interleaved with ``matmul``, a ``common.matmul_roofline``, when given),
+    """Median step time (interleaved with ``beside`` when given: the gpu-step suite's matmul),
     img/s, model FLOP/s, and on CUDA the peak memory of the steps and the host syncs per step."""
     cuda = runner.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(runner.device)
         torch.cuda.reset_peak_memory_stats(runner.device)
-    fns = {"step": runner.step} if matmul is None else {"matmul": matmul[0], "step": runner.step}
+    fns = {"step": runner.step} if beside is None else {"beside": beside, "step": runner.step}
     times = interleaved_times(fns, rounds, warmup, runner.device)
     t = median(times["step"])
     batch = runner.cfg.train.batch_size
@@ -226,14 +144,10 @@ def measure(
         "peak_mem_gib": torch.cuda.max_memory_allocated(runner.device) / 2**30 if cuda else None,
         "host_syncs_per_step": None,
     }
-    if matmul is not None:
-        row["matmul_tflops_per_s"] = matmul[2] / median(matmul[1][-rounds:]) / 1e12
     if cuda:
         syncs = sync_counts(runner)
         row["host_syncs_per_step"] = syncs[
             "with_finite_check" if runner.check_finite else "without_finite_check"
         ]
         row["host_syncs"] = syncs
-        if profile:
-            row["gpu_time"], row["kernels_per_step"] = kernel_shares(runner)
     return row
