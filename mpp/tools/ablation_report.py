@@ -80,12 +80,15 @@ def write_markdown(
     path: Path,
     title: str,
     shared: list[str] = (),
+    about: list[str] = (),
 ) -> None:
-    """The tables; ``shared`` (the spec's ``set``) is listed under the title."""
+    """The tables; ``about`` (``provenance``) and ``shared`` (the spec's ``set``) under the title."""
     baselines = [r for r in rows if r.get("baseline")]
     rows = [r for r in rows if not r.get("baseline")]
     cells = list(dict.fromkeys(tuple(r[k] for k in keys) for r in rows))
     lines = [f"# {title}", ""]
+    if about:
+        lines += [*about, ""]
     if shared:
         lines += ["Every cell: " + ", ".join(f"`{s}`" for s in shared), ""]
     lines += [
@@ -129,20 +132,6 @@ def write_markdown(
     path.write_text("\n".join(lines) + "\n")
 
 
-PALETTE = [
-    (31, 119, 180),
-    (255, 127, 14),
-    (44, 160, 44),
-    (214, 39, 40),
-    (148, 103, 189),
-    (140, 86, 75),
-    (227, 119, 194),
-    (127, 127, 127),
-    (188, 189, 34),
-    (23, 190, 207),
-]
-
-
 def plot(
     rows: list[dict],
     keys: list[str],
@@ -153,6 +142,7 @@ def plot(
     """Top-1 per cell as bars with ± std error bars: one panel per evaluation, bars grouped by
     ``group_key`` (the strategy; else the first grid key) and coloured by the others; the
     baselines as dashed lines. Needs matplotlib (the ``plot`` extra)."""
+    from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -179,7 +169,7 @@ def plot(
                 if not n:
                     ax.text(x, 0, "failed", color="red", ha="center", va="bottom", fontsize=8)
                     continue
-                colour = [c / 255 for c in PALETTE[j % len(PALETTE)]]
+                colour = colormaps["tab10"](j % 10)
                 ax.bar(x, mean, width * 0.9, color=colour, label=label if gi == 0 else None)
                 ax.errorbar(x, mean, yerr=std, color="black", capsize=4, linewidth=2)
         for (name, k), (mean, _, n) in scratch.items():
@@ -256,10 +246,7 @@ def write_report(
     paths = [out / "results.csv", out / "results.md", out / "results.png"]
     write_csv(rows, keys, paths[0])
     title = spec.title or f"Ablation of {Path(spec.base).name}"
-    write_markdown(rows, keys, spec.evaluations, paths[1], title, spec.set)
-    text = paths[1].read_text()
-    head, _, rest = text.partition("\n\n")
-    paths[1].write_text(f"{head}\n\n" + "\n".join(provenance(elapsed_s)) + f"\n\n{rest}")
+    write_markdown(rows, keys, spec.evaluations, paths[1], title, spec.set, provenance(elapsed_s))
     copies = [(paths[1], spec.publish_markdown)]
     try:
         plot(rows, keys, spec.evaluations, paths[2])
