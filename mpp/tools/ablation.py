@@ -153,6 +153,11 @@ class AblationSpec(BaseModel):
     def out_dir(self) -> Path:
         return Path(self.output_dir or f"runs/ablation-{Path(self.base).stem}")
 
+    @property
+    def launcher(self) -> list[str]:
+        """The deepspeed launcher's arguments: ``launcher_args``, else the machine's default."""
+        return self.launcher_args if self.launcher_args is not None else default_launcher_args()
+
 
 def load_spec(path: str | None, cli: dict[str, Any]) -> AblationSpec:
     """The spec file (if any) with the command line's values on top; ConfigError names the key."""
@@ -171,9 +176,7 @@ def load_spec(path: str | None, cli: dict[str, Any]) -> AblationSpec:
     if "out" in raw and "output_dir" in raw:
         raise ConfigError(f"{source}: out: the older name of output_dir; set one of them")
     cli = {k: v for k, v in cli.items() if v is not None}
-    if (
-        "output_dir" in cli or "out" in cli
-    ):  # the command line's replaces the file's, by either name
+    if {"output_dir", "out"} & cli.keys():  # the command line's replaces the file's, by either name
         raw.pop("out", None)
         raw.pop("output_dir", None)
     raw.update(cli)
@@ -422,7 +425,7 @@ def run_job(
     spec: AblationSpec, job: Job, model_overrides: list[str], launcher_args: list[str], tag: str
 ) -> list[dict]:
     """Pretrain (or resume), then each evaluation not yet done; one row per evaluation."""
-    if all(is_done(kind, job.dir / kind) for kind in spec.evaluations):
+    if is_complete(spec, job):
         print(f"{tag} {job.label}: skip (complete)", flush=True)
         return [
             result_row(job, kind, "ok", job.dir / kind / "results.json")
@@ -476,13 +479,10 @@ def evaluate(
             ]
             script = SCRIPTS[split_evaluation(kind)[0]]
             if script == SCRIPTS["finetune"]:
-                code = _run(
-                    deepspeed_cmd(launcher_args, script, [*args, "--resume", "auto"]),
-                    log,
-                    f"{job.label}: {kind}",
-                )
+                cmd = deepspeed_cmd(launcher_args, script, [*args, "--resume", "auto"])
             else:  # the probes run in one process on cached features
-                code = _run([sys.executable, "-m", script, *args], log, f"{job.label}: {kind}")
+                cmd = [sys.executable, "-m", script, *args]
+            code = _run(cmd, log, f"{job.label}: {kind}")
             if code:
                 print(f"{tag} {job.label}: {kind} FAILED (exit {code}), log: {log}", flush=True)
                 rows.append(result_row(job, kind, "failed", log))
@@ -512,6 +512,10 @@ def result_row(job: Job | Baseline, kind: str, status: str, path: Path) -> dict:
 def evaluations(spec: AblationSpec, item: Job | Baseline) -> list[str]:
     """What a pretrained cell (every evaluation) or a baseline (its fine-tuning) runs."""
     return spec.evaluations if isinstance(item, Job) else spec.baseline_evaluations
+
+
+def is_complete(spec: AblationSpec, item: Job | Baseline) -> bool:
+    return all(is_done(kind, item.dir / kind) for kind in evaluations(spec, item))
 
 
 def resolved(spec: AblationSpec) -> AblationSpec:
@@ -545,9 +549,7 @@ def prepare(spec: AblationSpec) -> tuple[AblationSpec, list[Job], list[Baseline]
 def run_ablation(spec: AblationSpec) -> tuple[list[dict], int]:
     """``prepare``, then every cell and baseline run on this machine; (rows, how many failed)."""
     spec, jobs, baselines, model_sets = prepare(spec)
-    launcher_args = (
-        spec.launcher_args if spec.launcher_args is not None else default_launcher_args()
-    )
+    launcher_args = spec.launcher
     rows, n = [], len(jobs) + len(baselines)
     # the cluster's stop signal reaches every process of the job: the running cell checkpoints
     # and exits 75; the runner waits for it instead of dying, then stops (AblationStopped)

@@ -17,6 +17,7 @@ nor queued or running: a missing, failed or killed cell.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pickle
@@ -25,7 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mpp.parallel.launch import default_launcher_args
 from mpp.tools import ablation
 from mpp.tools.ablation import (
     SCRIPTS,
@@ -34,6 +34,7 @@ from mpp.tools.ablation import (
     AblationStopped,
     Baseline,
     Job,
+    is_complete,
     is_done,
     result_row,
 )
@@ -119,10 +120,6 @@ def work_items(spec: AblationSpec) -> list[Job | Baseline]:
     return [*ablation.plan_jobs(spec, cells), *ablation.plan_baselines(spec)]
 
 
-def is_complete(spec: AblationSpec, item: Job | Baseline) -> bool:
-    return all(is_done(kind, item.dir / kind) for kind in ablation.evaluations(spec, item))
-
-
 def item_state(spec: AblationSpec, item: Job | Baseline, record: dict[str, Any]) -> tuple[str, str]:
     """(done | queued | running | failed | not submitted, what it is doing or why it failed)."""
     if is_complete(spec, item):
@@ -166,22 +163,18 @@ def status_rows(spec: AblationSpec) -> tuple[list[dict], list[tuple[str, str, st
     return rows, lines
 
 
+@dataclasses.dataclass
 class EvaluateJob:
     """The job that evaluates one pretrained cell (or runs one baseline): one task, on a node of
     the pretraining's GPU count, running each evaluation through the launcher (``evaluate``).
     submitit's Checkpointable protocol: on the preemption signal the running evaluation
     checkpoints and exits 75, then this job requeues itself and skips what has finished."""
 
-    def __init__(
-        self,
-        spec: AblationSpec,
-        item: Job | Baseline,
-        model_overrides: list[str],
-        backend: str,
-        pretrain_id: str | None,
-    ) -> None:
-        self.spec, self.item, self.model_overrides = spec, item, model_overrides
-        self.backend, self.pretrain_id = backend, pretrain_id
+    spec: AblationSpec
+    item: Job | Baseline
+    model_overrides: list[str]
+    backend: str
+    pretrain_id: str | None
 
     def __call__(self) -> None:
         from submitit import JobEnvironment
@@ -192,15 +185,10 @@ class EvaluateJob:
         ablation._stop_signal.clear()
         record = lambda signum, frame: ablation._stop_signal.append(signum)  # noqa: E731
         previous = {s: signal.signal(s, record) for s in {*ablation.SIGNALS, usr_sig}}
-        launcher_args = (
-            self.spec.launcher_args
-            if self.spec.launcher_args is not None
-            else default_launcher_args()
-        )
         try:
             try:
                 rows = ablation.evaluate(
-                    self.spec, self.item, self.model_overrides, launcher_args, "[job]"
+                    self.spec, self.item, self.model_overrides, self.spec.launcher, "[job]"
                 )
             finally:  # submitit's handlers back before its requeue
                 for s, handler in previous.items():
@@ -216,9 +204,7 @@ class EvaluateJob:
     def checkpoint(self) -> Any:
         from submitit.helpers import DelayedSubmission
 
-        return DelayedSubmission(
-            EvaluateJob(self.spec, self.item, self.model_overrides, self.backend, None)
-        )
+        return DelayedSubmission(dataclasses.replace(self, pretrain_id=None))
 
     def _wait_for_pretraining(self) -> None:
         """SLURM starts this job after the pretraining's succeeded (afterok); locally, wait here."""
