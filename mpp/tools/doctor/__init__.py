@@ -10,7 +10,7 @@ runs it that way). Results: a table on stdout and ``doctor.json``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 PASS, WARN, FAIL, NEEDS_GPU = "pass", "warn", "fail", "needs a GPU"
@@ -31,13 +31,7 @@ class Row:
         if self.verdict not in VERDICTS:
             raise ValueError(f"verdict {self.verdict!r} is not one of {VERDICTS}")
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def needs_gpu(section: str, check: str, what: str) -> Row:
     """The row of a check this machine cannot run: ``what`` it would measure on a GPU."""
     return Row(section, check, NEEDS_GPU, f"not run (no CUDA device); on a GPU it {what}")
-
-
-__all__ = ["FAIL", "NEEDS_GPU", "PASS", "VERDICTS", "WARN", "Row", "needs_gpu"]

@@ -8,6 +8,7 @@ Prints a verdict table and writes DIR/doctor.json. Exit status 1 when any row fa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
@@ -67,18 +68,9 @@ def run_checks(out: Path, config: str, quick: bool) -> tuple[list[Row], dict[str
 
 
 def render(rows: list[Row]) -> str:
-    table = [
-        {"section": r.section, "check": r.check, "verdict": r.verdict, "reason": r.reason}
-        for r in rows
-    ]
+    columns = [(k, k, "") for k in ("section", "check", "verdict", "reason")]
     counts = ", ".join(f"{sum(r.verdict == v for r in rows)} {v}" for v in VERDICTS)
-    columns = [
-        ("section", "section", ""),
-        ("check", "check", ""),
-        ("verdict", "verdict", ""),
-        ("reason", "reason", ""),
-    ]
-    return format_table(table, columns) + f"\n\n{counts}"
+    return format_table([vars(r) for r in rows], columns) + f"\n\n{counts}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "config": args.config,
         "section_seconds": seconds,
-        "rows": [r.to_json() for r in rows],
+        "rows": [dataclasses.asdict(r) for r in rows],
     }
     (out / "doctor.json").write_text(json.dumps(report, indent=1) + "\n")
     print(render(rows))

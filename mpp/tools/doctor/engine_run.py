@@ -25,6 +25,7 @@ from mpp.config import apply_overrides, resolve_config_path, validate
 from mpp.data.writer import ImageEncoding, WriterOptions, from_arrays, shard_spec, write_shards
 from mpp.parallel.launch import deepspeed_cmd, job_env
 from mpp.tools.doctor import FAIL, PASS, WARN, Row, needs_gpu
+from mpp.tools.planner.hardware import GPUS
 from mpp.train.metrics import read_records
 
 SECTION = "engine"
@@ -167,9 +168,9 @@ def run_row(
 
 def plan_for(config: Path, gpu_name: str, out: Path) -> tuple[dict[str, Any] | None, str]:
     """``python -m mpp.tools.planner CONFIG --gpus 1 --gpu KIND --out F``: (its JSON, "") or (None, why)."""
-    kind = next((k for k in ("h100", "h200", "a100") if k in gpu_name.lower()), None)
+    kind = next((k for k in GPUS if k in gpu_name.lower()), None)
     if kind is None:
-        return None, f"plan unavailable: the planner knows h100, h200, a100, not {gpu_name!r}"
+        return None, f"plan unavailable: the planner knows {', '.join(GPUS)}, not {gpu_name!r}"
     cmd = [
         sys.executable,
         "-m",

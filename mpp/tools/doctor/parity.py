@@ -228,11 +228,15 @@ def speed_row(device: torch.device, quick: bool = False) -> Row:
     contenders = {name: _as_backend(name) for name in backends} | kernels
     steps = {}
     for name, fn in contenders.items():
-        try:  # one with no kernel for these inputs is left out of the race
+
+        def fwd_bwd(fn=fn) -> None:
             fn(*qkv.unbind(2)).sum().backward()
+
+        try:  # one with no kernel for these inputs is left out of the race
+            fwd_bwd()
         except (RuntimeError, NotImplementedError):
             continue
-        steps[name] = _fwd_bwd(fn, qkv)
+        steps[name] = fwd_bwd
     times = {
         n: median(t) for n, t in interleaved_times(steps, 3 if quick else 10, 1, device).items()
     }
@@ -260,10 +264,6 @@ def _as_backend(kernel: str | Kernel) -> Callable[[Tensor, Tensor, Tensor], Tens
     if isinstance(kernel, str):
         return lambda q, k, v: attention(q, k, v, kernel)
     return lambda q, k, v: kernel(q, k, v, None)
-
-
-def _fwd_bwd(fn: Callable[[Tensor, Tensor, Tensor], Tensor], qkv: Tensor) -> Callable[[], None]:
-    return lambda: fn(*qkv.unbind(2)).sum().backward()
 
 
 def attention_rows(device: torch.device, quick: bool = False) -> list[Row]:
