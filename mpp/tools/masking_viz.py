@@ -15,6 +15,7 @@ from PIL import Image, ImageDraw
 
 from mpp.masking import MASK_GENERATORS, build_mask_generator, num_masked
 from mpp.objectives.hpm_mask import HardPatchMask
+from mpp.ops import patchify
 
 GREY = 128
 LABEL_WIDTH = 260
@@ -44,9 +45,8 @@ def grey_out(image: np.ndarray, mask: torch.Tensor, grid: int) -> np.ndarray:
 
 def patch_scores(image: np.ndarray, grid: int) -> torch.Tensor:
     """A stand-in for HPM's predicted loss: each patch's pixel std (texture is hard)."""
-    patch = image.shape[0] // grid
-    x = torch.from_numpy(image).float().view(grid, patch, grid, patch, 3)
-    return x.permute(0, 2, 1, 3, 4).reshape(1, grid * grid, -1).std(-1)  # (1, N)
+    x = torch.from_numpy(image).float().permute(2, 0, 1)[None]  # (1, 3, S, S)
+    return patchify(x, image.shape[0] // grid).std(-1)  # (1, N)
 
 
 def strategy_rows(grid: int, ratio: float) -> list[tuple[str, str, dict]]:

@@ -60,22 +60,17 @@ def load_images(
     return (x - torch.tensor(mean).view(1, -1, 1, 1)) / torch.tensor(std).view(1, -1, 1, 1)
 
 
-def deepspeed_weights(folder: Path) -> dict[str, Tensor]:
-    """The module's fp32 weights in a DeepSpeed checkpoint folder, its root (``latest`` names the
-    tag) or a tag (``mpp.checkpoint.format.zero_to_fp32``: frozen ones such as the teacher's too)."""
-    found = find_checkpoint(folder)
-    if found is None:
-        raise FileNotFoundError(f"{folder}: no DeepSpeed checkpoint there")
-    return zero_to_fp32(*found)  # any stage, under weights_only loads
-
-
 def load_weights(objective: Objective, checkpoint: str) -> None:
     """A state dict file (DeepSpeed's ``mp_rank_00_model_states.pt`` too), a DeepSpeed checkpoint
     folder or a run directory, or an exported encoder (.pt or .safetensors; into HPM's student
     and teacher encoders)."""
     path = Path(checkpoint)
-    if path.is_dir():
-        state = deepspeed_weights(path)
+    if path.is_dir():  # a checkpoint root (``latest`` names the tag) or a tag
+        found = find_checkpoint(path)
+        if found is None:
+            raise FileNotFoundError(f"{path}: no DeepSpeed checkpoint there")
+        # the module's fp32 weights at any stage (frozen ones such as the teacher's too)
+        state = zero_to_fp32(*found)
     elif path.suffix == ".safetensors":
         state = load_encoder_file(path)[0]
     else:
