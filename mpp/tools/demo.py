@@ -33,7 +33,8 @@ FINETUNES = (
     ("scratch", "finetune_scratch_demo", "scratch"),
 )
 LABELS = {"pretrained": "pretrained (mpp)", "scratch": "scratch, own schedule"}
-PROBES = ("linear_probe", "knn")  # at few labels, of the pretrained and the random encoder
+# at few labels, of the pretrained and the random encoder: (tool, its command's module)
+PROBES = {"linear_probe": "mpp.commands.probe", "knn": "mpp.commands.knn"}
 
 
 def labels_per_class() -> int:
@@ -57,34 +58,22 @@ def run_stage(name: str, cmd: list[str], done: Path, log_dir: Path) -> None:
 
 def stages(out: Path, launcher_args: list[str]) -> list[tuple[str, list[str], Path]]:
     """(name, command, the file that marks it done) for every stage, in order."""
-    py, pre = sys.executable, out / "pretrain"
+    pre = out / "pretrain"
+    weights = {"pretrained": f"init={pre}", "scratch": "init=scratch"}
     pretrain = ["--config", "mpp_demo", "--output-dir", str(pre)]
-    todo = [
-        (
-            "pretrain",
-            deepspeed_cmd(launcher_args, "mpp.commands.pretrain", pretrain),
-            pre / "encoder.safetensors",
-        )
-    ]
+    cmd = deepspeed_cmd(launcher_args, "mpp.commands.pretrain", pretrain)
+    todo = [("pretrain", cmd, pre / "encoder.safetensors")]
     for key, config, init in FINETUNES:
         ft = out / f"finetune_{key}"
-        args = ["--config", config, "--set", f"init={pre if init == 'pretrained' else 'scratch'}"]
-        cmd = deepspeed_cmd(
-            launcher_args, "mpp.commands.finetune", [*args, "--output-dir", str(ft)]
-        )
+        args = ["--config", config, "--set", weights[init], "--output-dir", str(ft)]
+        cmd = deepspeed_cmd(launcher_args, "mpp.commands.finetune", args)
         todo.append((f"finetune {key}", cmd, ft / "encoder.safetensors"))
     few = f"data.labels_per_class={labels_per_class()}"
     for init in ("pretrained", "scratch"):  # a probe reads the encoder as it is: no schedule
-        for tool in PROBES:
+        for tool, module in PROBES.items():
             d = out / f"{tool}_{init}"
-            args = [
-                "--config",
-                "linear_demo",
-                "--set",
-                f"init={pre if init == 'pretrained' else 'scratch'}",
-            ]
-            module = "mpp.commands.probe" if tool == "linear_probe" else "mpp.commands.knn"
-            cmd = [py, "-m", module, *args, "--set", few, "--output-dir", str(d)]
+            args = ["--config", "linear_demo", "--set", weights[init], "--set", few]
+            cmd = [sys.executable, "-m", module, *args, "--output-dir", str(d)]
             todo.append((f"{tool} {init}", cmd, d / "results.json"))
     return todo
 
