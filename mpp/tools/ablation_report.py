@@ -38,16 +38,17 @@ def baseline_lines(rows: list[dict], title: str) -> list[str]:
         "uses the pretrained cells' fine-tuning recipe, which under-trains scratch and overstates "
         "pretraining's gain.",
         "",
-        "| baseline | " + " | ".join(evals) + " |",
-        "|---|" + "---|" * len(evals),
     ]
-    for name in dict.fromkeys(r["baseline"] for r in rows):
-        lines.append(
-            f"| {BASELINES[name][0]} | "
-            + " | ".join(entry(*stats.get((name, e), (0.0, 0.0, 0))) for e in evals)
-            + " |"
-        )
-    return lines
+    body = [
+        [BASELINES[name][0], *(entry(*stats.get((name, e), (0.0, 0.0, 0))) for e in evals)]
+        for name in dict.fromkeys(r["baseline"] for r in rows)
+    ]
+    return lines + markdown_table(["baseline", *evals], body)
+
+
+def markdown_table(header: list[str], body: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(cells) + " |" for cells in [header, *body]]
+    return [lines[0], "|" + "---|" * len(header), *lines[1:]]
 
 
 def entry(mean: float, std: float, n: int) -> str:
@@ -109,16 +110,8 @@ def write_markdown(
         if not columns:
             continue
         stats = summarize(rows, keys, metric)
-        lines += [
-            "",
-            heading,
-            "",
-            "| " + " | ".join([*keys, *columns]) + " |",
-            "|" + "---|" * (len(keys) + len(columns)),
-        ]
-        for cell in cells:
-            entries = [entry(*stats[(*cell, kind)]) for kind in columns]
-            lines.append("| " + " | ".join([*cell, *entries]) + " |")
+        body = [[*cell, *(entry(*stats[(*cell, kind)]) for kind in columns)] for cell in cells]
+        lines += ["", heading, "", *markdown_table([*keys, *columns], body)]
         if metric == "top1":
             lines += baseline_lines(baselines, "Baselines")
     failed = [r for r in [*rows, *baselines] if r["status"] != "ok"]
