@@ -14,11 +14,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from statistics import median  # noqa: F401  (the suites take it from here)
 from typing import Any
 
 import torch
 
-from mpp.tools.measure import format_table, interleaved_times, median, sync  # noqa: F401  (the suites take them from here)
+from mpp.tools.measure import format_table, interleaved_times, sync  # noqa: F401  (the suites take them from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,10 +39,6 @@ def interleaved_times(
             sync(device)
             times[name].append(time.perf_counter() - start)
     return times
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs)
 
 
 def _cell(v: Any, fmt: str) -> str:

@@ -17,6 +17,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from mpp.build import build_objective, pixel_stats
 from mpp.checkpoint.state import RunState
 from mpp.config import Config
 from mpp.tools.flops import step_flops
-from mpp.tools.measure import interleaved_times, median
+from mpp.tools.measure import interleaved_times
 from mpp.train.trainer import after_optimizer_step, micro_step, start_engine, to_device
 
 

@@ -10,6 +10,7 @@ computation in float64 from the same (rounded) inputs, so only the kernel's own 
 from __future__ import annotations
 
 from collections.abc import Callable
+from statistics import median
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mpp.models.attention import _xformers_ops, attention, resolve_backend
 from mpp.tools.doctor import FAIL, PASS, WARN, Row, needs_gpu
-from mpp.tools.measure import interleaved_times, median
+from mpp.tools.measure import interleaved_times
 
 SECTION = "attention"
 # 7x7+1 (ViT-B/32 at 224), 14x14+1 (ViT-B/16 at 224), 16x16+1 (ViT-L/14 at 224)
