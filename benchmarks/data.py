@@ -21,7 +21,7 @@ from benchmarks.data_timing import (
     bench_epoch_start,
     bench_pipeline,
 )
-from mpp.tools.planner.recipe import workers_needed
+from mpp.tools.planner.report import workers_needed
 
 SETTINGS = {
     "full": dict(num_images=512, img_size=224, repeats=3, num_shards=1024, members=1000),

@@ -52,8 +52,9 @@ def build_on_meta(cfg: Any) -> torch.nn.Module:
     return objective.train()
 
 
-def fake_images(micro: int, img_size: int, chans: int = 3) -> torch.Tensor:
+def fake_images(objective: torch.nn.Module, micro: int, img_size: int) -> torch.Tensor:
     """The engine's input: the loader's uint8 batch normalised to fp32 on the device."""
+    chans = objective.encoder.patch_embed.in_chans
     return torch.empty(micro, chans, img_size, img_size, dtype=torch.uint8).float()
 
 
@@ -95,19 +96,15 @@ def activation_peak(objective: torch.nn.Module, micro: int, img_size: int) -> in
     tracker = PeakTracker()
     tracker.track_external(objective)
     with tracker:
-        step(objective, fake_images(micro, img_size, _chans(objective)))
+        step(objective, fake_images(objective, micro, img_size))
     return tracker.peak_activation_bytes()
-
-
-def _chans(objective: torch.nn.Module) -> int:
-    return objective.encoder.patch_embed.in_chans
 
 
 def op_costs(objective: torch.nn.Module, micro: int, img_size: int) -> dict[str, Any]:
     """FLOPs (FlopCounterMode) and per-op (flops, bytes, count) calls of one step."""
     flops, costs = flop_counter(), OpCosts()
     with flops, costs:
-        step(objective, fake_images(micro, img_size, _chans(objective)))
+        step(objective, fake_images(objective, micro, img_size))
     return {
         "flops": flops.get_total_flops(),
         "calls": [[f, b, n] for (f, b), n in costs.calls.items()],
