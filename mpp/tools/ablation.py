@@ -328,18 +328,16 @@ def pretrain_overrides(spec: AblationSpec, cell: Cell, seed: int) -> list[str]:
     return [*spec.set, *cell.overrides, f"train.seed={seed}"]
 
 
+def cli_args(config: str | Path, overrides: list[str], out: Path) -> list[str]:
+    """A training command's ``--config C --set O ... --output-dir D``."""
+    sets = [a for o in overrides for a in ("--set", o)]
+    return ["--config", str(config), *sets, "--output-dir", str(out)]
+
+
 def pretrain_args(spec: AblationSpec, job: Job) -> list[str]:
     """The arguments of one job's ``pretrain/run.py`` (after the launcher's)."""
-    sets = [a for o in pretrain_overrides(spec, job.cell, job.seed) for a in ("--set", o)]
-    return [
-        "--config",
-        str(spec.base),
-        *sets,
-        "--output-dir",
-        str(job.dir / "pretrain"),
-        "--resume",
-        "auto",
-    ]
+    overrides = pretrain_overrides(spec, job.cell, job.seed)
+    return [*cli_args(spec.base, overrides, job.dir / "pretrain"), "--resume", "auto"]
 
 
 def check_cells(spec: AblationSpec, cells: list[Cell]) -> dict[Cell | None, list[str]]:
@@ -466,17 +464,7 @@ def evaluate(
         out, log = job.dir / kind, job.dir / f"{kind}.log"
         if not is_done(kind, out):
             path, _ = eval_config(spec, kind, None if isinstance(job, Job) else job.name)
-            args = [
-                "--config",
-                str(path),
-                *[
-                    a
-                    for o in eval_overrides(kind, model_overrides, init, job.seed)
-                    for a in ("--set", o)
-                ],
-                "--output-dir",
-                str(out),
-            ]
+            args = cli_args(path, eval_overrides(kind, model_overrides, init, job.seed), out)
             script = SCRIPTS[split_evaluation(kind)[0]]
             if script == SCRIPTS["finetune"]:
                 cmd = deepspeed_cmd(launcher_args, script, [*args, "--resume", "auto"])
