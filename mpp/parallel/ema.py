@@ -50,10 +50,6 @@ class EMA:
             sources += zero.local_tensors(s)
         return targets, sources
 
-    @property
-    def partitioned(self) -> bool:
-        return any(zero.is_partitioned(t) for t, _ in self._params_now())
-
     @torch.no_grad()
     def update(self, momentum: float) -> None:
         targets, sources = self.local_tensors()
@@ -73,7 +69,8 @@ class EMA:
         if self.fp32 is None:
             return {}
         dist = torch.distributed
-        if not self.partitioned and dist.is_initialized() and dist.get_rank() != 0:
+        partitioned = any(zero.is_partitioned(t) for t, _ in self._params_now())
+        if not partitioned and dist.is_initialized() and dist.get_rank() != 0:
             return {}
         return {f"ema_fp32.{i}": t for i, t in enumerate(self.fp32)}
 

@@ -31,13 +31,11 @@ def local_tensors(p: nn.Parameter) -> list[Tensor]:
 
 
 @contextlib.contextmanager
-def gathered(params: Iterable[nn.Parameter], enabled: bool | None = None) -> Iterator[None]:
+def gathered(params: Iterable[nn.Parameter]) -> Iterator[None]:
     """Inside, every parameter is whole on every rank (a collective under ZeRO-3: every rank
-    must enter). ``enabled`` None: only when one of them is partitioned."""
+    must enter); nothing is done when none of them is partitioned."""
     params = list(params)
-    if enabled is None:
-        enabled = any(is_partitioned(p) for p in params)
-    if not enabled:
+    if not any(is_partitioned(p) for p in params):
         yield
         return
     import deepspeed
