@@ -157,11 +157,7 @@ class MetricLog:
         """Continues at ``state``: after a resume, records past its step (written before the run
         stopped, and about to be replayed) are dropped, so each step is in the file once."""
         self.rank = rank
-        self.sums: dict[str, torch.Tensor] = {}
-        self.count = 0
-        self.data_wait = 0.0
-        self.t0 = time.perf_counter()
-        self.samples0 = state.samples
+        self.restart(state)
         self.file = None
         self.reporters: list = []
         self.path = run_dir / "metrics.jsonl"
@@ -173,12 +169,17 @@ class MetricLog:
 
     def rewind(self, state: RunState) -> None:
         """The run went back to ``state`` (a rollback): records past its step go, sums restart."""
-        self.sums, self.count, self.data_wait = {}, 0, 0.0
-        self.t0, self.samples0 = time.perf_counter(), state.samples
+        self.restart(state)
         if self.rank == 0:
             self.file.close()
             drop_records_after(self.path, state.step)
             self.file = open(self.path, "a")
+
+    def restart(self, state: RunState) -> None:
+        """Empty sums; throughput and data wait measured from now, from ``state``'s samples."""
+        self.sums: dict[str, torch.Tensor] = {}
+        self.count, self.data_wait = 0, 0.0
+        self.t0, self.samples0 = time.perf_counter(), state.samples
 
     def add(self, metrics: dict[str, torch.Tensor], data_wait: float) -> None:
         for k, v in metrics.items():
@@ -212,8 +213,7 @@ class MetricLog:
             "bad_steps": state.bad_steps,
             "overflow_steps": state.overflow_steps,
         }
-        self.sums, self.count, self.data_wait = {}, 0, 0.0
-        self.t0, self.samples0 = time.perf_counter(), state.samples
+        self.restart(state)
         if self.rank == 0:
             self._emit(record, "train")
         return record
