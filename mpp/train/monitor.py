@@ -69,32 +69,27 @@ def load_images(shards: Any, img_size: int, settings: dict) -> Images:
     return Images(torch.cat(images), torch.cat(labels) if with_labels else None, keys)
 
 
+@dataclass
 class Monitor:
     """``monitor(objective, step, last) -> values or None``, after each optimiser step on every
     rank; the values are rank 0's to log."""
 
-    def __init__(
-        self,
-        every: int,
-        bank: Images | None,
-        val: Images | None,
-        settings: Any,
-        mean: tuple[float, ...],
-        std: tuple[float, ...],
-        device: torch.device,
-    ) -> None:
-        self.every, self.bank, self.val, self.settings = every, bank, val, settings
-        self.mean, self.std, self.device = mean, std, device
+    every: int
+    bank: Images | None
+    val: Images | None
+    settings: Any
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    device: torch.device
+
+    def __post_init__(self) -> None:
         distributed = dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         self.world = dist.get_world_size() if distributed else 1
 
-    def due(self, step: int, last: bool) -> bool:
-        return bool(self.every) and self.val is not None and (last or step % self.every == 0)
-
     @torch.no_grad()
     def __call__(self, objective: Any, step: int, last: bool = False) -> dict[str, float] | None:
-        if not self.due(step, last):
+        if not self.every or self.val is None or not (last or step % self.every == 0):
             return None
         started = time.perf_counter()
         params = list(objective.parameters())  # HPM's teacher too: it scores the held-out images
