@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from mpp.config import ConfigError, RunConfig, source_of
 from mpp.data import StreamConfig, device_decode, digits_shards, expand_shards
@@ -155,8 +156,6 @@ def measure_pixels(cfg: RunConfig, shards: list[str]) -> Pixels:
     """The statistics the run uses: the config's, with ``data.mean`` / ``std`` / ``value_range``
     "auto" measured on the training shards (``mpp.data.stats``; a collective, cached). The config
     is left as loaded. ConfigError names the key."""
-    import torch.distributed as dist
-
     d = cfg.data
     check_value_range(cfg, shards)
     vr = None if d.value_range in ("auto", None) else tuple(d.value_range)
@@ -194,8 +193,6 @@ def labelled_subset(
     ``shards`` (``mpp.data.labels``; a collective under a process group), logged once with a
     warning for each class short of K; None when none is asked for. Labels outside
     ``[0, num_classes)`` are left out (the stream would skip them). ConfigError names the key."""
-    import torch.distributed as dist
-
     d, fail = cfg.data, _failer(cfg)
     key = d.label_subset_key
     if key is None:
@@ -227,8 +224,6 @@ def labelled_subset(
 def count_data(cfg: RunConfig, shards: list[str]) -> Census:
     """Every training shard's sample count (``mpp.data.census``; a collective under a process
     group), logged once; ``data.num_samples``, when set, must agree with it."""
-    import torch.distributed as dist
-
     d, fail = cfg.data, _failer(cfg)
     counted = census(shards, d.allow_pipe, run_dir=run_dir_of(cfg))
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -133,9 +133,8 @@ def gloo_reachable() -> bool:
     """Whether gloo can connect this rank to the others: always on one node (loopback serves),
     across nodes when told the interface or when the hostname resolves off loopback."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get(
-        "LOCAL_SIZE"
-    )  # torchrun's, DeepSpeed's
+    # torchrun's, DeepSpeed's
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
     if os.environ.get("GLOO_SOCKET_IFNAME") or (local and int(local) >= world):
         return True
     try:
