@@ -49,26 +49,22 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     if requested not in ATTN_BACKENDS:
         raise ValueError(f"unknown attn_backend {requested!r}; allowed: {ATTN_BACKENDS}")
     dev = device.type
+    resolved, why = ("sdpa" if requested == "auto" else requested), ""
     if requested == "xformers":
         if dev != "cuda":
             raise RuntimeError(
                 f"attn_backend='xformers' needs CUDA tensors (got {dev}): xformers has no CPU kernels; "
                 "use 'auto' or 'sdpa'"
             )
-        ops, why = _xformers_ops()
+        ops, err = _xformers_ops()
         if ops is None:
-            raise RuntimeError(f"attn_backend='xformers' but xformers cannot be imported ({why})")
-        resolved, why = "xformers", ""
-    elif requested == "auto":
-        why = ""
-        if dev == "cuda":
-            ops, why = _xformers_ops()
-            resolved = "xformers" if ops is not None else "sdpa"
-            why = f"xformers unavailable ({why}), falling back to sdpa" if ops is None else ""
+            raise RuntimeError(f"attn_backend='xformers' but xformers cannot be imported ({err})")
+    elif requested == "auto" and dev == "cuda":
+        ops, err = _xformers_ops()
+        if ops is not None:
+            resolved = "xformers"
         else:
-            resolved = "sdpa"
-    else:
-        resolved, why = requested, ""
+            why = f"xformers unavailable ({err}), falling back to sdpa"
     # a logger call would break torch.compile's graph at every block
     if not torch.compiler.is_compiling():
         _log_once(requested, resolved, dev, why)

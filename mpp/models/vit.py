@@ -360,6 +360,4 @@ def full_vit_config(model_kwargs: dict) -> dict:
 
 def create_vit(name: str, **overrides) -> VisionTransformer:
     """timm-like factory: ``create_vit("vit_base_patch16_224", img_size=32, attn_backend="sdpa")``."""
-    kwargs = vit_config(name)
-    kwargs.update(overrides)
-    return VisionTransformer(**kwargs)
+    return VisionTransformer(**{**vit_config(name), **overrides})
