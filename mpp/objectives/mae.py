@@ -99,9 +99,7 @@ class MaskedAutoencoder(PerPatchObjective):
     def predictor_tokens(self, images: Tensor, mask: Tensor | None = None) -> Tensor:
         """Decoder input (B, 1 + N, Dd) of the fully visible image, or under ``mask`` (the
         visible tokens and the mask token): what HPM's teacher scores."""
-        if mask is None:
-            return self.decoder_embed(self.forward_encoder(images, None))
-        visible_idx, _ = mask_indices(mask, self.num_masked)
+        visible_idx = None if mask is None else mask_indices(mask, self.num_masked)[0]
         return self.decoder_embed(self.forward_encoder(images, visible_idx), visible_idx)
 
     def forward_per_patch(self, images: Tensor, mask: Tensor | None = None) -> PerPatch:
