@@ -22,7 +22,7 @@ from mpp.objectives.hpm import (
 )
 from mpp.objectives.hpm_mask import hard_patch_mask, hard_ratio_at
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
-from mpp.train.panels import hpm_panels, objective_panels, picture_size, save_picture
+from mpp.train.panels import objective_panels, picture_size, save_picture
 
 SMALL = dict(decoder_dim=32, decoder_depth=1, decoder_heads=4)
 
@@ -433,7 +433,7 @@ def test_picture(tmp_path):
     assert pic.size == picture_size(3, 32, 32, 2)
     assert hpm.training  # put back as it was
 
-    raw, shown, recon, heat = hpm_panels(hpm, images, num_hard=5)
+    raw, shown, recon, heat = panels
     hard = topk_mask(hpm.teacher_scores(images), 5)
     for b, i in hard.nonzero().tolist():  # hard patches are red in the mask panel
         r, g, _ = shown[b, :, 4 * (i // 8) + 1, 4 * (i % 8) + 1].tolist()

@@ -113,24 +113,6 @@ def masked_panels(
 
 
 @torch.no_grad()
-def hpm_panels(
-    objective: HardPatchesMining,
-    images: Tensor,
-    num_hard: int | None = None,
-    show: Sequence[int] | None = None,
-) -> list[Tensor]:
-    """The four panels, each (B, 3, H, W) in [0, 1]. ``num_hard`` overrides the objective's k."""
-    k = objective.num_hard if num_hard is None else num_hard
-    P = objective.encoder.patch_size
-    scores = objective.teacher_scores(images)  # (B, N)
-    masks = hard_patch_mask(scores, objective.num_masked, k)
-    pixels = (objective.mean, objective.std)
-    panels = masked_panels(objective.base, images, masks, pixels, show)
-    heat = heat_colors(scores).repeat(1, 1, P * P)  # (B, N, P*P*3)
-    return panels + [unpatchify(heat, objective.encoder.grid_size, P)]
-
-
-@torch.no_grad()
 def objective_panels(
     objective: Objective,
     images: Tensor,
@@ -139,16 +121,24 @@ def objective_panels(
     num_hard: int | None = None,
     show: Sequence[int] | None = None,
 ) -> list[Tensor]:
-    """HPM's four panels, or MAE's / MPP's three on a mask from their own generator; in eval mode.
-    ``show``: which channels the pictures show (``display``)."""
+    """HPM's four panels, or MAE's / MPP's three on a mask from their own generator, each
+    (B, 3, H, W) in [0, 1]; in eval mode. ``num_hard`` overrides HPM's k; ``show``: which
+    channels the pictures show (``display``)."""
     was_training = objective.training
     objective.eval()
     try:
-        if isinstance(objective, HardPatchesMining):
-            return hpm_panels(objective, images, num_hard, show)
-        mask = objective.mask_generator(images.shape[0], images.device)  # (B, N)
-        masks = (mask, torch.zeros_like(mask))
-        return masked_panels(objective, images, masks, (mean, std), show)
+        if not isinstance(objective, HardPatchesMining):
+            mask = objective.mask_generator(images.shape[0], images.device)  # (B, N)
+            masks = (mask, torch.zeros_like(mask))
+            return masked_panels(objective, images, masks, (mean, std), show)
+        k = objective.num_hard if num_hard is None else num_hard
+        P, grid = objective.encoder.patch_size, objective.encoder.grid_size
+        scores = objective.teacher_scores(images)  # (B, N)
+        masks = hard_patch_mask(scores, objective.num_masked, k)
+        pixels = (objective.mean, objective.std)
+        panels = masked_panels(objective.base, images, masks, pixels, show)
+        heat = heat_colors(scores).repeat(1, 1, P * P)  # (B, N, P*P*3)
+        return panels + [unpatchify(heat, grid, P)]
     finally:
         objective.train(was_training)
 
