@@ -93,17 +93,12 @@ class Schedule:
     def of(cls, cfg: RunConfig, plan: Any) -> Schedule:
         return cls(peak_lr(cfg), plan.warmup_steps, plan.total_steps, cfg.optim.min_lr)
 
-    def lr(self, state: Any) -> float:
-        """The lr of the step ``state`` is about to take."""
-        return (
-            lr_at(
-                state.step, peak=self.peak, total=self.total, warmup=self.warmup, min_lr=self.min_lr
-            )
-            * state.lr_scale
-        )
-
     def apply(self, optimizer: torch.optim.Optimizer, state: Any) -> float:
-        set_lr(optimizer, lr := self.lr(state))
+        """Set (and return) the lr of the step ``state`` is about to take."""
+        lr = lr_at(
+            state.step, peak=self.peak, total=self.total, warmup=self.warmup, min_lr=self.min_lr
+        )
+        set_lr(optimizer, lr := lr * state.lr_scale)
         return lr
 
 
