@@ -142,7 +142,12 @@ class Trainer:
             return skip_bad_step(self.state, self.cfg.train, self.rank)
         loss, metrics, boundary = out
         self.metrics.add({"loss": loss, **metrics}, self.data_wait)
-        return boundary and step_applied(self.engine, self.state)
+        if boundary and not self.engine.was_step_applied():
+            # fp16's loss scaler found an overflow and DeepSpeed skipped the update: the step,
+            # the lr and the EMA teacher do not advance either
+            self.state.overflow_steps += 1
+            return False
+        return boundary
 
     def on_step_end(self, stepped: bool, epoch_done: bool) -> None:
         """After an optimiser step: HPM's teacher, the next lr, the bar, a metrics record at log
@@ -285,15 +290,6 @@ def to_device(
         out["image"] = device_decode.fill_deferred(out["image"], deferred, decode)
     out["image"] = normalize(out["image"], mean, std)
     return out
-
-
-def step_applied(engine: Any, state: RunState) -> bool:
-    """False when fp16's loss scaler found an overflow and DeepSpeed skipped the update: then the
-    step, the lr and the EMA teacher do not advance either (counted as ``overflow_steps``)."""
-    if engine.was_step_applied():
-        return True
-    state.overflow_steps += 1
-    return False
 
 
 def advance(state: RunState, plan: Plan, cfg: RunConfig, stepped: bool) -> bool:
