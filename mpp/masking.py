@@ -148,10 +148,8 @@ class BlockMask(MaskGenerator):
             )
         if max_tries < 1:
             raise ValueError(f"block masking: max_tries must be >= 1, got {max_tries}")
-        self.min_num_patches, self.max_num_patches = (
-            min_num_patches,
-            max_num_patches or self.num_patches,
-        )
+        self.min_num_patches = min_num_patches
+        self.max_num_patches = max_num_patches or self.num_patches
         self.log_aspect = (math.log(min_aspect), math.log(max_aspect))
         self.max_tries = max_tries
 
@@ -247,11 +245,8 @@ class GridMask(MaskGenerator):
             kept = torch.zeros(batch_size, ch, cw, dtype=torch.long, device=device)
         else:
             shape = (batch_size, 1, 1) if self.offset == "image" else (batch_size, ch, cw)
-            kept = (
-                (4 * torch.rand(shape, device=device, generator=generator))
-                .long()
-                .expand(-1, ch, cw)
-            )
+            draw = 4 * torch.rand(shape, device=device, generator=generator)
+            kept = draw.long().expand(-1, ch, cw)
         kept = kept.repeat_interleave(2, 1).repeat_interleave(2, 2)[:, :H, :W]  # (B, H, W)
         rows, cols = torch.arange(H, device=device), torch.arange(W, device=device)
         in_cell = 2 * (rows[:, None] % 2) + cols[None, :] % 2  # (H, W) position within its cell

@@ -38,12 +38,8 @@ class Classifier(Objective):
         nn.init.trunc_normal_(encoder.head.weight, std=head_init_std)
         nn.init.zeros_(encoder.head.bias)
         self.label_smoothing, self.reprob = label_smoothing, reprob
-        self.mixup, self.cutmix, self.mixup_prob, self.switch_prob = (
-            mixup,
-            cutmix,
-            mixup_prob,
-            mixup_switch_prob,
-        )
+        self.mixup, self.cutmix = mixup, cutmix
+        self.mixup_prob, self.switch_prob = mixup_prob, mixup_switch_prob
 
     def no_weight_decay(self) -> set[str]:
         return {f"encoder.{n}" for n in self.encoder.no_weight_decay()}

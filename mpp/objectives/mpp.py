@@ -121,11 +121,8 @@ class MaskedPatchPrediction(PerPatchObjective):
         (B, N) int8: 0 clean, 1 [mask], 2 another patch of the same image, 3 kept."""
         B, N, _ = tokens.shape
         u = torch.rand(B, N, device=tokens.device)
-        kind = torch.where(
-            u < self.mask_token_prob,
-            1,
-            torch.where(u < self.mask_token_prob + self.random_token_prob, 2, 3),
-        )
+        swapped_or_kept = torch.where(u < self.mask_token_prob + self.random_token_prob, 2, 3)
+        kind = torch.where(u < self.mask_token_prob, 1, swapped_or_kept)
         kind = torch.where(mask, kind, 0).to(torch.int8)
         # a uniformly drawn *other* patch: offset by 1..N-1 so it can never be the token itself
         other = (
