@@ -4,6 +4,7 @@ make a one-process group for a plain ``python`` run; the device each rank uses."
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -97,16 +98,12 @@ def in_step(batches: Iterable[Any], device: torch.device) -> Iterator[Any | None
     wait there forever while the others sat in the next collective. One small all-reduce per
     batch; evaluation only."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    batches = iter(batches)
-    while True:
-        batch = next(batches, None)
-        if world == 1:
-            if batch is None:
-                return
-            yield batch
-            continue
-        more = torch.tensor([batch is not None], dtype=torch.float32, device=device)
-        dist.all_reduce(more, op=dist.ReduceOp.MAX)
-        if not more.item():
+    for batch in itertools.chain(batches, itertools.repeat(None)):
+        more = batch is not None
+        if world > 1:
+            flag = torch.tensor([more], dtype=torch.float32, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            more = bool(flag.item())
+        if not more:
             return
         yield batch

@@ -52,11 +52,8 @@ def deepspeed_cmd(launcher_args: list[str], module: str, args: list[str]) -> lis
     """``deepspeed [launcher args] --master_port <free> --module MODULE args`` (a given port is
     kept): the rank runs ``python -m MODULE`` (``mpp.commands.pretrain``), so an installed wheel
     launches it as a clone does."""
-    port = (
-        []
-        if any(a.startswith("--master_port") for a in launcher_args)
-        else ["--master_port", str(free_port())]
-    )
+    given = any(a.startswith("--master_port") for a in launcher_args)
+    port = [] if given else ["--master_port", str(free_port())]
     return ["deepspeed", *launcher_args, *port, "--module", module, *args]
 
 
