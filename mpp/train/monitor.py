@@ -145,7 +145,10 @@ class Monitor:
         torch.manual_seed(SEED + self.rank)
         parts = [p for p in self.forward_chunks(self.val, objective.held_out_metrics) if p]
         names = sorted(parts[0]) if parts else []
-        names = _same_on_every_rank(names, self.world)
+        if self.world > 1:  # the metric names: a rank without held-out images has none of its own
+            every: list = [None] * self.world
+            dist.all_gather_object(every, names)
+            names = next((n for n in every if n), [])
         if not names:
             return {}
         sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=self.device)
@@ -155,15 +158,6 @@ class Monitor:
         if self.world > 1:
             dist.all_reduce(sums)
         return {n: (sums[i] / sums[-1].clamp(min=1)).item() for i, n in enumerate(names)}
-
-
-def _same_on_every_rank(names: list[str], world: int) -> list[str]:
-    """The metric names (a rank without held-out images has none of its own)."""
-    if world == 1:
-        return names
-    every: list = [None] * world
-    dist.all_gather_object(every, names)
-    return next((n for n in every if n), [])
 
 
 def build_monitor(
