@@ -221,6 +221,18 @@ def test_read_sizes_without_sizes_json_is_none(tmp_path):
     assert read_sizes(str(tmp_path / "x-0.tar")) is None  # the census counts such shards
 
 
+def test_the_json_caches_read_a_relative_path_with_a_colon(tmp_path, monkeypatch):
+    """sizes.json, the census's and the statistics' caches: ``runs/exp:1`` is a local folder,
+    not a URL scheme; their writer leaves no temporary behind."""
+    from mpp.data.sources import _read_json, _write_json
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "exp:1").mkdir()
+    _write_json(tmp_path / "exp:1" / "c.json", {"n": 3})
+    assert _read_json("exp:1/c.json") == {"n": 3} and _read_json("exp:1/none.json") is None
+    assert [p.name for p in (tmp_path / "exp:1").iterdir()] == ["c.json"]
+
+
 @pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT])
 def test_tar_reader_agrees_with_tarfile(tmp_path, fmt):
     long_dir = "d" * 120 if fmt != tarfile.USTAR_FORMAT else "d" * 60

@@ -163,8 +163,9 @@ def object_exists(url: str) -> bool:
 def _read_json(url: str) -> dict | None:
     """A JSON file beside the shards (local, http(s) or an object), opened as a shard is; None
     when it is not there or not JSON."""
-    try:
-        with open_shard(url) as f:
+    remote = _scheme(url) in (*OBJECT_SCHEMES, "http", "https")
+    try:  # any other path is a local one, even with a colon in it (runs/exp:1/...)
+        with open_shard(url) if remote else open(_local_path(url), "rb") as f:
             return json.load(f)
     except (OSError, ValueError):
         return None
@@ -173,7 +174,7 @@ def _read_json(url: str) -> dict | None:
 def _write_text(path: Path, text: str) -> None:
     """Through a temporary beside ``path`` and a rename: a reader never sees half a file (the
     process id in the temporary's name: ranks of other jobs may write at once)."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
 
