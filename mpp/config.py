@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -672,7 +673,13 @@ def validate(
         return cls.model_validate(raw)
     except ValidationError as err:
         key, msg = refusal(err, cls, raw)
-        source = attributed(source, key, overrides, err.errors()[0]["type"] == "extra_forbidden")
+        unknown = err.errors()[0]["type"] == "extra_forbidden"
+        # a check across keys has no key of its own: the keys its message names, in order
+        named = [key] if key else re.findall(r"\b[a-z_]+(?:\.[a-z_]+)+\b", msg)
+        source = next(
+            (s for s in (attributed(source, k, overrides, unknown) for k in named) if s != source),
+            source,
+        )
         raise ConfigError(f"{source}: {key}: {msg}" if key else f"{source}: {msg}") from None
 
 

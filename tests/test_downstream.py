@@ -154,7 +154,10 @@ def test_own_train_shards_without_val_shards_are_refused_before_anything_runs(
         argv = ["--config", config, "--set", f"data.train_shards={digits16['train']}"]
         assert main([*argv, "--output-dir", str(out)]) == 2
         errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
-        assert len(errors) == 1 and f"configs/{config}.json: data.val_shards: not set" in errors[0]
+        # blamed on the --set that made the check fail, over the file
+        made = f"--set data.train_shards={digits16['train']} (over "
+        assert len(errors) == 1 and errors[0].startswith(f"error: {made}"), errors
+        assert f"configs/{config}.json): data.val_shards: not set" in errors[0]
         assert not out.exists()
         argv += ["--set", f"data.val_shards={digits16['val']}", "--set", "init=nowhere"]
         assert main([*argv, "--output-dir", str(out)]) == 2  # past it: the next check's refusal
