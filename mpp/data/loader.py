@@ -1,4 +1,4 @@
-"""Training and evaluation loaders: one webdataset pipeline per DataLoader worker, batched in the worker.
+"""Training and evaluation loaders: one pipeline of generators per DataLoader worker, batched in the worker.
 
 Training: the epoch's global order (``mpp.data.order``): every rank yields the same number of
 micro-batches, and what a step trains on depends on (seed, epoch, step) only:
@@ -21,7 +21,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 
 from .census import census
@@ -76,18 +75,12 @@ def select_image(
         yield image, label, key
 
 
-def number(src: Iterator, skip: int = 0) -> Iterator[tuple[int, tuple]]:
-    """Attach each sample's position in the stream; drop the first `skip` BEFORE decoding (cheap resume)."""
-    for index, sample in enumerate(src):
-        if index >= skip:
-            yield index, sample
-
-
 def decode(
-    src: Iterator, transform: Callable, rng_key: str, errors: SkipCounter
+    src: Iterator, transform: Callable, rng_key: str, errors: SkipCounter, skip: int = 0
 ) -> Iterator[tuple]:
-    """(index, (bytes, label, key)) -> (HWC uint8, label, key); the augmentation RNG is per sample index."""
-    for index, (data, label, key) in src:
+    """(bytes, label, key) -> (HWC uint8, label, key); the augmentation RNG is per sample position
+    in the stream, and the first ``skip`` samples are dropped BEFORE decoding (cheap resume)."""
+    for index, (data, label, key) in itertools.islice(enumerate(src), skip, None):
         rng = random.Random(f"aug/{rng_key}/{index}")
         try:
             image = transform(data, rng=rng)
@@ -99,21 +92,6 @@ def decode(
             continue
         errors.sample_decoded()
         yield image, label, key
-
-
-def batched(
-    src: Iterator, batch_size: int, collation_fn: Callable, partial: bool
-) -> Iterator[dict]:
-    # Not wds.batched: it holds a full batch until the NEXT sample arrives, decoding one extra
-    # image per batch ahead of need and one wasted at the end of a worker's share.
-    batch = []
-    for sample in src:
-        batch.append(sample)
-        if len(batch) == batch_size:
-            yield collation_fn(batch)
-            batch = []
-    if batch and partial:
-        yield collation_fn(batch)
 
 
 # ---- per-worker datasets --------------------------------------------------------------------
@@ -177,7 +155,8 @@ class _TrainStream(_Stream):
         c = replace(self.cfg, epoch=epoch, start_batch=start_batch)
         worker, num_workers = _worker_info()
         errors = SkipCounter(c.max_consecutive_errors)
-        accum, steps = _accumulation(c), c.num_batches // _accumulation(c)
+        accum = _accumulation(c)
+        steps = c.num_batches // accum
         epoch_shards = EpochShards(
             self.shards,
             list(c.shard_sizes),
@@ -193,42 +172,37 @@ class _TrainStream(_Stream):
             train_transform, img_size=c.img_size, aug=aug, fmt=c.pixels, defer_jpeg=c.defer_jpeg
         )
         first = c.rank * c.batch_size * accum  # the rank's first stream
-        streams: dict[int, Iterator] = {}
-        for group in range(accum):  # this worker's part of every micro-batch group
-            for i in split(c.batch_size, num_workers, worker):
-                s = first + group * c.batch_size + i
-                key = f"{c.seed}/{c.epoch}/{s}"
-                samples = stream_samples(
-                    epoch_shards,
-                    s,
-                    steps,
-                    c.shuffle_buffer,
-                    random.Random(f"samples/{key}"),
-                    select,
-                    errors,
-                )
-                numbered = number(samples, skip=done_before(group, c.start_batch, accum))
-                streams[s] = decode(numbered, transform=augment, rng_key=key, errors=errors)
+
+        def stream(group: int, s: int) -> Iterator:
+            key = f"{c.seed}/{c.epoch}/{s}"
+            rng = random.Random(f"samples/{key}")
+            samples = stream_samples(epoch_shards, s, steps, c.shuffle_buffer, rng, select, errors)
+            skip = done_before(group, c.start_batch, accum)
+            return decode(samples, augment, key, errors, skip)
+
+        # this worker's part of every micro-batch group
+        mine = split(c.batch_size, num_workers, worker)
+        streams = [
+            [stream(group, first + group * c.batch_size + i) for i in mine]
+            for group in range(accum)
+        ]
         for _, group in schedule(steps, accum, c.start_batch):
-            part = [
-                next(streams[first + group * c.batch_size + i])
-                for i in split(c.batch_size, num_workers, worker)
-            ]
+            part = [next(s) for s in streams[group]]
             batch = collate(part, with_keys=c.with_keys, img_size=c.img_size) if part else {}
             yield {**batch, "_worker": worker, "_skipped": errors.skipped}
         yield {"_worker": worker, "_skipped": errors.skipped, "_end": True}
 
 
 def _accumulation(c: StreamConfig) -> int:
-    per_step = c.global_batch or c.batch_size * c.world_size
-    if per_step % (c.batch_size * c.world_size) or c.num_batches % (
-        per_step // (c.batch_size * c.world_size)
-    ):
+    per_rank = c.batch_size * c.world_size
+    per_step = c.global_batch or per_rank
+    accum, rest = divmod(per_step, per_rank)
+    if rest or c.num_batches % accum:
         raise ValueError(
             f"global_batch {per_step} is not batch_size {c.batch_size} x world_size {c.world_size} x "
             f"an accumulation that divides num_batches {c.num_batches}"
         )
-    return per_step // (c.batch_size * c.world_size)
+    return accum
 
 
 class _EvalStream(_Stream):
@@ -238,22 +212,16 @@ class _EvalStream(_Stream):
         errors = SkipCounter(c.max_consecutive_errors)
         # split by node, then by worker: every shard read exactly once
         mine = list(range(len(self.shards)))[c.rank :: c.world_size][worker::num_workers]
-        items = [{"url": self.shards[i]} for i in mine]
-        if c.shard_keys is not None:  # a labelled subset: only its samples are read
-            items = [{**item, "keys": c.shard_keys[i]} for item, i in zip(items, mine, strict=True)]
+        # a labelled subset: only its samples are read (keys None: all of them)
+        keys = c.shard_keys or [None] * len(self.shards)
+        items = [{"url": self.shards[i], "keys": keys[i]} for i in mine]
+        samples = shard_samples(items, errors, c.allow_pipe)
+        selected = select_image(samples, errors, c.with_labels, c.num_classes)
         resize_crop = partial(eval_transform, img_size=c.img_size, fmt=c.pixels)
-        to_batch = partial(collate, with_keys=c.with_keys)
-        pipeline = wds.DataPipeline(
-            partial(iter, items),
-            partial(shard_samples, errors=errors, allow_pipe=c.allow_pipe),
-            partial(
-                select_image, errors=errors, with_labels=c.with_labels, num_classes=c.num_classes
-            ),
-            number,
-            partial(decode, transform=resize_crop, rng_key="eval", errors=errors),
-            partial(batched, batch_size=c.batch_size, collation_fn=to_batch, partial=True),
-        )
-        for batch in pipeline:
+        images = decode(selected, resize_crop, "eval", errors)
+        # islice takes a batch's samples and no more (wds.batched would decode one image ahead)
+        while part := list(itertools.islice(images, c.batch_size)):
+            batch = collate(part, with_keys=c.with_keys)
             yield {**batch, "_worker": worker, "_skipped": errors.skipped}
         # a last message so errors after the final batch (or in a worker with none) still count
         yield {"_worker": worker, "_skipped": errors.skipped, "_end": True}
