@@ -83,8 +83,18 @@ class Trainer:
             dynamic_ncols=True,
             desc=cfg.name,
         )
-        # one loader, its workers kept across epochs (MAE's 1600 epochs would restart them 1600 times)
-        self.loader = train_loader(cfg, plan, self.rank, run_dir)
+        if self.rank == 0 and plan.census is not None:  # shard counts no shard folder could keep
+            plan.census.write_run_cache(run_dir)
+        # one loader, its workers kept across epochs (MAE's 1600 epochs would restart them 1600
+        # times); data.log_keys: RUN/keys/rankN.jsonl
+        self.loader = make_train_loader(
+            plan.train_shards,
+            plan.stream,
+            rank=self.rank,
+            num_workers=cfg.data.num_workers,
+            persistent=True,
+            key_log=run_dir / "keys" / f"rank{self.rank}.jsonl" if cfg.data.log_keys else None,
+        )
         # data.decode=gpu: the workers' JPEGs decoded here, on the device
         self.decode = device_decode.nvjpeg(device) if plan.stream.defer_jpeg else None
         self.skipped_before = 0  # bad samples this rank skipped in finished epochs
@@ -103,7 +113,7 @@ class Trainer:
                 try:
                     for batch in self.batches():
                         stepped = self.train_step(batch)
-                        epoch_done = advance(self.state, self.plan, self.cfg, stepped)
+                        epoch_done = self.advance(stepped)
                         self.on_step_end(stepped, epoch_done)
                         if self.done:
                             break
@@ -175,6 +185,18 @@ class Trainer:
             for hook in self.hooks:
                 hook.saved(self, saved)
 
+    def advance(self, stepped: bool) -> bool:
+        """One micro-batch consumed (and an optimiser step taken when ``stepped``); True at an epoch's end."""
+        state = self.state
+        state.batch_in_epoch += 1
+        epoch_done = state.batch_in_epoch >= self.plan.micro_per_epoch
+        if epoch_done:
+            state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+        if stepped:
+            state.step += 1
+            state.samples += self.cfg.train.batch_size
+        return epoch_done
+
     def autocast(self) -> torch.autocast:
         """The forwards outside the engine's (monitor, preview, evaluation) in its precision:
         under ``bf16-autocast`` the module's weights are fp32, and they would run in fp32."""
@@ -193,7 +215,7 @@ class Trainer:
         """``train.on_nonfinite=rollback`` (``mpp.train.nonfinite.roll_back``), metrics.jsonl
         rewound to the step it went back to, the event recorded; re-raises otherwise."""
         # the batch that failed is behind us
-        advance(self.state, self.plan, self.cfg, stepped=False)
+        self.advance(stepped=False)
         roll_back(self.checkpointer, self.state, error, self.cfg.train)
         self.lr = self.schedule.apply(self.optimizer, self.state)
         self.metrics.rewind(self.state)
@@ -260,21 +282,6 @@ def after_optimizer_step(engine: Any) -> None:
     zero.order_gathers_after_writes(engine.optimizer)
 
 
-def train_loader(cfg: RunConfig, plan: Plan, rank: int, run_dir: Path) -> Any:
-    """This rank's loader, its workers kept across epochs; data.log_keys: RUN/keys/rankN.jsonl."""
-    if rank == 0 and plan.census is not None:  # shard counts no shard folder could keep
-        plan.census.write_run_cache(run_dir)
-    key_log = run_dir / "keys" / f"rank{rank}.jsonl" if cfg.data.log_keys else None
-    return make_train_loader(
-        plan.train_shards,
-        plan.stream,
-        rank=rank,
-        num_workers=cfg.data.num_workers,
-        persistent=True,
-        key_log=key_log,
-    )
-
-
 def to_device(
     batch: dict, device: torch.device, mean, std, decode: device_decode.Decoder | None = None
 ) -> dict:
@@ -290,15 +297,3 @@ def to_device(
         out["image"] = device_decode.fill_deferred(out["image"], deferred, decode)
     out["image"] = normalize(out["image"], mean, std)
     return out
-
-
-def advance(state: RunState, plan: Plan, cfg: RunConfig, stepped: bool) -> bool:
-    """One micro-batch consumed (and an optimiser step taken when ``stepped``); True at an epoch's end."""
-    state.batch_in_epoch += 1
-    epoch_done = state.batch_in_epoch >= plan.micro_per_epoch
-    if epoch_done:
-        state.epoch, state.batch_in_epoch = state.epoch + 1, 0
-    if stepped:
-        state.step += 1
-        state.samples += cfg.train.batch_size
-    return epoch_done
