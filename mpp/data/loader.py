@@ -39,12 +39,6 @@ from .transforms import (
     train_transform,
 )
 
-
-def _worker_info() -> tuple[int, int]:
-    info = torch.utils.data.get_worker_info()
-    return (0, 1) if info is None else (info.id, info.num_workers)
-
-
 # ---- pipeline stages: each takes an iterator and yields -------------------------------------
 
 
@@ -133,10 +127,20 @@ class StreamConfig:
 
 
 class _Stream(IterableDataset):
-    """Shards + settings; each DataLoader worker iterates its own part."""
+    """Shards + settings; each DataLoader worker iterates its own part (``batches``), each batch
+    sent with the worker's bad-data count."""
 
     def __init__(self, shards: list[str], cfg: StreamConfig):
         self.shards, self.cfg = shards, cfg
+
+    def __iter__(self) -> Iterator[dict]:
+        info = torch.utils.data.get_worker_info()
+        worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        errors = SkipCounter(self.cfg.max_consecutive_errors)
+        for batch in self.batches(worker, num_workers, errors):
+            yield {**batch, "_worker": worker, "_skipped": errors.skipped}
+        # a last message so errors after the final batch (or in a worker with none) still count
+        yield {"_worker": worker, "_skipped": errors.skipped, "_end": True}
 
 
 class _TrainStream(_Stream):
@@ -150,11 +154,9 @@ class _TrainStream(_Stream):
             [cfg.epoch, cfg.start_batch], dtype=torch.int64
         ).share_memory_()
 
-    def __iter__(self) -> Iterator[dict]:
+    def batches(self, worker: int, num_workers: int, errors: SkipCounter) -> Iterator[dict]:
         epoch, start_batch = self.position.tolist()
         c = replace(self.cfg, epoch=epoch, start_batch=start_batch)
-        worker, num_workers = _worker_info()
-        errors = SkipCounter(c.max_consecutive_errors)
         accum = _accumulation(c)
         steps = c.num_batches // accum
         epoch_shards = EpochShards(
@@ -188,9 +190,7 @@ class _TrainStream(_Stream):
         ]
         for _, group in schedule(steps, accum, c.start_batch):
             part = [next(s) for s in streams[group]]
-            batch = collate(part, with_keys=c.with_keys, img_size=c.img_size) if part else {}
-            yield {**batch, "_worker": worker, "_skipped": errors.skipped}
-        yield {"_worker": worker, "_skipped": errors.skipped, "_end": True}
+            yield collate(part, with_keys=c.with_keys, img_size=c.img_size) if part else {}
 
 
 def _accumulation(c: StreamConfig) -> int:
@@ -206,10 +206,8 @@ def _accumulation(c: StreamConfig) -> int:
 
 
 class _EvalStream(_Stream):
-    def __iter__(self) -> Iterator[dict]:
+    def batches(self, worker: int, num_workers: int, errors: SkipCounter) -> Iterator[dict]:
         c = self.cfg
-        worker, num_workers = _worker_info()
-        errors = SkipCounter(c.max_consecutive_errors)
         # split by node, then by worker: every shard read exactly once
         mine = list(range(len(self.shards)))[c.rank :: c.world_size][worker::num_workers]
         # a labelled subset: only its samples are read (keys None: all of them)
@@ -221,10 +219,7 @@ class _EvalStream(_Stream):
         images = decode(selected, resize_crop, "eval", errors)
         # islice takes a batch's samples and no more (wds.batched would decode one image ahead)
         while part := list(itertools.islice(images, c.batch_size)):
-            batch = collate(part, with_keys=c.with_keys)
-            yield {**batch, "_worker": worker, "_skipped": errors.skipped}
-        # a last message so errors after the final batch (or in a worker with none) still count
-        yield {"_worker": worker, "_skipped": errors.skipped, "_end": True}
+            yield collate(part, with_keys=c.with_keys)
 
 
 _WORKERS: weakref.WeakSet = weakref.WeakSet()  # the worker processes our loaders started
