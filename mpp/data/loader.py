@@ -297,22 +297,20 @@ class Loader:
         return self.num_batches
 
     def __iter__(self) -> Iterator[dict]:
-        loader = (
-            self._loader
-            if self._loader is not None
-            else DataLoader(
+        loader = self._loader
+        if loader is None:
+            loader = DataLoader(
                 self.dataset,
                 batch_size=None,  # batches are built inside the workers
                 num_workers=self.num_workers,
-                pin_memory=torch.cuda.is_available()
-                and self.parts == 1,  # parts: pinned once joined
+                # parts: pinned once joined
+                pin_memory=torch.cuda.is_available() and self.parts == 1,
                 persistent_workers=self.persistent,
                 # its own generator: DataLoader otherwise draws worker seeds from the global torch
                 # RNG, and re-creating a loader on resume would shift every later mask draw
                 generator=torch.Generator().manual_seed(0),
                 worker_init_fn=_ignore_stop_signals,
             )
-        )
         if self.persistent:
             self._loader = loader
         self._skipped = {}
