@@ -47,12 +47,11 @@ def select_image(
 ) -> Iterator[tuple[bytes, int | None, str]]:
     """webdataset sample -> (encoded image, label, "url#key"); samples without an image/label are skipped."""
     for sample in src:
-        key = f"{sample['__url__']}#{sample['__key__']}"
+        url = sample["__url__"]
+        key = f"{url}#{sample['__key__']}"
         image = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
         if image is None:
-            errors.skip(
-                f"skipping sample {key}: no image member (has {sorted(sample)})", sample["__url__"]
-            )
+            errors.skip(f"skipping sample {key}: no image member (has {sorted(sample)})", url)
             continue
         label = None
         if with_labels:
@@ -61,9 +60,7 @@ def select_image(
                 if num_classes is not None and not 0 <= label < num_classes:
                     raise ValueError(f"label {label} outside [0, {num_classes})")
             except (KeyError, ValueError) as exn:
-                errors.skip(
-                    f"skipping sample {key}: bad or missing .cls ({exn!r})", sample["__url__"]
-                )
+                errors.skip(f"skipping sample {key}: bad or missing .cls ({exn!r})", url)
                 continue
         errors.sample_read()
         yield image, label, key
