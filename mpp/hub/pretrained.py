@@ -19,6 +19,7 @@ import torch
 from mpp.checkpoint.format import MARKER, complete_tags, find_checkpoint, zero_to_fp32
 from mpp.checkpoint.storage import CheckpointError
 from mpp.hub.encoder_file import MODEL_FILE, encoder_file_kwargs, load_encoder_file
+from mpp.hub.hf import model_kwargs_from_hf, read_hf_folder
 from mpp.models.vit import VisionTransformer, full_vit_config, resample_abs_pos_embed, vit_config
 
 log = logging.getLogger(__name__)
@@ -42,19 +43,18 @@ def load_pretrained(init: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     format (``{"model": state_dict}``, ``.pth``), a pretrain run directory, or a DeepSpeed
     checkpoint (root or tag) of any ZeRO stage. Never unpickles arbitrary objects."""
     path = _existing(init)
+    kind, config = _folder_kind(path)
+    if kind == "hf":
+        return read_hf_folder(path)
+    if kind == "timm":
+        return load_encoder_file(path / "model.safetensors")[0], timm_model_kwargs(config)
+    if (path / "encoder.safetensors").is_file():
+        path = path / "encoder.safetensors"
     if path.is_file():
         if path.suffix in RELEASE_SUFFIXES:
             sd = read_release_file(path)
             return {k: v for k, v in sd.items() if k.startswith(ENCODER_KEYS)}, {}
         return load_encoder_file(path)
-    if is_hf_folder(path):
-        from mpp.hub.hf import read_hf_folder
-
-        return read_hf_folder(path)
-    if is_timm_folder(path):
-        return load_encoder_file(path / "model.safetensors")[0], read_model_kwargs(path)
-    if (path / "encoder.safetensors").is_file():
-        return load_encoder_file(path / "encoder.safetensors")
     found = find_checkpoint(path)
     if found is None:
         raise ValueError(_no_weights(path))
@@ -83,7 +83,7 @@ def init_record(init: str | Path) -> dict:
     if init == "scratch":
         return {}
     path = Path(init)
-    if not path.is_dir() or is_hf_folder(path) or is_timm_folder(path):
+    if not path.is_dir() or _folder_kind(path)[0]:
         return {"init_read": str(path)}
     found = find_checkpoint(path)
     root = Path(found[0]) if found else path / "checkpoints"
@@ -144,25 +144,20 @@ def read_model_kwargs(init: str | Path) -> dict:
     """The model kwargs ``init`` states, read without its tensors (metadata, model.json);
     {} when it states none (a release .pth, a bare timm .safetensors)."""
     path = _existing(init)
-    if path.is_dir() and is_hf_folder(path):
-        from mpp.hub.hf import model_kwargs_from_hf
-
-        return model_kwargs_from_hf(json.loads((path / "config.json").read_text()))
-    if path.is_dir() and is_timm_folder(path):
-        return timm_model_kwargs(json.loads((path / "config.json").read_text()))
-    if path.is_dir() and (path / "encoder.safetensors").is_file():
+    kind, config = _folder_kind(path)
+    if kind:
+        return model_kwargs_from_hf(config) if kind == "hf" else timm_model_kwargs(config)
+    if (path / "encoder.safetensors").is_file():
         path = path / "encoder.safetensors"
     if path.is_file():
-        return _metadata_kwargs(path) if path.suffix == ".safetensors" else {}
+        if path.suffix != ".safetensors":
+            return {}
+        try:
+            return encoder_file_kwargs(path)
+        except CheckpointError:
+            return {}  # a damaged file: the load that follows names it
     found = find_checkpoint(path)
     return run_model_kwargs(Path(found[0]).parent) if found else {}
-
-
-def _metadata_kwargs(path: Path) -> dict:
-    try:
-        return encoder_file_kwargs(path)
-    except CheckpointError:
-        return {}  # a damaged file: the load that follows names it
 
 
 # timm VisionTransformer arguments that only change training (dropout rates), and those whose
@@ -235,28 +230,6 @@ def tensor_facts(sd: dict[str, torch.Tensor]) -> dict:
     )
 
 
-def model_facts(model: VisionTransformer) -> dict:
-    arch = model.architecture()
-    return {k: arch[k] for k in (*SHAPE_FACTS, *STATED_FACTS)}
-
-
-def stated_facts(sd: dict[str, torch.Tensor], model_kwargs: dict, init: str | Path) -> dict:
-    """The architecture facts of a weights file: its shapes', plus the heads and LayerNorm eps its
-    metadata / config.json states, when that metadata describes these tensors at all."""
-    facts = tensor_facts(sd)
-    if "name" not in model_kwargs or not facts:
-        return facts
-    meta = {**FACT_DEFAULTS, **full_vit_config(model_kwargs)}
-    if differ := [k for k in SHAPE_FACTS if k in meta and not _same(meta[k], facts[k])]:
-        log.warning(
-            "%s: its metadata does not describe its tensors (%s): num_heads and norm_eps not checked",
-            init,
-            ", ".join(f"{k} {meta[k]} vs {facts[k]}" for k in differ),
-        )
-        return facts
-    return {**facts, **{k: meta[k] for k in STATED_FACTS}}
-
-
 def _same(a: object, b: object) -> bool:
     numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
     return math.isclose(a, b, rel_tol=1e-9) if numbers else a == b
@@ -304,9 +277,21 @@ def check_shapes(
 def check_stated_facts(
     model: VisionTransformer, sd: dict[str, torch.Tensor], model_kwargs: dict, init: str | Path
 ) -> None:
-    """The qkv bias, heads and LayerNorm eps the file states must be the model's; a difference is
-    an error naming the key and both values."""
-    ours, stated = model_facts(model), stated_facts(sd, model_kwargs, init)
+    """The qkv bias the file's shapes show, and the heads and LayerNorm eps its metadata /
+    config.json states (when that metadata describes these tensors at all), must be the model's;
+    a difference is an error naming the key and both values."""
+    stated = tensor_facts(sd)
+    if "name" in model_kwargs and stated:
+        meta = {**FACT_DEFAULTS, **full_vit_config(model_kwargs)}
+        if differ := [k for k in SHAPE_FACTS if k in meta and not _same(meta[k], stated[k])]:
+            log.warning(
+                "%s: its metadata does not describe its tensors (%s): num_heads and norm_eps not checked",
+                init,
+                ", ".join(f"{k} {meta[k]} vs {stated[k]}" for k in differ),
+            )
+        else:
+            stated.update({k: meta[k] for k in STATED_FACTS})
+    ours = model.architecture()
     for key, theirs in ((k, stated[k]) for k in NAMED_FACTS if k in stated):
         if not _same(theirs, ours[key]):
             raise ValueError(
@@ -379,21 +364,17 @@ def load_into(
     return {"initialised": missing}
 
 
-def is_hf_folder(path: Path) -> bool:
-    """A ``save_pretrained`` folder of a Hugging Face ViT (not one of our run directories)."""
+def _folder_kind(path: Path) -> tuple[str | None, dict]:
+    """("hf", its config) for a ``save_pretrained`` folder of a Hugging Face ViT, ("timm", its
+    config) for a timm hub folder (``config.json`` with ``architecture`` + ``model.safetensors``,
+    as ``mpp export --format timm`` writes), else (None, {}): one of our run directories too."""
     cfg = path / "config.json"
-    return cfg.is_file() and json.loads(cfg.read_text()).get("model_type") == "vit"
-
-
-def is_timm_folder(path: Path) -> bool:
-    """A timm hub folder (``config.json`` with ``architecture`` + ``model.safetensors``), as
-    ``mpp export --format timm`` writes."""
-    cfg = path / "config.json"
-    return (
-        (path / "model.safetensors").is_file()
-        and cfg.is_file()
-        and "architecture" in json.loads(cfg.read_text())
-    )
+    config = json.loads(cfg.read_text()) if cfg.is_file() else {}
+    if config.get("model_type") == "vit":
+        return "hf", config
+    if "architecture" in config and (path / "model.safetensors").is_file():
+        return "timm", config
+    return None, {}
 
 
 def read_release_file(path: str | Path) -> dict[str, torch.Tensor]:
