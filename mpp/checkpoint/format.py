@@ -32,9 +32,8 @@ log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
 TAG_PREFIX = "step"
-RANK_STATE = (
-    "rank_state_{rank:05d}.safetensors"  # an objective's per-rank state (Objective.rank_state)
-)
+# an objective's per-rank state (Objective.rank_state)
+RANK_STATE = "rank_state_{rank:05d}.safetensors"
 
 
 def tag_for(step: int) -> str:
@@ -271,28 +270,25 @@ def resolve_resume(
 # ---- reading checkpoints without unpickling arbitrary objects ---------------------------------
 
 
-def _deepspeed_checkpoint_classes() -> list:
-    """The classes DeepSpeed pickles into its own checkpoint files (found by loading ZeRO-0..3
-    checkpoints with weights_only=True); nothing else may be constructed on load."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
 @contextlib.contextmanager
 def weights_only_loads() -> Iterator[None]:
     """DeepSpeed's readers (``load_checkpoint``, zero-to-fp32) call ``torch.load(weights_only=False)``.
     Inside this context every ``torch.load`` runs with ``weights_only=True`` and only DeepSpeed's
     own checkpoint classes allow-listed, so a pickled payload in a checkpoint is refused."""
+    # the classes DeepSpeed pickles into its own checkpoint files (found by loading ZeRO-0..3
+    # checkpoints with weights_only=True); nothing else may be constructed on load
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
     original = torch.load
 
     def safe_load(*args: Any, **kwargs: Any) -> Any:
         kwargs["weights_only"] = True
         return original(*args, **kwargs)
 
-    with torch.serialization.safe_globals(_deepspeed_checkpoint_classes()):
+    allowed = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+    with torch.serialization.safe_globals(allowed):
         torch.load = safe_load
         try:
             yield

@@ -227,10 +227,11 @@ class Checkpointer:
     def restore_intact(self, state: RunState) -> str | None:
         """The newest intact checkpoint loaded into ``state`` (maybe a resume's layout): its tag,
         or None when there is none to go back to (``mpp.train.nonfinite.roll_back``)."""
-        tag = from_rank0(_intact(self.root) if dist.get_rank() == 0 else None)
-        if tag is not None:
-            self.restore(self.root, tag, state)
-        return tag
+        found = from_rank0(resolve_on_rank0("auto", self.root))
+        if not isinstance(found, tuple):  # none, or none intact: nothing to go back to
+            return None
+        self.restore(*found, state)
+        return found[1]
 
     def export_encoder(self, cfg: RunConfig) -> None:
         """fp32 ``encoder.safetensors`` for downstream: from the final checkpoint (ZeRO, bf16) or
@@ -255,13 +256,6 @@ def resolve_on_rank0(resume: str | None, ckpt_root: Path) -> tuple[str, str] | s
         return ckpt.resolve_resume(resume, ckpt_root)  # the newest intact checkpoint: files checked
     except (FileNotFoundError, ckpt.CheckpointError) as e:
         return str(e)  # every rank must learn it, not wait in the broadcast
-
-
-def _intact(ckpt_root: Path) -> str | None:
-    try:
-        return ckpt.newest_intact(ckpt_root)
-    except ckpt.CheckpointError:  # none intact: nothing to go back to
-        return None
 
 
 def encoder_kwargs(cfg: RunConfig, encoder: torch.nn.Module) -> dict:
