@@ -59,14 +59,11 @@ def load_pretrained(init: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     if found is None:
         raise ValueError(_no_weights(path))
     sd = zero_to_fp32(*found)
-    # the encoder inside any objective: keys ending in a ViT parameter, under '...encoder.'
-    prefixes = sorted(
-        {k[: k.index("encoder.") + len("encoder.")] for k in sd if "encoder." in k}, key=len
-    )
-    prefixes = [p for p in prefixes if not p.startswith("teacher")]
-    if not prefixes:
+    # the encoder inside any objective (not a teacher's): the shortest '...encoder.' prefix
+    prefixes = {k[: k.index("encoder.") + len("encoder.")] for k in sd if "encoder." in k}
+    prefix = min((p for p in prefixes if not p.startswith("teacher")), key=len, default=None)
+    if prefix is None:
         raise ValueError(f"{init}: the checkpoint holds no encoder weights")
-    prefix = prefixes[0]
     encoder = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
     kwargs = run_model_kwargs(Path(found[0]).parent)
     # a fine-tuning run's classifier (an older run's config.json leaves the head out)
@@ -87,7 +84,7 @@ def init_record(init: str | Path) -> dict:
         return {"init_read": str(path)}
     found = find_checkpoint(path)
     root = Path(found[0]) if found else path / "checkpoints"
-    tags = [t for t in complete_tags(root) if t.startswith("step")]
+    tags = complete_tags(root)
     export = path / "encoder.safetensors"
     if export.is_file():  # what load_pretrained reads: the checkpoints written before it
         made = export.stat().st_mtime
