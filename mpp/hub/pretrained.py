@@ -340,12 +340,10 @@ def load_into(
         sd["patch_embed.proj.weight"] = adapt_input_channels(proj, chans)
         how = "summed" if chans == 1 else f"tiled and scaled by 3/{chans}"
         log.info("init %s: RGB patch embedding adapted to %d channels (%s)", init, chans, how)
-    facts_sd = sd  # the file's own keys, before the head and the final norm are set aside
-    sd = {k: v for k, v in sd.items() if not k.startswith("head.")}
-    if model.global_pool == "avg":
-        # MAE: pooled features get a fresh fc_norm
-        sd = {k: v for k, v in sd.items() if not k.startswith("norm.")}
-    check_stated_facts(model, facts_sd, kwargs, init)
+    check_stated_facts(model, sd, kwargs, init)  # the file's own keys, head and final norm too
+    # the head left fresh; MAE: pooled features get a fresh fc_norm, no final norm
+    aside = ("head.", "norm.") if model.global_pool == "avg" else ("head.",)
+    sd = {k: v for k, v in sd.items() if not k.startswith(aside)}
     missing = check_shapes(model, sd, init)
     model.load_state_dict(sd, strict=False)
     if resampled and os.environ.get("RANK", "0") == "0":
