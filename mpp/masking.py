@@ -384,9 +384,6 @@ MASKING_CONFIGS: dict[str, type[_Strategy]] = {
     c.model_fields["strategy"].default: c
     for c in (RandomMasking, BlockMasking, GridMasking, CenterMasking, UnitMasking)
 }
-MASK_GENERATORS: dict[str, type[MaskGenerator]] = {
-    name: c.generator for name, c in MASKING_CONFIGS.items()
-}
 
 
 def _random_by_default(raw: Any) -> Any:

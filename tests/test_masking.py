@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from mpp.masking import (
-    MASK_GENERATORS,
     MASKING_CONFIGS,
     BlockMask,
     RandomMask,
@@ -93,7 +92,7 @@ def distance_from_centre(mask: torch.Tensor, grid: tuple[int, int]) -> float:
 
 
 def test_registry_has_every_strategy():
-    assert set(MASK_GENERATORS) == {"random", "block", "grid", "center", "units"}
+    assert set(MASKING_CONFIGS) == {"random", "block", "grid", "center", "units"}
 
 
 @pytest.mark.parametrize("grid", GRIDS)
@@ -359,7 +358,7 @@ def test_bad_settings_raise_at_construction(strategy, ratio, params, message):
         build_mask_generator(strategy, (14, 14), ratio, **params)
 
 
-@pytest.mark.parametrize("strategy", sorted(MASK_GENERATORS))
+@pytest.mark.parametrize("strategy", sorted(MASKING_CONFIGS))
 @pytest.mark.parametrize("ratio", [-0.1, 1.5])
 def test_ratio_outside_unit_interval(strategy, ratio):
     with pytest.raises(ValueError, match=rf"mask ratio must be in \[0, 1\], got {ratio}"):
@@ -425,11 +424,11 @@ def test_a_config_cannot_choose_hpms_own_mask(objective):
 # ---- the config's typed masking section -----------------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", sorted(MASK_GENERATORS))
+@pytest.mark.parametrize("strategy", sorted(MASKING_CONFIGS))
 def test_each_default_lives_in_the_typed_section_alone(strategy):
     """The generators take their strategy's parameters as required keywords (no default that
     could drift from the section's), exactly the section's keys."""
-    params = inspect.signature(MASK_GENERATORS[strategy]).parameters
+    params = inspect.signature(MASKING_CONFIGS[strategy].generator).parameters
     own = {k: p for k, p in params.items() if k not in ("grid_size", "mask_ratio")}
     assert all(p.kind is p.KEYWORD_ONLY and p.default is p.empty for p in own.values()), own
     assert set(MASKING_CONFIGS[strategy]().model_dump()) - {"strategy"} == set(own)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from mpp.masking import MASK_GENERATORS, build_mask_generator, num_masked
+from mpp.masking import MASKING_CONFIGS, build_mask_generator, num_masked
 from mpp.objectives.hpm_mask import HardPatchMask
 from mpp.ops import patchify
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     render(args.grid, args.ratio, args.samples, args.patch, args.seed).save(args.out)
-    names = [*sorted(MASK_GENERATORS), "hpm"]
+    names = [*sorted(MASKING_CONFIGS), "hpm"]
     print(f"wrote {args.out}: {names} on a {args.grid}x{args.grid} grid")
 
 
