@@ -179,30 +179,6 @@ class DataConfig(Section):
             raise ValueError(f"set one of {', '.join(chosen)}, not several")
         return self
 
-    def check_pixels(self) -> None:
-        """The pixel keys agree with ``channels`` (called by the run's check: errors name data.*)."""
-        c = self.channels
-        for key in ("mean", "std"):
-            value = getattr(self, key)
-            if value == "auto":
-                continue
-            if len(value) != c:
-                hint = " (ImageNet's)" if value in (IMAGENET_MEAN, IMAGENET_STD) else ""
-                raise ValueError(
-                    f"data.{key}: {len(value)} values{hint} for data.channels={c}: give {c} "
-                    'or "auto" (measured on the training shards)'
-                )
-        if self.std != "auto" and any(v <= 0 for v in self.std):
-            raise ValueError(f"data.std must be positive, got {list(self.std)}")
-        vr = self.value_range
-        if isinstance(vr, tuple) and not vr[0] < vr[1]:
-            raise ValueError(f"data.value_range: need low < high, got {list(vr)}")
-        shown = self.display_channels
-        if shown is not None and (len(shown) not in (1, 3) or not all(0 <= i < c for i in shown)):
-            raise ValueError(
-                f"data.display_channels: 3 channels (or 1, grey) of 0..{c - 1}, got {list(shown)}"
-            )
-
     @property
     def auto_stats(self) -> bool:
         """Whether the mean, std or value range is to be measured on the data."""
@@ -322,14 +298,31 @@ class TrainConfig(Section):
 
 
 def _channels_agree(cfg: Any) -> None:
-    """``model.in_chans``, when set, agrees with ``data.channels`` (unset, the encoder is built
-    with data.channels). The pixel keys fit the channels."""
-    cfg.data.check_pixels()
-    chans, channels = cfg.model.in_chans, cfg.data.channels
-    if chans is not None and chans != channels:
+    """The pixel keys fit ``data.channels``, and ``model.in_chans``, when set, agrees with it
+    (unset, the encoder is built with data.channels)."""
+    data, c = cfg.data, cfg.data.channels
+    for key in ("mean", "std"):
+        value = getattr(data, key)
+        if value != "auto" and len(value) != c:
+            hint = " (ImageNet's)" if value in (IMAGENET_MEAN, IMAGENET_STD) else ""
+            raise ValueError(
+                f"data.{key}: {len(value)} values{hint} for data.channels={c}: give {c} "
+                'or "auto" (measured on the training shards)'
+            )
+    if data.std != "auto" and any(v <= 0 for v in data.std):
+        raise ValueError(f"data.std must be positive, got {list(data.std)}")
+    vr = data.value_range
+    if isinstance(vr, tuple) and not vr[0] < vr[1]:
+        raise ValueError(f"data.value_range: need low < high, got {list(vr)}")
+    shown = data.display_channels
+    if shown is not None and (len(shown) not in (1, 3) or not all(0 <= i < c for i in shown)):
         raise ValueError(
-            f"model.in_chans={chans} but data.channels={channels}: the patch embedding must take "
-            "what the data holds (set one, or both alike)"
+            f"data.display_channels: 3 channels (or 1, grey) of 0..{c - 1}, got {list(shown)}"
+        )
+    if cfg.model.in_chans not in (None, c):
+        raise ValueError(
+            f"model.in_chans={cfg.model.in_chans} but data.channels={c}: the patch embedding must "
+            "take what the data holds (set one, or both alike)"
         )
 
 
