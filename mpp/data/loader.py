@@ -208,7 +208,7 @@ class _EvalStream(_Stream):
         # split by node, then by worker: every shard read exactly once
         mine = list(range(len(self.shards)))[c.rank :: c.world_size][worker::num_workers]
         # a labelled subset: only its samples are read (keys None: all of them)
-        keys = c.shard_keys or [None] * len(self.shards)
+        keys = [None] * len(self.shards) if c.shard_keys is None else c.shard_keys
         items = [{"url": self.shards[i], "keys": keys[i]} for i in mine]
         samples = shard_samples(items, errors, c.allow_pipe)
         selected = select_image(samples, errors, c.with_labels, c.num_classes)
