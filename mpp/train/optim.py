@@ -98,7 +98,8 @@ class Schedule:
         lr = lr_at(
             state.step, peak=self.peak, total=self.total, warmup=self.warmup, min_lr=self.min_lr
         )
-        set_lr(optimizer, lr := lr * state.lr_scale)
+        lr *= state.lr_scale
+        set_lr(optimizer, lr)
         return lr
 
 
