@@ -21,6 +21,7 @@ SUITES = {
     "host": "benchmarks.host",
     "preview": "benchmarks.preview",
     "monitor": "benchmarks.monitor",
+    "compiled-run": "benchmarks.compiled_run",
 }
 
 

@@ -1,6 +1,6 @@
 """The one GPU check (issue 36 §5): everything a lent GPU should measure, as one command from a
 fresh checkout, each step under its own time limit (about 7 minutes in all on the H200 of
-2026-11-27; 9 at most when the steps run to their limits):
+2026-11-27 before step 5; 15 at most when the steps run to their limits):
 
 1. ``mpp doctor --quick``: the environment, attention kernels, a launcher run;
 2. ``python -m benchmarks gpu-step --levers --profile`` at batch 128 (each objective as shipped, ZeRO-1 bf16
@@ -10,12 +10,14 @@ fresh checkout, each step under its own time limit (about 7 minutes in all on th
    per batch in the training process;
 4. the CUDA-only tests (``CUDA_TESTS``: xformers against SDPA, the gpu-step test, nvJPEG
    against PIL, masks generated on CUDA; the doctor's test is left out, as it would run the
-   doctor of step 1 a second time).
+   doctor of step 1 a second time);
+5. ``python -m benchmarks compiled-run``: a whole launcher run of mae_b16 with ``model.compile``
+   on (monitor, previews, checkpoints), against the same run eager.
 
 Writes OUT/gpu-check.json (every step's command, exit status, seconds, and its own JSON) and
 prints one table. ``--dry-run`` runs the same steps on the CPU in their small forms (gpu-step
 ``--device cpu`` with the levers for MAE, decode ``--quick``, the tests collected but not run,
-the doctor's help: the suite runs the doctor already), so the script does not break the first time it meets a GPU:
+the doctor's and compiled-run's help: the suite runs the doctor already), so the script does not break the first time it meets a GPU:
 ``tests/test_benchmarks.py`` runs it that way.
 
     python benchmarks/gpu_check.py [--out runs/gpu-check] [--dry-run]
@@ -74,6 +76,9 @@ def steps(out: Path, dry: bool) -> list[dict[str, Any]]:
                 None,
                 120,
             ),
+            # the quick form compiles on the CPU for 80 s: `python -m benchmarks compiled-run
+            # --quick` runs it by hand; here only the suite's arguments
+            step("compiled run", [*bench, "compiled-run", "--help"], None, 60),
         ]
     gpu_step = [*bench, "gpu-step", "--profile"]
     scratch = Path(tempfile.mkdtemp(prefix="gpu-check-"))
@@ -110,6 +115,14 @@ def steps(out: Path, dry: bool) -> list[dict[str, Any]]:
             + ["--deselect", DOCTOR_TEST],
             None,
             150,
+        ),
+        step(
+            "compiled run",
+            # the runs (shards, checkpoints: GBs) in scratch, their launcher logs kept there too
+            [*bench, "compiled-run", "--keep", str(scratch / "compiled-run")]
+            + ["--out", str(out / "compiled-run.json")],
+            out / "compiled-run.json",
+            360,
         ),
     ]
 
@@ -169,6 +182,14 @@ def figures(record: dict[str, Any]) -> str:
             elif gpu:
                 rates.append(f"nvJPEG: {gpu.get('refused')}")
             cells.append(f"{row['source']}: " + ", ".join(rates))
+        return "; ".join(cells)
+    if record["name"] == "compiled run":
+        cells = [
+            f"{'compiled' if row['compile'] else 'eager'}: exit {row['rc']}, "
+            f"{row.get('imgs_per_sec', 0):.0f} img/s, monitor {row['monitor_records']}, "
+            f"recompiles {row['recompiles']}"
+            for row in r["rows"]
+        ]
         return "; ".join(cells)
     if record["name"] == "doctor":
         counts: dict[str, int] = {}

@@ -367,7 +367,7 @@ def test_the_gpu_check_dry_run_runs_every_step(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((out / "gpu-check.json").read_text())
     steps = {s["name"]: s for s in summary["steps"]}
-    assert list(steps) == ["doctor", "gpu-step 128 levers", "decode", "cuda tests"]
+    assert list(steps) == ["doctor", "gpu-step 128 levers", "decode", "cuda tests", "compiled run"]
     assert all(s["rc"] == 0 for s in steps.values()) and summary["dry_run"] is True
     rows = steps["gpu-step 128 levers"]["result"]["rows"]
     got = {row["lever"]: (row["zero_stage"], row["precision"]) for row in rows}
