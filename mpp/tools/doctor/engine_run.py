@@ -79,9 +79,9 @@ def doctor_config(base: str, cuda: bool, quick: bool, shards: str) -> dict[str, 
     return apply_overrides(raw, [f"{k}={json.dumps(v)}" for k, v in sets.items()])
 
 
-def write_synthetic_shards(out_dir: Path, img_size: int, count: int) -> str:
+def write_synthetic_shards(out_dir: Path, img_size: int, count: int, shards: int = 4) -> str:
     """``count`` smooth random JPEGs (8x8 noise upsampled: decoding costs what a photo costs,
-    unlike noise) through the project's writer; the shard spec."""
+    unlike noise) through the project's writer, in ``shards`` shards; the shard spec."""
     rng = np.random.default_rng(0)
     small = rng.integers(0, 256, (count, 8, 8, 3), dtype=np.uint8)
     images = [
@@ -91,7 +91,7 @@ def write_synthetic_shards(out_dir: Path, img_size: int, count: int) -> str:
     paths = write_shards(
         from_arrays(images),
         out_dir,
-        options=WriterOptions(max_count=max(1, count // 4), overwrite=True, progress=False),
+        options=WriterOptions(max_count=max(1, count // shards), overwrite=True, progress=False),
         encoding=ImageEncoding(reencode="jpeg"),
     )
     return shard_spec(out_dir, "data", len(paths))
