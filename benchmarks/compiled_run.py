@@ -1,8 +1,7 @@
 """compiled-run: a whole pretraining run with ``model.compile`` on, against the same run eager.
 
-``model.compile`` stays off by default until a whole GPU run has used it (config.py): gpu-step
-times the compiled step alone, and a run also measures the monitor and previews (other batch
-shapes: recompiles) and writes checkpoints. Each run is the real command under the real
+gpu-step times the compiled step alone (``model.compile``, off by default: config.py); a run
+also calls the monitor and previews (other batch shapes: recompiles) and writes checkpoints. Each run is the real command under the real
 launcher (``deepspeed --num_gpus 1 --module mpp.commands.pretrain``) on the doctor's synthetic
 JPEG shards, its first shard also the held-out images of the monitor and the previews; the
 launcher's output is kept with ``TORCH_LOGS=recompiles,graph_breaks``. Per run: exit status,

@@ -92,8 +92,10 @@ class ModelConfig(Section):
     """Activation checkpointing per block (timm's name), encoder and decoders: recompute each
     block's activations in the backward instead of keeping them; not architecture."""
     compile: bool = False
-    """torch.compile through DeepSpeed's engine.compile(): x1.18-1.28 per step on an H200
-    (BENCHMARKS.md); off until a whole GPU run has used it."""
+    """torch.compile through DeepSpeed's engine.compile(): x1.18-1.29 per step on an H200
+    (BENCHMARKS.md). Off by default: a whole H200 run has used it (monitor, previews,
+    checkpoints, no recompile), none has yet shown it faster end to end, and it compiles at
+    each start."""
     init: str | None = None
     """Pretraining only: continue from published weights (an encoder file, a Hugging Face ViT
     folder, MAE's / HPM's release .pth whose decoder also initialises an MAE decoder, a run)"""
