@@ -70,6 +70,8 @@ def test_eval_pass_sees_every_sample_once_across_ranks_and_workers(tmp_path):
         assert all(b["label"].dtype == torch.int64 for b in batches)
     assert sorted(keys) == sorted(truth)  # every sample exactly once over 2 ranks x 2 workers
     assert labels == [truth[k] for k in keys]
+    with pytest.raises(ValueError, match="need batch_size >= 1"):  # not a pass that yields nothing
+        make_eval_loader(paths, batch_size=0, img_size=16)
 
 
 @pytest.mark.parametrize("num_workers", [2, 0])

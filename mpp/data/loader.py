@@ -435,5 +435,7 @@ def make_eval_loader(
     Ranks may get different batch counts: reduce metrics after the loop, not per batch.
     """
     cfg = StreamConfig(with_labels=with_labels, **settings)
+    if cfg.batch_size < 1:
+        raise ValueError(f"need batch_size >= 1 (batch_size={cfg.batch_size})")
     shards = _validate(shards, cfg.allow_pipe, cfg.rank, cfg.world_size)
     return Loader(_EvalStream(shards, cfg), num_workers, None)
