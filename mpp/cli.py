@@ -9,7 +9,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -109,6 +111,41 @@ def config_from_args(args: argparse.Namespace, cls: type[BaseModel] = Config):
     return cfg
 
 
+def keep_earlier_config(cfg, path: Path) -> None:
+    """The same run directory run again with another config goes on under the new one: the keys
+    that changed said on stderr, the earlier config kept beside as ``config.<UTC time>.json``."""
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    now = json.loads(json.dumps(cfg.model_dump(mode="json")))
+    changed = [
+        f"{key} {before!r} -> {after!r}"
+        for key, before, after in _differences(earlier, now)
+        if key.rsplit(".", 1)[-1] != "output_dir"
+    ]
+    if not changed:
+        return
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    kept = path.with_name(f"config.{stamp}.json")
+    path.replace(kept)
+    shown = "; ".join(changed[:8]) + (f"; and {len(changed) - 8} more" if len(changed) > 8 else "")
+    print(
+        f"warning: {path.parent} was started with another config: {shown} (the earlier one kept "
+        f"as {kept.name}; --restart starts over)",
+        file=sys.stderr,
+    )
+
+
+def _differences(a: Any, b: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
+    """(dotted key, value in a, value in b) wherever two JSON trees differ (None where absent)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(a.keys() | b.keys()):
+            yield from _differences(a.get(key), b.get(key), f"{prefix}{key}.")
+    elif a != b:
+        yield prefix.rstrip("."), a, b
+
+
 def open_run_dir(cfg, rank: int, restart: bool = False, pixels=None, model=None) -> Path:
     """The run directory, created by rank 0, held by this job (``mpp.train.runlock``: RunHeld, a
     ConfigError, on every rank when another live job holds it) and the config as loaded saved in
@@ -134,6 +171,7 @@ def open_run_dir(cfg, rank: int, restart: bool = False, pixels=None, model=None)
                 print(f"--restart: the earlier run moved to {aside}", file=sys.stderr)
             run_dir.mkdir(parents=True, exist_ok=True)
             hold(run_dir)
+            keep_earlier_config(cfg, run_dir / "config.json")
             save_config(cfg, run_dir / "config.json")
             if pixels is not None:  # the statistics used (mpp.data.stats.Pixels): data.json
                 pixels.save(run_dir)

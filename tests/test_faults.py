@@ -224,6 +224,12 @@ def test_the_same_command_goes_on_and_restart_moves_the_earlier_run_aside(tmp_pa
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"{run} holds a checkpoint (step00000008): going on from it" in r.stderr
     assert [m["step"] for m in read_metrics(run)] == list(range(1, 11))  # 9 and 10 added
+    # another config in the same run directory: what changed said, the earlier one kept
+    (kept,) = run.glob("config.*.json")
+    assert "was started with another config: train.max_steps 8 -> 10" in r.stderr
+    assert f"kept as {kept.name}" in r.stderr
+    assert json.loads(kept.read_text())["train"]["max_steps"] == 8
+    assert json.loads((run / "config.json").read_text())["train"]["max_steps"] == 10
 
     r = run_cli([*cmd, "--set", "train.max_steps=2", "--restart"])
     assert r.returncode == 0, r.stderr[-3000:]
