@@ -27,7 +27,7 @@ from pydantic import (
 from mpp.masking import MASKING_CONFIGS, MaskingConfig, RandomMasking
 from mpp.objectives.configs import MPPConfig, ObjectiveConfig
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
-from mpp.parallel.ds_config import derive
+from mpp.parallel.ds_config import derive, refusal_of
 from mpp.sections import Section, refusal
 
 # the shipped configs: configs/ at the top of the clone, linked as mpp/configs, which a wheel holds
@@ -370,6 +370,9 @@ class RunConfig(Section):
         if self.data.train_shards is None and self.data.builtin is None:
             raise ValueError("data.train_shards is not set (give shards, or data.builtin='digits')")
         _channels_agree(self)
+        # DeepSpeed's parser on what a GPU run would give it (on a CPU only the precision differs)
+        if why := refusal_of(self.deepspeed, lambda: self.deepspeed_config(1, "cuda")):
+            raise ValueError(why)
         return self
 
     def stream_settings(self) -> dict[str, Any]:

@@ -174,6 +174,16 @@ BAD = [
         {"deepspeed": {"zero_optimization": {"stage": "two"}}},
         "deepspeed.zero_optimization.stage must be 0, 1, 2 or 3",
     ),
+    # DeepSpeed's own parser, before anything starts: it would ignore the first, refuse the
+    # second only once the engine starts
+    (
+        {"deepspeed": {"zero_optimisation": {"stage": 1}}},
+        "deepspeed.zero_optimisation: not a key DeepSpeed reads; did you mean zero_optimization?",
+    ),
+    (
+        {"deepspeed": {"zero_optimization": {"stgae": 3}}},
+        "deepspeed.zero_optimization.stgae: Extra inputs are not permitted",
+    ),
 ]
 
 

@@ -7,6 +7,7 @@ in the ``deepspeed`` section wins over every default here (``bf16``/``fp16`` too
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 
@@ -85,3 +86,59 @@ def bf16_reduction_dtypes(stage: int) -> dict[str, Any]:
     if stage >= 2:
         dtypes["data_types"] = {"grad_accum_dtype": "fp32"}
     return dtypes
+
+
+# the keys mpp's own configs set: a section of only these needs no DeepSpeed import to check
+PLAIN = {"zero_optimization": {"stage"}}
+
+
+def refusal_of(user: dict[str, Any], full: Callable[[], dict[str, Any]]) -> str | None:
+    """Why a key of the ``deepspeed`` section (``user``) would be refused or ignored, from
+    DeepSpeed's own parser run on the whole config mpp would give it (``full()``), before anything
+    starts: a key its typed sections do not have (``zero_optimization.stgae``), or a top-level key
+    it never asks for (``zero_optimisation``, with the key it is close to). None: no objection;
+    an error of another kind is left to DeepSpeed where the engine starts."""
+    if all(k in PLAIN and set(v or {}) <= PLAIN[k] for k, v in user.items()):
+        return None
+    import difflib
+    from collections.abc import KeysView
+
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from pydantic import ValidationError
+
+    read: set[str] = set()
+
+    class Recorded(dict):  # the top-level keys the parser asks for, however it asks
+        def get(self, key, *default):
+            read.add(key)
+            return super().get(key, *default)
+
+        def __getitem__(self, key):
+            read.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key):
+            read.add(key)
+            return super().__contains__(key)
+
+        def keys(self):
+            return KeysView(self)  # `key in d.keys()` asks __contains__ too
+
+    try:
+        DeepSpeedConfig(Recorded(full()))
+    except ValidationError as e:
+        err = e.errors()[0]
+        leaf = ".".join(str(x) for x in err["loc"])
+        where = [k for k, v in user.items() if isinstance(v, dict) and err["loc"][0] in v]
+        key = f"{where[0]}.{leaf}" if where else leaf
+        return f"deepspeed.{key}: {err['msg']} (DeepSpeed's {e.title})"
+    except Exception:  # noqa: BLE001  anything else is DeepSpeed's to say where it starts
+        return None
+    for key in sorted(set(user) - read):
+        close = difflib.get_close_matches(key, sorted(read), n=1, cutoff=0.8)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        return (
+            f"deepspeed.{key}: not a key DeepSpeed reads{hint} (DeepSpeed {deepspeed.__version__})"
+        )
+    return None
