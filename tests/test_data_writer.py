@@ -11,6 +11,7 @@ from conftest import listed_samples
 from PIL import Image
 
 from mpp.data import (
+    DataError,
     ImageEncoding,
     WriterOptions,
     expand_shards,
@@ -120,14 +121,17 @@ def test_train_and_val_share_a_folder_and_refuse_silent_overwrite(tmp_path):
     assert listed_samples(str(tmp_path / "train-000000.tar")) == 3
 
 
-def test_image_folder_cli_and_flat_folder(tmp_path, capsys):
+def test_image_folder_cli_and_flat_folder(tmp_path, capsys, caplog):
     src = tmp_path / "src"
     for label, name in enumerate(["cat", "dog"]):
         (src / name / "sub").mkdir(parents=True)
         for i in range(3 + label):
             (src / name / "sub" / f"{i}.jpg").write_bytes(encode(random_image(10 * label + i)))
+    broken = src / "cat" / "sub" / "broken.jpg"
+    broken.write_bytes(b"not an image")  # named, skipped and counted; the rest is written
     samples, class_names = from_image_folder(src)
     assert class_names == ["cat", "dog"] and sorted(label for _, label in samples) == [
+        0,
         0,
         0,
         0,
@@ -139,7 +143,15 @@ def test_image_folder_cli_and_flat_folder(tmp_path, capsys):
     paths = shards_main(
         [str(src), str(tmp_path / "out"), "--prefix", "train", "--max-count", "4", "--no-progress"]
     )
-    assert len(paths) == 2 and "train-{000000..000001}.tar" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert len(paths) == 2 and "wrote 7 samples, 2 classes" in out
+    assert "train-{000000..000001}.tar; skipped 1 unreadable" in out
+    assert f"skipping {broken}: not an image" in caplog.text
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "sizes.json",
+        "train-000000.tar",
+        "train-000001.tar",
+    ]  # no temporary left
     sizes = read_sizes(paths)
     assert sizes["class_names"] == ["cat", "dog"] and sum(sizes["shards"].values()) == 7
     cls = [int(v) for p in paths for n, v in tar_members(p).items() if n.endswith(".cls")]
@@ -153,6 +165,23 @@ def test_image_folder_cli_and_flat_folder(tmp_path, capsys):
     assert len(from_flat_folder(flat)) == 3
     paths = shards_main([str(flat), str(tmp_path / "flat_out"), "--no-progress"])
     assert sorted(n.split(".")[1] for n in tar_members(paths[0])) == ["png"] * 3  # no .cls
+
+
+def test_a_failed_write_leaves_no_temporary_and_unreadable_input_is_an_error(tmp_path):
+    good = [(encode(random_image(i)), 0) for i in range(3)]
+    deep = (np.zeros((4, 4, 5), np.uint16), 0)  # kept as .npy: resizing it is the options' error
+    with pytest.raises(ValueError, match="kept as .npy"):
+        write_shards(
+            [*good, deep],
+            tmp_path / "a",
+            "a",
+            options=WriterOptions(seed=None, progress=False),
+            encoding=ImageEncoding(resize=2),
+        )
+    assert list((tmp_path / "a").iterdir()) == []
+    with pytest.raises(DataError, match="none of the 2 images could be read"):
+        write_shards([(b"junk", 0), (b"GIF89a, cut", 1)], tmp_path / "b", "b", options=QUIET)
+    assert list((tmp_path / "b").iterdir()) == []
 
 
 def test_arrays_resize_and_reencode(tmp_path):

@@ -10,6 +10,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from .errors import DataError, SkipCounter
 from .writer import (
     ImageEncoding,
     WriterOptions,
@@ -77,29 +78,34 @@ def main(argv: list[str] | None = None) -> list[str]:
         samples, class_names = from_image_folder(args.src)
     if not samples:
         parser.error(f"no images under {args.src}")
-    paths = write_shards(
-        samples,
-        args.out_dir,
-        args.prefix,
-        options=WriterOptions(
-            max_count=args.max_count,
-            max_size=int(args.max_size_mb * 2**20),
-            seed=None if args.seed < 0 else args.seed,
-            overwrite=args.overwrite,
-            progress=not args.no_progress,
-        ),
-        encoding=ImageEncoding(
-            resize=args.resize,
-            reencode=args.reencode,
-            quality=args.quality,
-            max_side=args.max_side,
-        ),
-        class_names=class_names,
-    )
+    errors = SkipCounter(max_consecutive=len(samples))  # unreadable images: named, skipped
+    try:
+        paths = write_shards(
+            samples,
+            args.out_dir,
+            args.prefix,
+            options=WriterOptions(
+                max_count=args.max_count,
+                max_size=int(args.max_size_mb * 2**20),
+                seed=None if args.seed < 0 else args.seed,
+                overwrite=args.overwrite,
+                progress=not args.no_progress,
+            ),
+            encoding=ImageEncoding(
+                resize=args.resize,
+                reencode=args.reencode,
+                quality=args.quality,
+                max_side=args.max_side,
+            ),
+            class_names=class_names,
+            errors=errors,
+        )
+    except DataError as exn:
+        parser.error(str(exn))
     labels = f", {len(class_names)} classes" if class_names else ", unlabelled"
-    print(
-        f"wrote {len(samples)} samples{labels} to {shard_spec(args.out_dir, args.prefix, len(paths))}"
-    )
+    skipped = f"; skipped {errors.skipped} unreadable (named above)" if errors.skipped else ""
+    spec = shard_spec(args.out_dir, args.prefix, len(paths))
+    print(f"wrote {len(samples) - errors.skipped} samples{labels} to {spec}{skipped}")
     return paths
 
 

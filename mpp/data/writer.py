@@ -13,9 +13,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
+from .errors import DataError, SkipCounter
 from .sources import SIZES_FILE, _write_json
 from .transforms import sniff_format
 
@@ -61,6 +62,11 @@ def from_arrays(
     if labels is not None and len(labels) != len(images):
         raise ValueError(f"{len(images)} images but {len(labels)} labels")
     return [(images[i], None if labels is None else int(labels[i])) for i in range(len(images))]
+
+
+class _OptionError(ValueError):
+    """What ``ImageEncoding`` asks cannot be done to this kind of sample: the options' error, not
+    the sample's (the writer stops on it rather than skipping every such sample)."""
 
 
 def _png_able(array: np.ndarray) -> bool:
@@ -116,7 +122,7 @@ def encode_image(image: ImageLike, encoding: ImageEncoding | None = None) -> tup
         image = Path(image).read_bytes()
     if isinstance(image, np.ndarray) and not _png_able(image):
         if e.resize is not None or e.reencode is not None:
-            raise ValueError(
+            raise _OptionError(
                 f"a {image.dtype} array of shape {image.shape} is kept as .npy as it is"
             )
         out = io.BytesIO()
@@ -126,7 +132,7 @@ def encode_image(image: ImageLike, encoding: ImageEncoding | None = None) -> tup
         fmt = sniff_format(image)
         if fmt in _KEPT:
             if e.resize is not None or e.reencode is not None:
-                raise ValueError(f"{fmt} samples are kept as they are (no resize or re-encoding)")
+                raise _OptionError(f"{fmt} samples are kept as they are (no resize or re-encoding)")
             return image, _EXT[fmt]
         kept = fmt is not None and e.reencode in (None, fmt)
         if kept and e.resize is None and e.max_side is None:
@@ -141,7 +147,7 @@ def encode_image(image: ImageLike, encoding: ImageEncoding | None = None) -> tup
         fmt, img = None, Image.fromarray(a.squeeze(-1) if a.ndim == 3 and a.shape[-1] == 1 else a)
     target = e.reencode or fmt or "png"  # arrays and unknown formats: PNG, lossless
     if target not in _EXT:
-        raise ValueError(f"reencode must be one of {sorted(_EXT)}, got {target!r}")
+        raise _OptionError(f"reencode must be one of {sorted(_EXT)}, got {target!r}")
     # arrays are the user's pixels: resized when asked, never by max_side
     size = _new_size(img, replace(e, max_side=None) if isinstance(image, np.ndarray) else e)
     if size is not None and img.format == "JPEG":
@@ -197,6 +203,12 @@ def _clear_old_shards(out_dir: Path, prefix: str, overwrite: bool) -> None:
         path.unlink()
 
 
+def _skip_reason(exn: Exception) -> str:
+    if isinstance(exn, UnidentifiedImageError):
+        return "not an image PIL can read"  # its message names a BytesIO, not the file
+    return f"cannot read or decode it ({exn!r})"
+
+
 def write_shards(
     samples: Iterable[Sample],
     out_dir: str | os.PathLike,
@@ -205,51 +217,82 @@ def write_shards(
     options: WriterOptions | None = None,
     encoding: ImageEncoding | None = None,
     class_names: list[str] | None = None,
+    errors: SkipCounter | None = None,
 ) -> list[str]:
     """Write `samples` [(image, label or None)] to `out_dir/prefix-000000.tar ...`; returns the shard paths.
 
     ``options`` (``WriterOptions``): when a shard closes, the shuffle seed, overwrite, progress.
     ``encoding`` (``ImageEncoding``): the bytes each image is stored as. ``class_names`` go to
-    sizes.json.
+    sizes.json. An image that cannot be read or decoded is skipped, named (its path) in a
+    warning and counted in ``errors.skipped`` (``SkipCounter``, as the loader counts bad
+    samples); none readable at all is a ``DataError``. On any error, no temporary file is left.
     """
     o = options or WriterOptions()
     out_dir = Path(out_dir)
     _clear_old_shards(out_dir, prefix, o.overwrite)
-    samples = list(samples)
+    # (input position, sample): a skipped in-memory sample is named by its position
+    samples = list(enumerate(samples))
+    errors = errors if errors is not None else SkipCounter(max_consecutive=len(samples))
     if o.seed is not None:
         random.Random(o.seed).shuffle(samples)  # cheap: paths and arrays move, bytes are read later
     paths: list[str] = []
     counts: dict[str, int] = {}
     tar, count, size = None, 0, 0
 
+    def temporary() -> Path:
+        return out_dir / f".{prefix}-{len(paths):06d}.tar.tmp"
+
     def close() -> None:
         tar.close()
         final = out_dir / f"{prefix}-{len(paths):06d}.tar"
-        os.replace(out_dir / f".{final.name}.tmp", final)  # readers never see a half-written shard
+        os.replace(temporary(), final)  # readers never see a half-written shard
         paths.append(str(final))
         counts[final.name] = count
 
-    for index, (image, label) in enumerate(
-        tqdm(samples, desc=f"{prefix} shards", unit="img", disable=not o.progress)
-    ):
-        data, ext = encode_image(image, encoding)
-        # the image first: a cut inside it loses one sample only
-        members = [(f"{index:09d}.{ext}", data)]
-        if label is not None:
-            members.append((f"{index:09d}.cls", str(int(label)).encode()))
-        needed = sum(_member_bytes(d) for _, d in members)
-        if tar is not None and (count >= o.max_count or size + needed > o.max_size):
+    written = 0
+    try:
+        for index, (position, (image, label)) in enumerate(
+            tqdm(samples, desc=f"{prefix} shards", unit="img", disable=not o.progress)
+        ):
+            try:
+                data, ext = encode_image(image, encoding)
+            except _OptionError:
+                raise
+            except Exception as exn:  # PIL raises many types for corrupt data
+                name = image if isinstance(image, (str, os.PathLike)) else f"sample {position}"
+                errors.skip(f"skipping {name}: {_skip_reason(exn)}", decode=True)
+                continue
+            errors.sample_decoded()
+            # the image first: a cut inside it loses one sample only; the key is the position
+            # in the shuffled order (a skipped image leaves a gap)
+            key = f"{index:09d}"
+            members = [(f"{key}.{ext}", data)]
+            if label is not None:
+                members.append((f"{key}.cls", str(int(label)).encode()))
+            needed = sum(_member_bytes(d) for _, d in members)
+            if tar is not None and (count >= o.max_count or size + needed > o.max_size):
+                close()
+                tar = None
+            if tar is None:
+                tar = tarfile.open(temporary(), "w", format=tarfile.USTAR_FORMAT)
+                count, size = 0, _TAR_END
+            for name, blob in members:
+                _add_member(tar, name, blob)
+            count, size, written = count + 1, size + needed, written + 1
+        if tar is not None:
             close()
             tar = None
-        if tar is None:
-            tar = tarfile.open(
-                out_dir / f".{prefix}-{len(paths):06d}.tar.tmp", "w", format=tarfile.USTAR_FORMAT
-            )
-            count, size = 0, _TAR_END
-        for name, blob in members:
-            _add_member(tar, name, blob)
-        count, size = count + 1, size + needed
-    if tar is not None:
-        close()
+    except BaseException:
+        if tar is not None:
+            try:
+                tar.close()
+            finally:
+                temporary().unlink(missing_ok=True)
+        raise
+    if samples and not written:
+        raise DataError(
+            f"none of the {len(samples)} images could be read ({errors.skipped} skipped); "
+            f"nothing written to {out_dir}"
+        )
     _update_sizes(out_dir, prefix, counts, class_names)
     return paths
