@@ -76,7 +76,9 @@ def test_sigkill_mid_epoch_then_resume_auto_equals_an_uninterrupted_run(tmp_path
     (half / "mp_rank_00_model_states.pt").write_bytes(b"\x80\x02 truncated")
     r = run_cli(launch(path, killed, ["--resume", "auto"]))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resumed from" in r.stderr and "step00000099" not in r.stderr
+    (resumed,) = [line for line in r.stderr.splitlines() if "resumed from" in line]
+    assert "step00000099" not in resumed
+    assert "incomplete checkpoint(s) in" in r.stderr and not half.exists()  # removed
 
     steps = [m["step"] for m in read_metrics(killed)]
     assert steps == sorted(set(steps)), steps  # the replayed steps are logged once, not twice
@@ -218,11 +220,19 @@ def test_the_same_command_goes_on_and_restart_moves_the_earlier_run_aside(tmp_pa
     again with no --resume, then with --restart: nothing of an earlier invocation is deleted."""
     run = tmp_path / "run"
     shutil.copytree(one_rank_run["run"], run)
+    # a save cut off before its marker (a second Ctrl-C), DeepSpeed's `latest` naming it: the
+    # run that goes on removes it (no save of this run would: step 9 is not saved)
+    half = run / "checkpoints" / "step00000009"
+    half.mkdir()
+    (half / "mp_rank_00_model_states.pt").write_bytes(b"\x80\x02 truncated")
+    (run / "checkpoints" / "latest").write_text("step00000009")
     cmd = ["python", "pretrain/run.py", "--config", str(one_rank_run["config"])]
     cmd += ["--output-dir", str(run)]
     r = run_cli([*cmd, "--set", "train.max_steps=10"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"{run} holds a checkpoint (step00000008): going on from it" in r.stderr
+    assert f"removed 1 incomplete checkpoint(s) in {run / 'checkpoints'}" in r.stderr
+    assert not half.exists() and complete_tags(run / "checkpoints")[-1] == "step00000010"
     assert [m["step"] for m in read_metrics(run)] == list(range(1, 11))  # 9 and 10 added
     # another config in the same run directory: what changed said, the earlier one kept
     (kept,) = run.glob("config.*.json")

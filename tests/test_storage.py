@@ -27,6 +27,33 @@ def flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def test_incomplete_checkpoints_are_removed_and_latest_names_a_complete_one(tmp_path):
+    """What a run that goes on removes (rank 0, before any save): tag folders without their
+    marker. Complete ones (damaged or not) and the elastic conversions stay."""
+    from mpp.checkpoint.elastic import UNIVERSAL
+    from mpp.checkpoint.format import complete_tags, latest_complete, remove_incomplete
+
+    root = tmp_path / "checkpoints"
+    for step in (4, 6, 7, 8):
+        (root / tag_for(step)).mkdir(parents=True)
+        (root / tag_for(step) / "mp_rank_00_model_states.pt").write_bytes(b"weights")
+    for step in (4, 6):
+        (root / tag_for(step) / MARKER).write_text(json.dumps({"step": step}))
+    (root / UNIVERSAL / tag_for(6)).mkdir(parents=True)
+    (root / "latest").write_text(tag_for(8))
+    assert remove_incomplete(root) == [tag_for(7), tag_for(8)]
+    assert sorted(p.name for p in root.iterdir()) == ["latest", tag_for(4), tag_for(6), UNIVERSAL]
+    assert (root / "latest").read_text() == tag_for(6) == latest_complete(root)
+    assert remove_incomplete(root) == [] and complete_tags(root) == [tag_for(4), tag_for(6)]
+
+    for step in (4, 6):  # none complete left: `latest` goes with the tag it names
+        (root / tag_for(step) / MARKER).unlink()
+    (root / "latest").write_text(tag_for(6))
+    assert remove_incomplete(root) == [tag_for(4), tag_for(6)]
+    assert sorted(p.name for p in root.iterdir()) == [UNIVERSAL]
+    assert remove_incomplete(tmp_path / "none") == []
+
+
 @pytest.mark.slow
 def test_a_damaged_checkpoint_falls_back_to_the_newest_intact_one_or_stops_with_one_line(
     tmp_path, digits16, one_rank_run

@@ -4,7 +4,8 @@ each made complete by a ``COMPLETE`` marker written last, and their fp32 weights
 ``mpp.hub.encoder_file``'s).
 
 A kill during a save leaves a tag directory without its marker: ``latest_complete`` skips
-it, so ``--resume auto`` always resumes from a checkpoint that was written whole. The marker
+it, so ``--resume auto`` always resumes from a checkpoint that was written whole, and the run
+that goes on removes it (``remove_incomplete``). The marker
 lists every file's size and sha256 (``mpp.checkpoint.storage``): a checkpoint damaged after it was written
 is found before it is loaded, and ``--resume auto`` falls back to the newest intact one.
 """
@@ -65,6 +66,37 @@ def complete_tags(ckpt_root: str | Path) -> list[str]:
 def latest_complete(ckpt_root: str | Path) -> str | None:
     tags = complete_tags(ckpt_root)
     return tags[-1] if tags else None
+
+
+def remove_incomplete(ckpt_root: str | Path) -> list[str]:
+    """Rank 0, when a run starts, before any rank saves: remove the tag folders that saves cut
+    off before their marker left (``latest_complete`` skips them, rotation keeps only complete
+    ones, so they would stay for good); DeepSpeed's ``latest``, when it names one of them, then
+    names the newest complete tag (or goes: there is none). Complete tags, damaged or not, and
+    the elastic conversions (``universal/``) are left alone. Returns the removed tags."""
+    root = Path(ckpt_root)
+    if not root.is_dir():
+        return []
+    removed = []
+    for p in sorted(root.iterdir()):
+        tag = p.name
+        if not (tag.startswith(TAG_PREFIX) and tag[len(TAG_PREFIX) :].isdigit()):
+            continue
+        if p.is_symlink() or not p.is_dir() or (p / MARKER).is_file():
+            continue
+        try:
+            shutil.rmtree(p)
+        except OSError as e:
+            log.warning("cannot remove the incomplete checkpoint %s: %s", p, e)
+            continue
+        removed.append(tag)
+    latest = root / "latest"
+    if removed and latest.is_file() and latest.read_text().strip() in removed:
+        if newest := latest_complete(root):
+            _write_atomic(latest, newest)  # as DeepSpeed writes it: the tag alone
+        else:
+            latest.unlink()
+    return removed
 
 
 def newest_intact(ckpt_root: str | Path) -> str | None:

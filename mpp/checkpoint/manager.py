@@ -185,6 +185,15 @@ class Checkpointer:
                 log.info("resumed from %s/%s at step %d", found[0], found[1], state.step)
         if dist.get_rank() == 0:
             (self.run_dir / "preempted.json").unlink(missing_ok=True)  # this run is going again
+            # saves cut off before their marker: no rank writes one before the first save,
+            # which waits for rank 0
+            if removed := ckpt.remove_incomplete(self.root):
+                log.info(
+                    "removed %d incomplete checkpoint(s) in %s (a save cut off): %s",
+                    len(removed),
+                    self.root,
+                    ", ".join(removed),
+                )
             # a warning now if keep_last + 1 do not fit
             ckpt.room(self.engine, self.root, self.keep_last)
         return state
