@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import restamp, run_cli, tiny_config
+from conftest import restamp, run_cli, tiny_config, write_config
 from test_vit import timm_vit_keys
 
 from mpp.config import ConfigError, FinetuneConfig, validate
@@ -247,6 +247,34 @@ def test_finetune_and_probes_through_the_clis(zero3_finetune, one_rank_probes, t
     code = knn_main([*argv, "--output-dir", str(tmp_path / "x")])
     assert code == 2 and "init: /missing: no such file" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_the_probes_skip_and_count_labels_outside_the_classes(tmp_path):
+    """A label >= num_classes is skipped and counted by k-NN and every linear-probe protocol, as
+    fine-tuning's loader does (mpp.data.loader.select_image), instead of failing in the vote or
+    the loss; results.json reports the count. Train: 2 of 12 labelled 10 and 11; val: 1 of 8."""
+    from conftest import random_shards
+
+    from mpp.commands import knn, probe
+
+    train = random_shards(
+        tmp_path / "t", [12], "t", lambda i: 10 + i // 6 if i % 6 == 0 else i % 10
+    )
+    val = random_shards(tmp_path / "v", [8], "v", lambda i: 11 if i == 3 else i)
+    cfg = {
+        "model": {"name": "vit_tiny_patch4_16", "depth": 1, "embed_dim": 16, "num_heads": 1},
+        "data": {"train_shards": train, "val_shards": val, "num_workers": 0, "num_classes": 10},
+        "probe": {"epochs": 1, "batch_size": 4},
+    }
+    path = write_config(tmp_path / "p.json", cfg)
+    runs = [("knn", knn.main, []), *[(p, probe.main, ["--protocol", p]) for p in ("fast", "mae")]]
+    for name, main, extra in runs:
+        out = tmp_path / name
+        assert main(["--config", str(path), "--output-dir", str(out), *extra]) == 0
+        res = json.loads((out / "results.json").read_text())
+        assert res["num_val"] == 7 and res["skipped"] == 3 and 0 <= res["top1"] <= 100, res
+        # mae: the stream's size (its pass of 3 steps of 4 reads the 12 and skips the 2)
+        assert res["num_train"] == (12 if name == "mae" else 10), res
 
 
 def test_a_fresh_head_is_initialised_as_in_maes_fine_tuning():

@@ -151,21 +151,26 @@ def _evaluate(kind: str, cfg, setup: ProbeSetup, rank: int, world: int) -> dict:
         rank=rank,
         world_size=world,
         with_keys=True,
+        # a label outside [0, num_classes) is skipped and counted, as fine-tuning's loader does
+        num_classes=num_classes,
         pixels=setup.pixels.format,
     )
+    skipped = []  # this rank's bad samples per pass: a label out of range, an unreadable image
 
     def extract(split: str) -> tuple:
-        return extract_features(
-            encoder, eval_loader(**setup.loader_args(split)), features, world_size=world
-        )
+        loader = eval_loader(**setup.loader_args(split))
+        feats = extract_features(encoder, loader, features, world_size=world)
+        skipped.append(loader.skipped)
+        return feats
 
     val = extract("val")
     facts = {"protocol": protocol} if kind == "linear" else {}
     facts |= {"layers": pr.layers, "num_val": len(val[1])}
     if protocol == "mae":
-        return facts | _mae(cfg, setup, val, features, rank, world)
+        res = _mae(cfg, setup, val, features, rank, world)
+        return facts | res | {"skipped": _summed(skipped[0] + res["skipped"], world)}
     train = extract("train")
-    facts["num_train"] = len(train[1])
+    facts |= {"num_train": len(train[1]), "skipped": _summed(sum(skipped), world)}
     if rank != 0:
         return facts
     if protocol == "dinov2":
@@ -183,6 +188,17 @@ def _evaluate(kind: str, cfg, setup: ProbeSetup, rank: int, world: int) -> dict:
     else:
         per_slot = linear_probes(*train, *val, num_classes, settings=pr, seed=cfg.seed)
     return facts | _headline(per_slot, slots)
+
+
+def _summed(count: int, world: int) -> int:
+    """Every rank's ``count`` added up (a collective when ``world`` > 1)."""
+    if world == 1:
+        return count
+    import torch.distributed as dist
+
+    counts = [0] * world
+    dist.all_gather_object(counts, count)
+    return sum(counts)
 
 
 def _headline(per_slot: list[dict], slots: list) -> dict:
@@ -293,7 +309,9 @@ def _mae(cfg, setup: ProbeSetup, val: tuple, features: FeatureSpec, rank: int, w
         {**r, "max_top1": m, "train_loss": loss}
         for r, m, loss in zip(res["last"], res["max_top1"], res["train_loss"], strict=True)
     ]
-    return {"num_train": total, "lr": lr, "steps_per_epoch": steps} | _headline(per_slot, slots)
+    facts = {"num_train": total, "lr": lr, "steps_per_epoch": steps}
+    # this rank's bad samples in the last pass of the stream (every epoch reads the same ones)
+    return facts | _headline(per_slot, slots) | {"skipped": loader.skipped}
 
 
 def _measured(cfg, setup: ProbeSetup) -> ProbeSetup:
