@@ -80,6 +80,7 @@ def test_probes_on_two_ranks_equal_one(tmp_path, one_rank_probes):
         assert (
             one["num_train"] == two["num_train"] == 1497 and one["num_val"] == two["num_val"] == 300
         )
+        assert one["skipped"] == two["skipped"] == 0  # every rank's count, summed
         assert two["top1"] == pytest.approx(one["top1"], abs=1e-9) and two["top5"] == pytest.approx(
             one["top5"], abs=1e-9
         )
