@@ -259,3 +259,25 @@ def test_data_that_needs_a_range_is_refused_before_anything_starts(tmp_path):
     # unset mean or std meet ImageNet's 3 values first; of the other 12, the 4 with no range are
     # refused and 8 plan. The JPEG plans all 27.
     assert seen == {"refused": 4 * 4, "named mean/std": 4 * 15, "planned": 27 + 4 * 8}, seen
+
+
+def test_the_first_image_that_fits_no_channel_count_tells_its_dtype(tmp_path):
+    """first_dtype (the up-front value-range check) under the default 3 channels: an 8-bit grey
+    PNG is one RGB image (uint8: it plans), a 16-bit grey PNG fits no 3 channels and is its
+    SampleFormatError, naming data.channels and uint16 (it once read as "no image", and the run
+    started, then died skipping every sample)."""
+    from mpp.data.stats import first_dtype
+
+    grey8 = io.BytesIO()
+    Image.fromarray(RNG.integers(0, 256, (16, 16), dtype=np.uint8)).save(grey8, format="PNG")
+    for name, data in (("g8", grey8.getvalue()), ("g16", png16(RNG.integers(0, 65536, (16, 16))))):
+        (shard,) = write_shards(
+            [(data, 0)] * 2, tmp_path, name, options=WriterOptions(progress=False)
+        )
+        if name == "g8":
+            assert first_dtype([shard], PixelFormat(3)) == np.uint8
+            continue
+        with pytest.raises(SampleFormatError, match="16x16 uint16 array, not 3 channel") as e:
+            first_dtype([shard], PixelFormat(3))
+        assert e.value.key == "data.channels" and e.value.dtype == np.uint16
+        assert first_dtype([shard], PixelFormat(1)) == np.uint16

@@ -278,6 +278,18 @@ def test_a_busy_port_and_missing_shards_are_one_line_each(tmp_path, digits16, ca
     assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
     assert f"data.value_range: unset, but {shard} holds uint16 images" in errors[0]
     assert not (tmp_path / "r").exists()
+    # ... and under the default 3 channels, which a 16-bit grey image does not fit: named too
+    # (the check once skipped it, and the run started, then died of 100 skipped samples)
+    code = main([*argv, "--set", f"data.train_shards={shard}"])
+    err = capsys.readouterr().err
+    errors = [x for x in err.splitlines() if x.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert (
+        f"data.channels: 3, but the first image of {shard} holds a 16x16 uint16 array, not 3 "
+        "channel(s): set data.channels to what the images hold, and data.value_range (unset): "
+        "say what maps to [0, 1] (e.g. [0, 65535])"
+    ) in errors[0], errors[0]
+    assert not (tmp_path / "r").exists()
 
 
 def test_bare_config_name_resolves_in_configs_dir(capsys, tmp_path):

@@ -28,7 +28,7 @@ from .census import _stat
 from .errors import SkipCounter
 from .sources import _local_path, _read_json, _write_json
 from .tario import shard_samples
-from .transforms import IMAGE_KEYS, PixelFormat, raw_array
+from .transforms import IMAGE_KEYS, PixelFormat, SampleFormatError, raw_array
 
 CACHE_FILE = ".mpp_stats.json"  # beside the shards
 RUN_CACHE_FILE = "pixel_stats.json"  # in the run directory
@@ -136,7 +136,9 @@ def first_dtype(
     shards: list[str], fmt: PixelFormat, allow_pipe: bool = False, tries: int = 8
 ) -> np.dtype | None:
     """The array type of the first image that decodes among the first ``tries`` of the first
-    shard (None when none does: the census and the stream report those)."""
+    shard (None when none does: the census and the stream report those). One that is not 8-bit
+    and does not fit ``fmt``'s channels or layout is its SampleFormatError (the stream would
+    skip them all; 8-bit ones, the next: PIL's grey or palette images do fit 3 channels)."""
     errors = SkipCounter()
     samples = shard_samples(({"url": u} for u in shards[:1]), errors, allow_pipe, images_only=True)
     for i, sample in enumerate(samples):
@@ -144,6 +146,9 @@ def first_dtype(
             break
         try:
             return raw_array(next(sample[k] for k in IMAGE_KEYS if k in sample), fmt).dtype
+        except SampleFormatError as e:
+            if e.dtype is not None and e.dtype != np.uint8:
+                raise
         except Exception:  # noqa: BLE001  a corrupt one: the next
             continue
     return None

@@ -31,7 +31,13 @@ Box = tuple[float, float, float, float]  # (left, upper, right, lower) in source
 
 
 class SampleFormatError(ValueError):
-    """A sample that is not what the data section says (channels, dtype, layout): skipped."""
+    """A sample that is not what the data section says (channels, dtype, layout): skipped.
+    ``key``: the setting it does not fit (``data.channels`` / ``data.layout``) and ``dtype``: the
+    array's, where those say it (``mpp.train.plan.check_value_range`` refuses from them)."""
+
+    def __init__(self, message: str, key: str | None = None, dtype: np.dtype | None = None):
+        super().__init__(message)
+        self.key, self.dtype = key, dtype
 
 
 @dataclass(frozen=True)
@@ -108,9 +114,13 @@ def to_hwc(array: np.ndarray, fmt: PixelFormat, scale: bool = True) -> np.ndarra
     elif a.ndim == 3 and a.shape[0] == c and a.shape[2] != c:
         a = a.transpose(1, 2, 0)
     elif a.ndim == 3 and a.shape[0] == a.shape[2] == c:
-        raise SampleFormatError(f"holds {what}: set data.layout (HWC or CHW) to say which")
+        raise SampleFormatError(
+            f"holds {what}: set data.layout (HWC or CHW) to say which", "data.layout", a.dtype
+        )
     if a.ndim != 3 or a.shape[2] != c:
-        raise SampleFormatError(f"holds {what}, not {c} channel(s) (data.channels)")
+        raise SampleFormatError(
+            f"holds {what}, not {c} channel(s) (data.channels)", "data.channels", a.dtype
+        )
     if not scale or (a.dtype == np.uint8 and fmt.value_range in (None, (0, 255))):
         return np.ascontiguousarray(a)
     if fmt.value_range is None:

@@ -18,7 +18,7 @@ from mpp.data import StreamConfig, device_decode, digits_shards, expand_shards
 from mpp.data.census import Census, census
 from mpp.data.labels import LabelledSubset, choose, from_key_file, label_index
 from mpp.data.stats import Pixels, first_dtype, pixel_stats
-from mpp.data.transforms import PixelFormat
+from mpp.data.transforms import PixelFormat, SampleFormatError
 from mpp.parallel.distributed import device_type
 
 log = logging.getLogger(__name__)
@@ -138,18 +138,35 @@ def check_data(cfg: RunConfig, img_size: int) -> None:
 
 def check_value_range(cfg: RunConfig, shards: list[str]) -> None:
     """Only 8-bit images may leave ``data.value_range`` unset, whatever else is "auto": one
-    image of the first shard tells."""
+    image of the first shard tells. One that does not fit ``data.channels`` / ``layout`` either
+    (16-bit grey under the default 3 channels) is refused naming that key too."""
     d = cfg.data
     if d.value_range is not None or d.train_shards is None:  # set, "auto", or the digits
         return
-    dtype = first_dtype(shards, PixelFormat(d.channels, d.layout, None), d.allow_pipe)
-    if dtype is not None and dtype != np.uint8:
-        top = np.iinfo(dtype).max if dtype.kind in "ui" else 1
+    try:
+        dtype = first_dtype(shards, PixelFormat(d.channels, d.layout, None), d.allow_pipe)
+        misfit = None
+    except SampleFormatError as e:  # not 8-bit, and not d.channels / d.layout either
+        dtype, misfit = e.dtype, e
+    if dtype is None or dtype == np.uint8:
+        return
+    top = np.iinfo(dtype).max if dtype.kind in "ui" else 1
+    needs_range = (
+        f'say what maps to [0, 1] (e.g. [0, {top}]), or "auto" to use the range measured on the '
+        "shards"
+    )
+    if misfit is None:
         raise _failer(cfg)(
-            "data.value_range",
-            f"unset, but {shards[0]} holds {dtype} images: say what maps to [0, 1] (e.g. "
-            f'[0, {top}]), or "auto" to use the range measured on the shards',
+            "data.value_range", f"unset, but {shards[0]} holds {dtype} images: {needs_range}"
         )
+    key = misfit.key
+    holds = str(misfit).removesuffix(f" ({key})")
+    raise _failer(cfg)(
+        key,
+        f"{getattr(d, key.removeprefix('data.')) or 'unset'}, but the first image of {shards[0]} "
+        f"{holds}: set {key} to what the images hold, and data.value_range (unset): "
+        f"{needs_range}",
+    )
 
 
 def measure_pixels(cfg: RunConfig, shards: list[str]) -> Pixels:
