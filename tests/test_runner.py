@@ -131,6 +131,15 @@ BAD = [
         {"data": {"train_shards": "/nonexistent/train-{000000..000003}.tar"}},
         "data.train_shards: 4 shard(s) not found",
     ),
+    # a held-out shard the previews or the monitor would read mid-run: refused up front, whole
+    (
+        {"data": {"val_shards": "/nonexistent/val-000000.tar"}},
+        "data.val_shards: 1 of 1 shard(s) not found: /nonexistent/val-000000.tar",
+    ),
+    (
+        {"monitor": {"val_shards": "/nonexistent/val-{000000..000001}.tar"}},
+        "monitor.val_shards: 2 of 2 shard(s) not found: /nonexistent/val-000000.tar, ",
+    ),
     (
         {"objective": {"mask_ratio": 1.5}},
         "objective.mask_ratio: Input should be less than or equal to 1 (got 1.5)",
@@ -191,6 +200,7 @@ BAD = [
 def test_bad_config_is_one_line_exit_2_and_no_run_dir(tmp_path, digits16, capsys, change, message):
     cfg = tiny_config(digits16, train={"batch_size": 16})
     for section, values in change.items():
+        cfg.setdefault(section, {})
         for k, v in values.items():
             if isinstance(v, dict) and isinstance(cfg[section].get(k), dict):
                 cfg[section][k].update(v)

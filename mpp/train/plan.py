@@ -8,6 +8,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -132,8 +133,11 @@ def plan_run(
 
 def check_data(cfg: RunConfig, img_size: int) -> None:
     """What can be checked of the data before the process group exists: the training shards
-    exist, and images that need a value range have one. ConfigError names the key."""
-    check_value_range(cfg, train_shards(cfg, img_size)[0])
+    exist (some may be missing: the plan says which), every held-out shard exists, and images
+    that need a value range have one. ConfigError names the key."""
+    check_value_range(cfg, train_shards(cfg, img_size, warn=False)[0])
+    for key in VAL_KEYS:
+        val_shards(cfg, key)
 
 
 def check_value_range(cfg: RunConfig, shards: list[str]) -> None:
@@ -303,13 +307,58 @@ def check_resume(cfg: RunConfig, resume: str | None) -> None:
         )
 
 
-def train_shards(cfg: RunConfig, img_size: int) -> tuple[list[str], list[str]]:
-    """(the training shards that exist, the local ones that do not); ConfigError when none is left."""
+def train_shards(cfg: RunConfig, img_size: int, warn: bool = True) -> tuple[list[str], list[str]]:
+    """(the training shards that exist, the local ones that do not); ConfigError when none is left.
+    The one resolution of the training shards: pretraining, fine-tuning and the probes read what
+    it returns. ``warn``: name the missing ones in a warning (once per run: the plan's)."""
     fail, d = _failer(cfg), cfg.data
     if d.train_shards is None:
         spec, key = digits_shards(img_size)["train"], "data.builtin"
     else:
         spec, key = d.train_shards, "data.train_shards"
+    shards, missing = _listed(cfg, spec, key)
+    if len(missing) == len(shards):
+        raise fail(key, f"{len(missing)} shard(s) not found, first: {missing[0]}")
+    if missing:  # a lost shard costs its samples, not the run; named once, counted in metrics
+        if warn:
+            log.warning(
+                "%d of %d shards not found, training without them: %s",
+                len(missing),
+                len(shards),
+                ", ".join(missing[:10]),
+            )
+        shards = [s for s in shards if s not in set(missing)]
+    return shards, missing
+
+
+# the keys naming held-out shards: what scores a run (fine-tuning, the probes) or is measured
+# and drawn while it trains (the monitor, the previews)
+VAL_KEYS = ("data.val_shards", "monitor.val_shards")
+
+
+def val_shards(cfg: Any, key: str = "data.val_shards") -> list[str] | None:
+    """The held-out shards ``key`` names, every one of them there; None when the key is unset.
+    Unlike the training shards, any missing one is refused: a score on part of the validation
+    set is another number under the same name. ConfigError names the key and the missing files."""
+    section, name = key.split(".")
+    spec = getattr(getattr(cfg, section, None), name, None)
+    if spec is None:
+        return None
+    shards, missing = _listed(cfg, spec, key)
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise _failer(cfg)(
+            key,
+            f"{len(missing)} of {len(shards)} shard(s) not found: {', '.join(missing[:3])}{more} "
+            "(a validation set is scored whole)",
+        )
+    return shards
+
+
+def _listed(cfg: Any, spec: Any, key: str) -> tuple[list[str], list[str]]:
+    """(the shards ``spec`` expands to, those of them not found); ConfigError naming ``key`` for
+    a bad pattern, storage that cannot be listed, or pipes not allowed."""
+    fail = _failer(cfg)
     try:
         shards = expand_shards(spec)
     except ValueError as e:
@@ -318,17 +367,7 @@ def train_shards(cfg: RunConfig, img_size: int) -> tuple[list[str], list[str]]:
         missing = [s for s in shards if not shard_exists(s)]
     except Exception as e:  # noqa: BLE001  a bad bucket, credential or endpoint: one line
         raise fail(key, f"cannot list {shards[0]}: {type(e).__name__}: {e}") from None
-    if len(missing) == len(shards):
-        raise fail(key, f"{len(missing)} shard(s) not found, first: {missing[0]}")
-    if missing:  # a lost shard costs its samples, not the run; named once, counted in metrics
-        log.warning(
-            "%d of %d shards not found, training without them: %s",
-            len(missing),
-            len(shards),
-            ", ".join(missing[:10]),
-        )
-        shards = [s for s in shards if s not in set(missing)]
-    if any(s.startswith("pipe:") for s in shards) and not d.allow_pipe:
+    if any(s.startswith("pipe:") for s in shards) and not cfg.data.allow_pipe:
         raise fail(key, "pipe: shards run shell commands; set data.allow_pipe=true to allow them")
     return shards, missing
 
