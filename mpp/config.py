@@ -590,6 +590,7 @@ class ProbeConfig(Section):
     output_dir: str = "runs/{name}"
     seed: int = 0
     _source: str = PrivateAttr("<config>")
+    _overrides: list[str] = PrivateAttr(default_factory=list)  # the --set items over it
 
     @model_validator(mode="after")
     def _check(self) -> ProbeConfig:

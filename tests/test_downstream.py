@@ -164,6 +164,48 @@ def test_own_train_shards_without_val_shards_are_refused_before_anything_runs(
         assert "data.val_shards" not in capsys.readouterr().err
 
 
+def test_missing_shards_stop_finetune_and_the_probes_before_anything_runs(
+    digits16, tmp_path, capsys, caplog
+):
+    """As pretraining: any missing validation shard, or no training shard at all, is one line
+    naming the key and the file, exit 2, nothing created (not a traceback at the first
+    evaluation, not a class count the absent shards could not give)."""
+    from mpp.commands import finetune, knn, probe
+
+    val, train = digits16["val"], digits16["train"]
+    nowhere = str(tmp_path / "nowhere" / "train-{000000..000001}.tar")
+    for main, config in ((finetune.main, "finetune_demo"), (knn.main, "linear_demo")):
+        for sets, said in (
+            ([f"data.train_shards={train}", "data.val_shards=/nowhere/val.tar"], "data.val_shards"),
+            ([f"data.train_shards={nowhere}", f"data.val_shards={val}"], "data.train_shards"),
+        ):
+            out = tmp_path / config
+            argv = ["--config", config, "--output-dir", str(out), "--set", "init=scratch"]
+            assert main([*argv, *(x for s in sets for x in ("--set", s))]) == 2
+            errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+            assert len(errors) == 1 and f"): {said}: " in errors[0], errors
+            assert ("/nowhere/val.tar" if said == "data.val_shards" else "train-000000") in errors[
+                0
+            ]
+            assert not out.exists()
+
+    # some training shards missing: the probes leave them out as pretraining and fine-tuning do
+    more = train.replace("..000007}", "..000008}")  # train-000008.tar does not exist
+    small = ["model.name=vit_tiny_patch4_16", "model.depth=1", "model.embed_dim=32"]
+    sets = [f"data.train_shards={more}", f"data.val_shards={val}", "init=scratch", *small]
+    for main, out, extra in (
+        (knn.main, tmp_path / "knn", []),
+        (probe.main, tmp_path / "linear", ["probe.epochs=1"]),
+    ):
+        argv = ["--config", "linear_demo", "--output-dir", str(out)]
+        caplog.clear()
+        assert main([*argv, *(x for s in sets + extra for x in ("--set", s))]) == 0
+        said = [r.getMessage() for r in caplog.records if "not found" in r.getMessage()]
+        assert len(said) == 1 and "1 of 9 shards not found, training without" in said[0], said
+        assert said[0].endswith("train-000008.tar")
+        assert json.loads((out / "results.json").read_text())["num_train"] == 1497
+
+
 def test_mixup_cutmix_targets_and_label_smoothing():
     labels = torch.tensor([0, 1, 2, 3])
     t = soft_targets(labels, 4, 0.1)

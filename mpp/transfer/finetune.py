@@ -17,11 +17,11 @@ import torch.distributed as dist
 from mpp.build import build_encoder
 from mpp.checkpoint.manager import encoder_kwargs
 from mpp.config import ConfigError, FinetuneConfig
-from mpp.data import digits_shards, expand_shards, read_sizes
+from mpp.data import read_sizes
 from mpp.data.labels import KEY_FILE
 from mpp.models.vit import vit_config
 from mpp.objectives.classifier import Classifier
-from mpp.train.plan import Plan
+from mpp.train.plan import Plan, train_shards
 from mpp.train.trainer import Trainer
 from mpp.transfer.evaluate import Evaluator
 
@@ -45,8 +45,8 @@ def resolve_classes(cfg: FinetuneConfig, train_shards: list[str]) -> int:
 def build_classifier(cfg: FinetuneConfig) -> Classifier:
     """The encoder with a fresh head, initialised from ``cfg.init`` (or from scratch)."""
     img_size = {**vit_config(cfg.model.name), **cfg.model.vit_kwargs()}["img_size"]
-    spec = cfg.data.train_shards or digits_shards(img_size)["train"]
-    num_classes = resolve_classes(cfg, expand_shards(spec))
+    # the shards there (none: refused naming them, before the class list is looked for)
+    num_classes = resolve_classes(cfg, train_shards(cfg, img_size, warn=False)[0])
     encoder = build_encoder(cfg, num_classes=num_classes, global_pool=cfg.finetune.global_pool)
     f = cfg.finetune
     return Classifier(

@@ -34,12 +34,12 @@ from mpp.transfer.probe_protocols import (
 
 @dataclass(frozen=True)
 class ProbeSetup:
-    """What a probe evaluates (``_probe_setup``): the encoder from ``init``, the train/val shard
-    specs ({"train": spec, "val": spec}), the class count and, with few labels, the training
+    """What a probe evaluates (``_probe_setup``): the encoder from ``init``, the shards
+    ({"train": the training shards there, "val": every validation shard}), the class count and, with few labels, the training
     subset (``mpp.data.labels``; the validation shards stay whole)."""
 
     encoder: VisionTransformer
-    shards: dict[str, object]
+    shards: dict[str, list[str]]
     num_classes: int
     subset: LabelledSubset | None = None
     pixels: Pixels | None = None  # the data's statistics, "auto" measured (_measured)
@@ -245,7 +245,6 @@ def _plot_per_block(rows: list[dict], title: str, path: Path) -> None:
 def _mae(cfg, setup: ProbeSetup, val: tuple, features: FeatureSpec, rank: int, world: int) -> dict:
     """MAE's protocol: the training stream augmented on the fly (mpp.data's RandomResizedCrop +
     flip at MAE_CROP_SCALE), a step of probe.batch_size images across the ranks, LARS."""
-    from mpp.data import expand_shards
     from mpp.data.census import census
 
     d, pr = cfg.data, cfg.probe
@@ -253,7 +252,7 @@ def _mae(cfg, setup: ProbeSetup, val: tuple, features: FeatureSpec, rank: int, w
     if setup.subset is not None:  # few labels: the stream reads the subset's samples only
         shards, sizes, keys = setup.subset.shards, setup.subset.sizes, setup.subset.keys
     else:
-        shards = expand_shards(setup.shards["train"])
+        shards = setup.shards["train"]
         sizes, keys = census(shards, d.allow_pipe).sizes, None
     total = sum(sizes)
     steps = total // pr.batch_size  # MAE's loader drops the last partial batch
@@ -318,13 +317,9 @@ def _measured(cfg, setup: ProbeSetup) -> ProbeSetup:
     """``setup`` with the data's statistics ("auto" measured) and, with ``data.labels_per_class``
     / ``label_fraction`` / ``label_keys``, the training subset, chosen by every rank together
     (``mpp.train.plan.labelled_subset``); ConfigError names the key."""
-    from mpp.data import expand_shards
     from mpp.train.plan import labelled_subset, measure_pixels
 
-    try:
-        shards = expand_shards(setup.shards["train"])
-    except ValueError as e:
-        raise ConfigError(f"{cfg._source}: data.train_shards: {e}") from None
+    shards = setup.shards["train"]
     pixels = measure_pixels(cfg, shards)  # data.mean / std / value_range "auto"
     subset = None
     if cfg.data.label_subset_key is not None:
@@ -333,9 +328,10 @@ def _measured(cfg, setup: ProbeSetup) -> ProbeSetup:
 
 
 def _probe_setup(cfg, kind: str) -> ProbeSetup:
-    """The encoder from ``init``, the train/val shard specs, the class count; ConfigError names the key."""
+    """The encoder from ``init``, the train/val shards, the class count; ConfigError names the key."""
     from mpp.build import build_encoder
     from mpp.data import digits_shards, expand_shards, read_sizes
+    from mpp.train.plan import train_shards, val_shards
 
     if kind == "linear" and cfg.probe.protocol == "dinov2" and cfg.probe.layers == "all":
         raise ConfigError(
@@ -346,11 +342,13 @@ def _probe_setup(cfg, kind: str) -> ProbeSetup:
     encoder = build_encoder(cfg)
     img = encoder.patch_embed.img_size[0]
     d = cfg.data
+    # as pretraining and fine-tuning read them: missing training shards left out (with a
+    # warning), none left or any validation shard missing refused
     spec = {
-        "train": d.train_shards or digits_shards(img)["train"],
-        "val": d.val_shards or digits_shards(img)["val"],
+        "train": train_shards(cfg, img)[0],
+        "val": val_shards(cfg) or expand_shards(digits_shards(img)["val"]),
     }
-    names = (read_sizes(expand_shards(spec["train"])) or {}).get("class_names") or []
+    names = (read_sizes(spec["train"]) or {}).get("class_names") or []
     num_classes = d.num_classes or len(names)
     if not num_classes:
         raise ConfigError(
