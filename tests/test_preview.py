@@ -66,6 +66,26 @@ def test_previews_land_in_tensorboard_and_change_nothing_in_training(tmp_path, d
     assert losses[2] == losses[0] and len(losses[0]) == 4
 
 
+def test_the_previews_without_val_shards_draw_the_first_training_shard_there(digits16):
+    """No held-out images: the first training shard the plan found, not a missing one."""
+    from types import SimpleNamespace
+
+    from mpp.build import build_objective
+    from mpp.config import validate
+    from mpp.data import expand_shards
+    from mpp.data.stats import Pixels
+    from mpp.data.transforms import RGB
+    from mpp.train.preview import build_preview
+
+    shards = expand_shards(digits16["train"])
+    spec = [shards[0].replace("train-", "lost-"), *shards]  # the first one is missing
+    cfg = validate(tiny_config(digits16, data={"train_shards": spec}, train={"preview_every": 1}))
+    pixels = Pixels((0.5,) * 3, (0.25,) * 3, RGB)
+    plan = SimpleNamespace(pixels=pixels, img_size=16, train_shards=shards)
+    preview = build_preview(cfg, plan, build_objective(cfg), torch.device("cpu"), 0)
+    assert preview.every == 1 and preview.images.shape == (8, 3, 16, 16)
+
+
 class Untouchable:
     def __getattr__(self, name):
         raise AssertionError(f"a step without a preview touched the model ({name})")

@@ -107,7 +107,8 @@ def build_preview(cfg: Any, plan: Any, objective: Any, device: torch.device, ran
         return Preview(0, None, px.mean, px.std, device, rank)
     from mpp.data import held_out_shards
 
-    shards = held_out_shards(d, img_size, first_train=True)
+    # else the first training shard there (plan.train_shards: the missing ones left out)
+    shards = held_out_shards(d, img_size) or plan.train_shards[:1]
     images = preview_images(shards, img_size, d.allow_pipe, px.format)
     return Preview(t.preview_every, images, px.mean, px.std, device, rank, d.display_channels)
 
