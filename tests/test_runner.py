@@ -193,6 +193,14 @@ BAD = [
         {"deepspeed": {"zero_optimization": {"stgae": 3}}},
         "deepspeed.zero_optimization.stgae: Extra inputs are not permitted",
     ),
+    (  # a key of a section inside the section
+        {"deepspeed": {"zero_optimization": {"offload_optimizer": {"device": "cpu", "devic": 1}}}},
+        "deepspeed.zero_optimization.offload_optimizer.devic: Extra inputs are not permitted",
+    ),
+    (  # a check of the whole section: no location of its own
+        {"deepspeed": {"zero_optimization": {"stage": 3, "compute_grad_norm": False}}},
+        "deepspeed.zero_optimization: Value error, compute_grad_norm=false is supported only",
+    ),
 ]
 
 

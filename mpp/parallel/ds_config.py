@@ -90,6 +90,14 @@ def bf16_reduction_dtypes(stage: int) -> dict[str, Any]:
 
 # the keys mpp's own configs set: a section of only these needs no DeepSpeed import to check
 PLAIN = {"zero_optimization": {"stage"}}
+# DeepSpeed's typed sections, by the title their ValidationError carries
+SECTIONS = {
+    "DeepSpeedZeroConfig": ["zero_optimization"],
+    "DeepSpeedBF16Config": ["bf16"],
+    "DeepSpeedFP16Config": ["fp16"],
+    "HybridEngineConfig": ["hybrid_engine"],
+    "TPTrainingConfig": ["tensor_parallel"],
+}
 
 
 def refusal_of(user: dict[str, Any], full: Callable[[], dict[str, Any]]) -> str | None:
@@ -127,12 +135,10 @@ def refusal_of(user: dict[str, Any], full: Callable[[], dict[str, Any]]) -> str 
 
     try:
         DeepSpeedConfig(Recorded(full()))
-    except ValidationError as e:
+    except ValidationError as e:  # a whole-section check has no location: the section alone
         err = e.errors()[0]
-        leaf = ".".join(str(x) for x in err["loc"])
-        where = [k for k, v in user.items() if isinstance(v, dict) and err["loc"][0] in v]
-        key = f"{where[0]}.{leaf}" if where else leaf
-        return f"deepspeed.{key}: {err['msg']} (DeepSpeed's {e.title})"
+        key = ".".join(["deepspeed", *SECTIONS.get(e.title, []), *map(str, err["loc"])])
+        return f"{key}: {err['msg']} (DeepSpeed's {e.title})"
     except Exception:  # noqa: BLE001  anything else is DeepSpeed's to say where it starts
         return None
     for key in sorted(set(user) - read):
