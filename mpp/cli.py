@@ -111,9 +111,10 @@ def config_from_args(args: argparse.Namespace, cls: type[BaseModel] = Config):
     return cfg
 
 
-def keep_earlier_config(cfg, path: Path) -> None:
+def keep_earlier_config(cfg, path: Path, restart: str = "") -> None:
     """The same run directory run again with another config goes on under the new one: the keys
-    that changed said on stderr, the earlier config kept beside as ``config.<UTC time>.json``."""
+    that changed said on stderr (``restart``: how to start over instead), the earlier config
+    kept beside as ``config.<UTC time>.json``."""
     try:
         earlier = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -126,15 +127,26 @@ def keep_earlier_config(cfg, path: Path) -> None:
     ]
     if not changed:
         return
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    kept = path.with_name(f"config.{stamp}.json")
+    kept = aside(path.with_name(f"config.{_stamp()}.json"), ".json")
     path.replace(kept)
     shown = "; ".join(changed[:8]) + (f"; and {len(changed) - 8} more" if len(changed) > 8 else "")
     print(
         f"warning: {path.parent} was started with another config: {shown} (the earlier one kept "
-        f"as {kept.name}; --restart starts over)",
+        f"as {kept.name}{restart})",
         file=sys.stderr,
     )
+
+
+def _stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+
+
+def aside(path: Path, suffix: str = "") -> Path:
+    """``path`` (its name ending in ``suffix``), or with this process's id before the suffix when
+    that is taken (two in one second)."""
+    if not path.exists():
+        return path
+    return path.with_name(f"{path.name.removesuffix(suffix)}-{os.getpid()}{suffix}")
 
 
 def _differences(a: Any, b: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
@@ -146,12 +158,15 @@ def _differences(a: Any, b: Any, prefix: str = "") -> Iterator[tuple[str, Any, A
         yield prefix.rstrip("."), a, b
 
 
-def open_run_dir(cfg, rank: int, restart: bool = False, pixels=None, model=None) -> Path:
+def open_run_dir(
+    cfg, rank: int, restart: bool = False, pixels=None, model=None, restartable: bool = True
+) -> Path:
     """The run directory, created by rank 0, held by this job (``mpp.train.runlock``: RunHeld, a
     ConfigError, on every rank when another live job holds it) and the config as loaded saved in
     it; beside it what the run found: with ``pixels``, the statistics it uses (data.json), with
     ``model``, the encoder it built (model.json). With ``restart`` what an earlier run left there
-    moved aside first (``RUN.before-<UTC time>``). A collective under a process group."""
+    moved aside first (``RUN.before-<UTC time>``); ``restartable``: the command has --restart
+    (``keep_earlier_config`` says so). A collective under a process group."""
     from mpp.parallel.distributed import from_rank0
     from mpp.train.plan import run_dir_of
     from mpp.train.runlock import RunHeld, hold, release
@@ -162,16 +177,14 @@ def open_run_dir(cfg, rank: int, restart: bool = False, pixels=None, model=None)
         try:
             if restart and run_dir.is_dir() and any(run_dir.iterdir()):
                 hold(run_dir)  # not from under a live job
-                stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-                aside = run_dir.with_name(f"{run_dir.name}.before-{stamp}")
-                if aside.exists():
-                    aside = aside.with_name(f"{aside.name}-{os.getpid()}")
+                moved = aside(run_dir.with_name(f"{run_dir.name}.before-{_stamp()}"))
                 release(run_dir)
-                run_dir.rename(aside)
-                print(f"--restart: the earlier run moved to {aside}", file=sys.stderr)
+                run_dir.rename(moved)
+                print(f"--restart: the earlier run moved to {moved}", file=sys.stderr)
             run_dir.mkdir(parents=True, exist_ok=True)
             hold(run_dir)
-            keep_earlier_config(cfg, run_dir / "config.json")
+            again = "; --restart starts over" if restartable else ""
+            keep_earlier_config(cfg, run_dir / "config.json", again)
             save_config(cfg, run_dir / "config.json")
             if pixels is not None:  # the statistics used (mpp.data.stats.Pixels): data.json
                 pixels.save(run_dir)

@@ -110,7 +110,7 @@ def run_probe(kind: str, argv: list[str] | None = None) -> int:
         setup = _measured(cfg, setup)
         # held by this job: a second one on it stops here
         model = encoder_kwargs(cfg, setup.encoder)
-        run_dir = open_run_dir(cfg, rank, pixels=setup.pixels, model=model)
+        run_dir = open_run_dir(cfg, rank, pixels=setup.pixels, model=model, restartable=False)
         if setup.subset is not None and rank == 0:
             setup.subset.write(run_dir / KEY_FILE)
         on_device = replace(setup, encoder=setup.encoder.to(device))
