@@ -1,13 +1,13 @@
 """compiled-run: a whole pretraining run with ``model.compile`` on, against the same run eager.
 
 gpu-step times the compiled step alone (``model.compile``, off by default: config.py); a run
-also calls the monitor and previews (other batch shapes: recompiles) and writes checkpoints. Each run is the real command under the real
-launcher (``deepspeed --num_gpus 1 --module mpp.commands.pretrain``) on the doctor's synthetic
-JPEG shards, its first shard also the held-out images of the monitor and the previews; the
-launcher's output is kept with ``TORCH_LOGS=recompiles,graph_breaks``. Per run: exit status,
-wall seconds, median and slowest img/s of the logging windows after the first, data wait,
-last loss, monitor records, checkpoints, recompiles and graph breaks (the previews' forward runs
-at each ``every`` whether or not a reporter takes the picture).
+also calls the monitor and previews (other batch shapes: recompiles) and writes checkpoints.
+Each run is the real command under the real launcher (``deepspeed --num_gpus 1 --module
+mpp.commands.pretrain``) on the doctor's synthetic JPEG shards, its first shard also the
+held-out images of the monitor and the previews (drawn to TensorBoard); the launcher's output
+is kept with ``TORCH_LOGS=recompiles,graph_breaks``. Per run: exit status, wall seconds, median
+and slowest img/s of the logging windows after the first, data wait, last loss, monitor
+records, checkpoints, recompiles and graph breaks.
 
 For each ``--decode`` mode (``data.decode``: JPEGs decoded by the workers, or batched on the GPU
 by nvJPEG in the training process) a pair of runs, eager then compiled. On a GPU: mae_b16
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,8 @@ def run(
         "train.monitor_every": size["every"],
         "train.preview_every": size["every"],
         "train.ckpt_every": size["ckpt_every"],
+        # a reporter, or the previews draw nothing (mpp.train.preview.build_preview)
+        "train.report_to": ["tensorboard"],
     }
     if cuda:
         sets["data.num_workers"] = max(1, min(14, (os.cpu_count() or 2) - 2))
@@ -108,9 +111,10 @@ def one_run(raw: dict[str, Any], work: Path, cuda: bool) -> dict[str, Any]:
     config = work / "config.json"
     config.write_text(json.dumps(raw, indent=1))
     run_dir = work / "run"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run left by an earlier --keep would go on
     os.environ["TORCH_LOGS"] = "recompiles,graph_breaks"
     try:
-        r, wall = launcher_run(config, run_dir, timeout=240 if cuda else 300)
+        r, wall = launcher_run(config, run_dir, timeout=150 if cuda else 300)
     finally:
         os.environ.pop("TORCH_LOGS", None)
     log = "" if r is None else f"{r.stdout}\n{r.stderr}"

@@ -1,6 +1,6 @@
 """The one GPU check (issue 36 §5): everything a lent GPU should measure, as one command from a
 fresh checkout, each step under its own time limit (about 7 minutes in all on the H200 of
-2026-11-27 before step 5; 15 at most when the steps run to their limits):
+2026-11-27 before step 5; 18 at most when the steps run to their limits):
 
 1. ``mpp doctor --quick``: the environment, attention kernels, a launcher run;
 2. ``python -m benchmarks gpu-step --levers --profile`` at batch 128 (each objective as shipped, ZeRO-1 bf16
