@@ -167,7 +167,9 @@ def test_image_folder_cli_and_flat_folder(tmp_path, capsys, caplog):
     assert sorted(n.split(".")[1] for n in tar_members(paths[0])) == ["png"] * 3  # no .cls
 
 
-def test_a_failed_write_leaves_no_temporary_and_unreadable_input_is_an_error(tmp_path):
+def test_a_failed_write_leaves_no_temporary_and_unreadable_input_is_an_error(
+    tmp_path, monkeypatch, caplog
+):
     good = [(encode(random_image(i)), 0) for i in range(3)]
     deep = (np.zeros((4, 4, 5), np.uint16), 0)  # kept as .npy: resizing it is the options' error
     with pytest.raises(ValueError, match="kept as .npy"):
@@ -182,6 +184,20 @@ def test_a_failed_write_leaves_no_temporary_and_unreadable_input_is_an_error(tmp
     with pytest.raises(DataError, match="none of the 2 images could be read"):
         write_shards([(b"junk", 0), (b"GIF89a, cut", 1)], tmp_path / "b", "b", options=QUIET)
     assert list((tmp_path / "b").iterdir()) == []
+    # a Pillow without WebP: the good image's encoding error stops the write, named as it is (it
+    # once read as every image unreadable); the broken one before it is still skipped
+    monkeypatch.delitem(Image.SAVE, "WEBP")
+    with pytest.raises(KeyError, match="WEBP") as e:
+        write_shards(
+            [(b"junk", 0), (good[0][0], 0)],
+            tmp_path / "c",
+            "c",
+            options=WriterOptions(seed=None, progress=False),
+            encoding=ImageEncoding(reencode="webp"),
+        )
+    assert "sample 1, which decodes: the encoding failed" in e.value.__notes__[0]
+    assert "skipping sample 0: not an image PIL can read" in caplog.text
+    assert list((tmp_path / "c").iterdir()) == []
 
 
 def test_arrays_resize_and_reencode(tmp_path):

@@ -203,6 +203,19 @@ def _clear_old_shards(out_dir: Path, prefix: str, overwrite: bool) -> None:
         path.unlink()
 
 
+def _decodes(image: ImageLike) -> bool:
+    """Whether PIL reads the whole of an encoded sample (a path or bytes; arrays and PIL images
+    are pixels already): tells an unreadable input from an encoding that fails on a good one."""
+    if not isinstance(image, (bytes, str, os.PathLike)):
+        return True
+    try:
+        with Image.open(io.BytesIO(image) if isinstance(image, bytes) else image) as img:
+            img.load()
+    except Exception:  # noqa: BLE001  PIL raises many types for corrupt data
+        return False
+    return True
+
+
 def _skip_reason(exn: Exception) -> str:
     if isinstance(exn, UnidentifiedImageError):
         return "not an image PIL can read"  # its message names a BytesIO, not the file
@@ -225,7 +238,9 @@ def write_shards(
     ``encoding`` (``ImageEncoding``): the bytes each image is stored as. ``class_names`` go to
     sizes.json. An image that cannot be read or decoded is skipped, named (its path) in a
     warning and counted in ``errors.skipped`` (``SkipCounter``, as the loader counts bad
-    samples); none readable at all is a ``DataError``. On any error, no temporary file is left.
+    samples); none readable at all is a ``DataError``. An image that decodes but cannot be
+    encoded as ``encoding`` asks raises that error (the options' or this Pillow's, not the
+    data's). On any error, no temporary file is left.
     """
     o = options or WriterOptions()
     out_dir = Path(out_dir)
@@ -260,6 +275,11 @@ def write_shards(
                 raise
             except Exception as exn:  # PIL raises many types for corrupt data
                 name = image if isinstance(image, (str, os.PathLike)) else f"sample {position}"
+                if _decodes(image):  # a good image the options or this PIL cannot store: stop
+                    exn.add_note(
+                        f"while encoding {name}, which decodes: the encoding failed, not the image"
+                    )
+                    raise
                 errors.skip(f"skipping {name}: {_skip_reason(exn)}", decode=True)
                 continue
             errors.sample_decoded()
