@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> list[str]:
         samples, class_names = from_image_folder(args.src)
     if not samples:
         parser.error(f"no images under {args.src}")
-    errors = SkipCounter(max_consecutive=len(samples))  # unreadable images: named, skipped
+    # unreadable images: skipped, every one named (no rate limit: the summary points at them)
+    errors = SkipCounter(max_consecutive=len(samples), log_first=len(samples))
     try:
         paths = write_shards(
             samples,

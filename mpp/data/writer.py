@@ -237,7 +237,7 @@ def write_shards(
     ``options`` (``WriterOptions``): when a shard closes, the shuffle seed, overwrite, progress.
     ``encoding`` (``ImageEncoding``): the bytes each image is stored as. ``class_names`` go to
     sizes.json. An image that cannot be read or decoded is skipped, named (its path) in a
-    warning and counted in ``errors.skipped`` (``SkipCounter``, as the loader counts bad
+    warning (each one, unless ``errors``' log is rate-limited) and counted in ``errors.skipped`` (``SkipCounter``, as the loader counts bad
     samples); none readable at all is a ``DataError``. An image that decodes but cannot be
     encoded as ``encoding`` asks raises that error (the options' or this Pillow's, not the
     data's). On any error, no temporary file is left.
@@ -247,7 +247,8 @@ def write_shards(
     _clear_old_shards(out_dir, prefix, o.overwrite)
     # (input position, sample): a skipped in-memory sample is named by its position
     samples = list(enumerate(samples))
-    errors = errors if errors is not None else SkipCounter(max_consecutive=len(samples))
+    if errors is None:  # every skipped image named, as the loader's rate-limited log would not
+        errors = SkipCounter(max_consecutive=len(samples), log_first=len(samples))
     if o.seed is not None:
         random.Random(o.seed).shuffle(samples)  # cheap: paths and arrays move, bytes are read later
     paths: list[str] = []
