@@ -265,7 +265,7 @@ def test_the_first_image_that_fits_no_channel_count_tells_its_dtype(tmp_path):
     """first_dtype (the up-front value-range check) under the default 3 channels: an 8-bit grey
     PNG is one RGB image (uint8: it plans), a 16-bit grey PNG fits no 3 channels and is its
     SampleFormatError, naming data.channels and uint16 (it once read as "no image", and the run
-    started, then died skipping every sample)."""
+    started, then died skipping every sample). A misfit before a fitting image is skipped."""
     from mpp.data.stats import first_dtype
 
     grey8 = io.BytesIO()
@@ -281,3 +281,24 @@ def test_the_first_image_that_fits_no_channel_count_tells_its_dtype(tmp_path):
             first_dtype([shard], PixelFormat(3))
         assert e.value.key == "data.channels" and e.value.dtype == np.uint16
         assert first_dtype([shard], PixelFormat(1)) == np.uint16
+
+    # a stray 16-bit grey image first, then 8-bit RGB ones: the first that fits tells (uint8);
+    # the stray one is a skipped sample, not a refused run
+    rgb = io.BytesIO()
+    Image.fromarray(RNG.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(rgb, format="JPEG")
+    mixed = [(png16(RNG.integers(0, 65536, (16, 16))), 0)] + [(rgb.getvalue(), 0)] * 3
+    (shard,) = write_shards(
+        mixed, tmp_path, "mixed", options=WriterOptions(seed=None, progress=False)
+    )
+    assert first_dtype([shard], PixelFormat(3)) == np.uint8
+    # 8-bit images that fit no data.channels either (RGB JPEGs under 1 or 4): refused all the same
+    # (they once passed, and the run died of 100 skipped samples)
+    (shard,) = write_shards(
+        [(rgb.getvalue(), 0)] * 3, tmp_path, "rgb", options=WriterOptions(progress=False)
+    )
+    for channels in (1, 4):
+        with pytest.raises(
+            SampleFormatError, match=f"16x16x3 uint8 array, not {channels} channel"
+        ) as e:
+            first_dtype([shard], PixelFormat(channels))
+        assert e.value.key == "data.channels" and e.value.dtype == np.uint8

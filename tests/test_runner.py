@@ -308,6 +308,23 @@ def test_a_busy_port_and_missing_shards_are_one_line_each(tmp_path, digits16, ca
         "say what maps to [0, 1] (e.g. [0, 65535])"
     ) in errors[0], errors[0]
     assert not (tmp_path / "r").exists()
+    # 8-bit RGB JPEGs under data.channels=1: refused as early, with no value-range advice (the
+    # check once let every 8-bit misfit pass, and the run died of 100 skipped samples)
+    jpg = io.BytesIO()
+    Image.fromarray(np.full((16, 16, 3), 90, dtype=np.uint8)).save(jpg, format="JPEG")
+    (shard,) = write_shards(
+        [(jpg.getvalue(), 0)] * 20, tmp_path / "s8", "s", options=WriterOptions(progress=False)
+    )
+    sets = [f"data.train_shards={shard}", "data.channels=1", "data.mean=[0.5]", "data.std=[0.25]"]
+    code = main([*argv, *[a for s in sets for a in ("--set", s)]])
+    err = capsys.readouterr().err
+    errors = [x for x in err.splitlines() if x.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert errors[0].endswith(
+        f"data.channels: 1, but the first image of {shard} holds a 16x16x3 uint8 array, not 1 "
+        "channel(s): set data.channels to what the images hold"
+    ), errors[0]
+    assert not (tmp_path / "r").exists()
 
 
 def test_bare_config_name_resolves_in_configs_dir(capsys, tmp_path):

@@ -135,22 +135,26 @@ def measure(
 def first_dtype(
     shards: list[str], fmt: PixelFormat, allow_pipe: bool = False, tries: int = 8
 ) -> np.dtype | None:
-    """The array type of the first image that decodes among the first ``tries`` of the first
-    shard (None when none does: the census and the stream report those). One that is not 8-bit
-    and does not fit ``fmt``'s channels or layout is its SampleFormatError (the stream would
-    skip them all; 8-bit ones, the next: PIL's grey or palette images do fit 3 channels)."""
+    """The array type of the first image that decodes and fits ``fmt``'s channels and layout
+    among the first ``tries`` of the first shard (None when none decodes: the census and the
+    stream report those). When none of those that decode fits, the first one's SampleFormatError
+    (the stream would skip them all), whatever its dtype: a stray misfit among fitting images is
+    one skipped sample, not a refused run."""
     errors = SkipCounter()
     samples = shard_samples(({"url": u} for u in shards[:1]), errors, allow_pipe, images_only=True)
+    misfit: SampleFormatError | None = None
     for i, sample in enumerate(samples):
         if i >= tries:
             break
         try:
             return raw_array(next(sample[k] for k in IMAGE_KEYS if k in sample), fmt).dtype
         except SampleFormatError as e:
-            if e.dtype is not None and e.dtype != np.uint8:
-                raise
+            if e.key is not None:  # data.channels / data.layout: the next may fit
+                misfit = misfit or e
         except Exception:  # noqa: BLE001  a corrupt one: the next
             continue
+    if misfit is not None:
+        raise misfit
     return None
 
 

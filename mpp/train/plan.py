@@ -142,34 +142,37 @@ def check_data(cfg: RunConfig, img_size: int) -> None:
 
 def check_value_range(cfg: RunConfig, shards: list[str]) -> None:
     """Only 8-bit images may leave ``data.value_range`` unset, whatever else is "auto": one
-    image of the first shard tells. One that does not fit ``data.channels`` / ``layout`` either
-    (16-bit grey under the default 3 channels) is refused naming that key too."""
+    image of the first shard tells. When none of its first images fits ``data.channels`` /
+    ``layout`` (16-bit grey, or RGB JPEGs under 1 channel), that key is refused, with the value
+    range too when the images are not 8-bit."""
     d = cfg.data
     if d.value_range is not None or d.train_shards is None:  # set, "auto", or the digits
         return
     try:
         dtype = first_dtype(shards, PixelFormat(d.channels, d.layout, None), d.allow_pipe)
         misfit = None
-    except SampleFormatError as e:  # not 8-bit, and not d.channels / d.layout either
+    except SampleFormatError as e:  # no image fits d.channels / d.layout
         dtype, misfit = e.dtype, e
-    if dtype is None or dtype == np.uint8:
-        return
-    top = np.iinfo(dtype).max if dtype.kind in "ui" else 1
-    needs_range = (
-        f'say what maps to [0, 1] (e.g. [0, {top}]), or "auto" to use the range measured on the '
-        "shards"
-    )
-    if misfit is None:
-        raise _failer(cfg)(
-            "data.value_range", f"unset, but {shards[0]} holds {dtype} images: {needs_range}"
+    needs_range = ""
+    if dtype is not None and dtype != np.uint8:
+        top = np.iinfo(dtype).max if dtype.kind in "ui" else 1
+        needs_range = (
+            f'say what maps to [0, 1] (e.g. [0, {top}]), or "auto" to use the range measured on '
+            "the shards"
         )
+    if misfit is None:
+        if needs_range:
+            raise _failer(cfg)(
+                "data.value_range", f"unset, but {shards[0]} holds {dtype} images: {needs_range}"
+            )
+        return
     key = misfit.key
     holds = str(misfit).removesuffix(f" ({key})")
+    also = f", and data.value_range (unset): {needs_range}" if needs_range else ""
     raise _failer(cfg)(
         key,
         f"{getattr(d, key.removeprefix('data.')) or 'unset'}, but the first image of {shards[0]} "
-        f"{holds}: set {key} to what the images hold, and data.value_range (unset): "
-        f"{needs_range}",
+        f"{holds}: set {key} to what the images hold{also}",
     )
 
 
