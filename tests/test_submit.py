@@ -110,8 +110,9 @@ def test_submit_refuses_what_cannot_work_before_submitting(tmp_path, digits16, m
     assert not (tmp_path / "run").exists()  # nothing written, nothing submitted
 
 
-def test_submit_slurm_writes_the_sbatch_file_a_cluster_needs(tmp_path, digits16):
-    """No SLURM here: a stand-in ``sbatch`` on PATH takes the file submitit writes."""
+def stand_in_slurm(tmp_path):
+    """No SLURM here: a ``bin`` folder for PATH whose ``sbatch`` keeps the file submitit writes
+    (``tmp_path/job.sh``) and answers job 4242."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     sbatch = bin_dir / "sbatch"
@@ -119,6 +120,12 @@ def test_submit_slurm_writes_the_sbatch_file_a_cluster_needs(tmp_path, digits16)
     (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")  # submitit looks for it before it submits
     for tool in (sbatch, bin_dir / "srun"):
         tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    return bin_dir
+
+
+def test_submit_slurm_writes_the_sbatch_file_a_cluster_needs(tmp_path, digits16):
+    """No SLURM here: a stand-in ``sbatch`` on PATH takes the file submitit writes."""
+    bin_dir = stand_in_slurm(tmp_path)
     path = write_config(tmp_path / "c.json", tiny_config(digits16))
     out = tmp_path / "run"
     r = run_cli(
@@ -172,6 +179,41 @@ def test_submit_slurm_writes_the_sbatch_file_a_cluster_needs(tmp_path, digits16)
         "--resume",
         "auto",
     ]  # any restart resumes
+
+
+def test_a_submission_does_not_look_for_shards_seen_by_the_compute_nodes_only(
+    tmp_path, digits16, monkeypatch, capsys
+):
+    """From a login node: shards that are not here, with the class count given, are the job's to
+    read. Pretraining, fine-tuning and the probes submit alike (none asks for the data here)."""
+    from mpp.commands import finetune, knn, pretrain, probe
+
+    monkeypatch.setenv("PATH", f"{stand_in_slurm(tmp_path)}:{cli_env()['PATH']}")
+    cluster = "/cluster/data/{}-{{000000..000003}}.tar"  # not on this machine
+    data = [
+        f"data.train_shards={cluster.format('train')}",
+        f"data.val_shards={cluster.format('val')}",
+    ]
+    pretrain_cfg = write_config(tmp_path / "p.json", tiny_config(digits16))
+    small = ["model.name=vit_tiny_patch4_16", "model.depth=1", "model.embed_dim=32", "init=scratch"]
+    for main, config, sets in (
+        (pretrain.main, str(pretrain_cfg), data),
+        (finetune.main, "finetune_demo", [*data, *small, "finetune.num_classes=10"]),
+        (knn.main, "linear_demo", [*data, *small, "data.num_classes=10"]),
+        (probe.main, "linear_demo", [*data, *small, "data.num_classes=10"]),
+    ):
+        out = tmp_path / f"{main.__module__}"
+        argv = ["--config", config, "--output-dir", str(out), "--submit", "slurm", "--time", "60"]
+        assert main([*argv, *(x for s in sets for x in ("--set", s))]) == 0, capsys.readouterr().err
+        assert (
+            f"submitted job 4242 (slurm, 1 node(s) x 1 task(s)) -> {out}" in capsys.readouterr().out
+        )
+        assert (out / "submitit" / "4242_submitted.pkl").is_file()
+        # run here instead, the same command is refused up front, nothing created
+        here = ["--config", config, "--output-dir", str(tmp_path / "here")]
+        assert main([*here, *(x for s in sets for x in ("--set", s))]) == 2
+        assert "data.train_shards: 4 shard(s) not found" in capsys.readouterr().err
+        assert not (tmp_path / "here").exists()
 
 
 def test_a_local_job_signalled_before_its_time_limit_requeues_itself_and_finishes_each_step_once(

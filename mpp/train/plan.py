@@ -314,11 +314,8 @@ def train_shards(cfg: RunConfig, img_size: int, warn: bool = True) -> tuple[list
     """(the training shards that exist, the local ones that do not); ConfigError when none is left.
     The one resolution of the training shards: pretraining, fine-tuning and the probes read what
     it returns. ``warn``: name the missing ones in a warning (once per run: the plan's)."""
-    fail, d = _failer(cfg), cfg.data
-    if d.train_shards is None:
-        spec, key = digits_shards(img_size)["train"], "data.builtin"
-    else:
-        spec, key = d.train_shards, "data.train_shards"
+    fail = _failer(cfg)
+    spec, key = train_spec(cfg, img_size)
     shards, missing = _listed(cfg, spec, key)
     if len(missing) == len(shards):
         raise fail(key, f"{len(missing)} shard(s) not found, first: {missing[0]}")
@@ -332,6 +329,14 @@ def train_shards(cfg: RunConfig, img_size: int, warn: bool = True) -> tuple[list
             )
         shards = [s for s in shards if s not in set(missing)]
     return shards, missing
+
+
+def train_spec(cfg: Any, img_size: int) -> tuple[Any, str]:
+    """(the training shards' spec, the key that names it): data.train_shards, else the built-in
+    digits' training split."""
+    if cfg.data.train_shards is None:
+        return digits_shards(img_size)["train"], "data.builtin"
+    return cfg.data.train_shards, "data.train_shards"
 
 
 # the keys naming held-out shards: what scores a run (fine-tuning, the probes) or is measured
@@ -358,20 +363,27 @@ def val_shards(cfg: Any, key: str = "data.val_shards") -> list[str] | None:
     return shards
 
 
-def _listed(cfg: Any, spec: Any, key: str) -> tuple[list[str], list[str]]:
-    """(the shards ``spec`` expands to, those of them not found); ConfigError naming ``key`` for
-    a bad pattern, storage that cannot be listed, or pipes not allowed."""
+def named_shards(cfg: Any, spec: Any, key: str) -> list[str]:
+    """The shards ``spec`` expands to, not looked for (a submission's: they may be visible on the
+    compute nodes only); ConfigError naming ``key`` for a bad pattern or pipes not allowed."""
     fail = _failer(cfg)
     try:
         shards = expand_shards(spec)
     except ValueError as e:
         raise fail(key, str(e)) from None
+    if any(s.startswith("pipe:") for s in shards) and not cfg.data.allow_pipe:
+        raise fail(key, "pipe: shards run shell commands; set data.allow_pipe=true to allow them")
+    return shards
+
+
+def _listed(cfg: Any, spec: Any, key: str) -> tuple[list[str], list[str]]:
+    """(the shards ``spec`` expands to, those of them not found); ConfigError naming ``key`` for
+    a bad pattern, storage that cannot be listed, or pipes not allowed."""
+    shards = named_shards(cfg, spec, key)
     try:
         missing = [s for s in shards if not shard_exists(s)]
     except Exception as e:  # noqa: BLE001  a bad bucket, credential or endpoint: one line
-        raise fail(key, f"cannot list {shards[0]}: {type(e).__name__}: {e}") from None
-    if any(s.startswith("pipe:") for s in shards) and not cfg.data.allow_pipe:
-        raise fail(key, "pipe: shards run shell commands; set data.allow_pipe=true to allow them")
+        raise _failer(cfg)(key, f"cannot list {shards[0]}: {type(e).__name__}: {e}") from None
     return shards, missing
 
 

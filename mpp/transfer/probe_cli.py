@@ -91,7 +91,7 @@ def run_probe(kind: str, argv: list[str] | None = None) -> int:
     rank, world = world_from_env()
     try:
         cfg = config_from_args(args, ProbeConfig)
-        setup = _probe_setup(cfg, kind)
+        setup = _probe_setup(cfg, kind, submit=bool(args.submit))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -327,11 +327,13 @@ def _measured(cfg, setup: ProbeSetup) -> ProbeSetup:
     return replace(setup, pixels=pixels, subset=subset)
 
 
-def _probe_setup(cfg, kind: str) -> ProbeSetup:
-    """The encoder from ``init``, the train/val shards, the class count; ConfigError names the key."""
+def _probe_setup(cfg, kind: str, submit: bool = False) -> ProbeSetup:
+    """The encoder from ``init``, the train/val shards, the class count; ConfigError names the key.
+    ``submit`` (checked here, run there): the shards are the ones the keys name, not looked for
+    (they may be visible on the compute nodes only; the job's run checks them)."""
     from mpp.build import build_encoder
     from mpp.data import digits_shards, expand_shards, read_sizes
-    from mpp.train.plan import train_shards, val_shards
+    from mpp.train.plan import named_shards, train_shards, train_spec, val_shards
 
     if kind == "linear" and cfg.probe.protocol == "dinov2" and cfg.probe.layers == "all":
         raise ConfigError(
@@ -342,12 +344,19 @@ def _probe_setup(cfg, kind: str) -> ProbeSetup:
     encoder = build_encoder(cfg)
     img = encoder.patch_embed.img_size[0]
     d = cfg.data
-    # as pretraining and fine-tuning read them: missing training shards left out (with a
-    # warning), none left or any validation shard missing refused
-    spec = {
-        "train": train_shards(cfg, img)[0],
-        "val": val_shards(cfg) or expand_shards(digits_shards(img)["val"]),
-    }
+    if submit:
+        val = d.val_shards or digits_shards(img)["val"]
+        spec = {
+            "train": named_shards(cfg, *train_spec(cfg, img)),
+            "val": named_shards(cfg, val, "data.val_shards"),
+        }
+    else:
+        # as pretraining and fine-tuning read them: missing training shards left out (with a
+        # warning), none left or any validation shard missing refused
+        spec = {
+            "train": train_shards(cfg, img)[0],
+            "val": val_shards(cfg) or expand_shards(digits_shards(img)["val"]),
+        }
     names = (read_sizes(spec["train"]) or {}).get("class_names") or []
     num_classes = d.num_classes or len(names)
     if not num_classes:
