@@ -140,6 +140,15 @@ BAD = [
         {"monitor": {"val_shards": "/nonexistent/val-{000000..000001}.tar"}},
         "monitor.val_shards: 2 of 2 shard(s) not found: /nonexistent/val-000000.tar, ",
     ),
+    # ... by either reader alone: the previews (the monitor off), the monitor (the previews off)
+    (
+        {"data": {"val_shards": "/nonexistent/val-000001.tar"}, "train": {"monitor_every": 0}},
+        "data.val_shards: 1 of 1 shard(s) not found: /nonexistent/val-000001.tar",
+    ),
+    (
+        {"data": {"val_shards": "/nonexistent/val-000002.tar"}, "train": {"preview_every": 0}},
+        "data.val_shards: 1 of 1 shard(s) not found: /nonexistent/val-000002.tar",
+    ),
     (
         {"objective": {"mask_ratio": 1.5}},
         "objective.mask_ratio: Input should be less than or equal to 1 (got 1.5)",
@@ -231,6 +240,29 @@ def test_bad_config_is_one_line_exit_2_and_no_run_dir(tmp_path, digits16, capsys
     assert len(err.splitlines()) == 1, err
     assert message in err and str(path) in err, err
     assert not out.exists()
+
+
+def test_a_val_key_nothing_reads_is_not_looked_for(digits16):
+    """Pretraining checks a held-out key only when its monitor or previews read it: a config may
+    keep the val set of a later fine-tune, run where that set is not. Fine-tuning always reads
+    data.val_shards."""
+    from mpp.config import ConfigError, FinetuneConfig, validate
+    from mpp.train.plan import check_data
+
+    lost, val = "/nonexistent/val-000000.tar", digits16["val"]
+    off = {"monitor_every": 0, "preview_every": 0}
+    for data, monitor, train in (
+        ({"val_shards": lost}, {}, off),  # nothing reads it
+        ({"val_shards": lost}, {}, {"monitor_every": 0, "report_to": []}),  # no preview drawn
+        ({"val_shards": lost}, {"val_shards": val}, {"preview_every": 0}),  # the monitor's own
+        ({}, {"val_shards": lost}, {"monitor_every": 0}),  # the monitor off
+    ):
+        cfg = tiny_config(digits16, data=data, train=train)
+        check_data(validate({**cfg, "monitor": monitor}), 16)
+    raw = tiny_config(digits16, data={"val_shards": lost}, train=off)
+    raw.pop("objective"), raw.pop("masking")
+    with pytest.raises(ConfigError, match="data.val_shards: 1 of 1 shard"):
+        check_data(validate(raw, "ft.json", cls=FinetuneConfig), 16)
 
 
 def test_bad_config_through_the_cli_exits_2(tmp_path):

@@ -166,12 +166,14 @@ def build_monitor(
     """The run's monitor (a collective: every rank builds it); one that never measures when
     ``train.monitor_every`` is 0, the config has no monitor section (fine-tuning) or there are
     no held-out images. Without labels on both sides the k-NN is left out, with a warning."""
-    every = getattr(cfg.train, "monitor_every", 0)
+    from mpp.train.plan import monitor_on
+
+    every = cfg.train.monitor_every
     settings = getattr(cfg, "monitor", None)
     d = cfg.data
     px = plan.pixels
     off = Monitor(0, None, None, settings, px.mean, px.std, device)
-    if not every or settings is None or not hasattr(objective, "held_out_metrics"):
+    if not monitor_on(cfg) or not hasattr(objective, "held_out_metrics"):
         return off
     from mpp.data import expand_shards, held_out_shards
     from mpp.data.labels import choose, label_index, shard_labels

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mpp.config import ConfigError, RunConfig, source_of
+from mpp.config import ConfigError, FinetuneConfig, RunConfig, source_of
 from mpp.data import StreamConfig, device_decode, digits_shards, expand_shards
 from mpp.data.census import Census, census
 from mpp.data.labels import LabelledSubset, choose, from_key_file, label_index
@@ -133,10 +133,11 @@ def plan_run(
 
 def check_data(cfg: RunConfig, img_size: int) -> None:
     """What can be checked of the data before the process group exists: the training shards
-    exist (some may be missing: the plan says which), every held-out shard exists, and images
-    that need a value range have one. ConfigError names the key."""
+    exist (some may be missing: the plan says which), every held-out shard the run reads
+    (``held_out_keys``) exists, and images that need a value range have one. ConfigError names
+    the key."""
     check_value_range(cfg, train_shards(cfg, img_size, warn=False)[0])
-    for key in VAL_KEYS:
+    for key in held_out_keys(cfg):
         val_shards(cfg, key)
 
 
@@ -339,9 +340,31 @@ def train_spec(cfg: Any, img_size: int) -> tuple[Any, str]:
     return cfg.data.train_shards, "data.train_shards"
 
 
-# the keys naming held-out shards: what scores a run (fine-tuning, the probes) or is measured
-# and drawn while it trains (the monitor, the previews)
-VAL_KEYS = ("data.val_shards", "monitor.val_shards")
+def monitor_on(cfg: Any) -> bool:
+    """Whether the run's monitor measures (``mpp.train.monitor``): a monitor section and
+    ``train.monitor_every`` above 0."""
+    return bool(getattr(cfg, "monitor", None) is not None and cfg.train.monitor_every)
+
+
+def previews_on(cfg: Any) -> bool:
+    """Whether the run's previews draw (``mpp.train.preview``): ``train.preview_every`` above 0
+    and somewhere to report them (``train.report_to``)."""
+    return bool(cfg.train.preview_every and cfg.train.report_to)
+
+
+def held_out_keys(cfg: Any) -> list[str]:
+    """The keys naming held-out shards the run reads: fine-tuning's score (data.val_shards);
+    pretraining's monitor when on (monitor.val_shards, else data.val_shards) and previews when
+    drawn (data.val_shards). A key nothing reads is not looked for: a pretraining config may keep
+    the val set of a later fine-tune."""
+    if isinstance(cfg, FinetuneConfig):
+        return ["data.val_shards"]
+    keys = []
+    if monitor_on(cfg):
+        keys.append("monitor.val_shards" if cfg.monitor.val_shards else "data.val_shards")
+    if previews_on(cfg):
+        keys.append("data.val_shards")
+    return list(dict.fromkeys(keys))
 
 
 def val_shards(cfg: Any, key: str = "data.val_shards") -> list[str] | None:
@@ -416,7 +439,7 @@ def load_plan_config(config: str, overrides: list[str]) -> tuple[RunConfig, bool
     a stand-in, a fine-tuning one from scratch (the step is the same whatever the weights) and
     with ImageNet's 1000 classes unless it says. A probe config is refused, named as such: it
     trains no DeepSpeed step. ConfigError as ``load_config``."""
-    from mpp.config import FinetuneConfig, apply_overrides, load_config, resolve_config_path
+    from mpp.config import apply_overrides, load_config, resolve_config_path
 
     path = resolve_config_path(config)
     raw = apply_overrides(json.loads(path.read_text()), overrides)

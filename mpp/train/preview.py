@@ -98,11 +98,11 @@ def build_preview(cfg: Any, plan: Any, objective: Any, device: torch.device, ran
     """The run's previews; one that never draws when off (``train.preview_every`` 0), with nothing
     to report to, or for an objective without masks (fine-tuning). Images: the val shards', else the built-in dataset's
     validation split, else the first training shard's."""
+    from mpp.train.plan import previews_on
+
     t, d, px, img_size = cfg.train, cfg.data, plan.pixels, plan.img_size
-    if (
-        not t.preview_every
-        or not t.report_to
-        or not hasattr(getattr(objective, "base", objective), "forward_per_patch")
+    if not previews_on(cfg) or not hasattr(
+        getattr(objective, "base", objective), "forward_per_patch"
     ):
         return Preview(0, None, px.mean, px.std, device, rank)
     from mpp.data import held_out_shards
