@@ -67,7 +67,8 @@ def test_previews_land_in_tensorboard_and_change_nothing_in_training(tmp_path, d
 
 
 def test_the_previews_without_val_shards_draw_the_first_training_shard_there(digits16):
-    """No held-out images: the first training shard the plan found, not a missing one."""
+    """No held-out images: the first training shard the plan found, not a missing one; ``mpp
+    viz`` of such a run draws the same."""
     from types import SimpleNamespace
 
     from mpp.build import build_objective
@@ -84,6 +85,10 @@ def test_the_previews_without_val_shards_draw_the_first_training_shard_there(dig
     plan = SimpleNamespace(pixels=pixels, img_size=16, train_shards=shards)
     preview = build_preview(cfg, plan, build_objective(cfg), torch.device("cpu"), 0)
     assert preview.every == 1 and preview.images.shape == (8, 3, 16, 16)
+    from mpp.tools.viz import run_images
+
+    drawn = run_images(cfg, (pixels.mean, pixels.std, pixels.format), 8, 16)
+    assert torch.equal(drawn, preview.images)  # both normalised with the run's statistics
 
 
 class Untouchable:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from .sources import SIZES_FILE, _read_json, expand_shards
+from .sources import SIZES_FILE, _read_json
 from .writer import WriterOptions, from_arrays, shard_spec, write_shards
 
 NUM_VAL, TRAIN_SHARDS, VAL_SHARDS, SPLIT_SEED = 300, 8, 4, 0
@@ -112,12 +112,11 @@ def digits_shards(
     }
 
 
-def held_out_shards(data: Any, img_size: int, first_train: bool = False) -> Any:
+def held_out_shards(data: Any, img_size: int) -> Any:
     """A data section's held-out images (the monitor's, the previews', ``mpp viz``'s): its
-    val_shards; else, training on the built-in digits, their validation split; else, with
-    ``first_train`` (a picture, not a measurement), the first training shard; else None."""
+    val_shards; else, training on the built-in digits, their validation split; else None."""
     if data.val_shards:
         return data.val_shards
     if data.train_shards is None:
         return digits_shards(img_size)["val"]
-    return expand_shards(data.train_shards)[:1] if first_train else None
+    return None

@@ -179,14 +179,13 @@ def build_for(args: argparse.Namespace) -> tuple[Objective, Config | None, tuple
 
 
 def run_images(cfg: Config, pixels: tuple, count: int, img_size: int) -> Tensor:
-    """``count`` normalised images of the run's own data (its val shards, else its first training
-    shard), as the data holds them: any channel count and bit depth."""
-    from mpp.data import held_out_shards
+    """``count`` normalised images of the run's own data, the previews' (its val shards, else its
+    first training shard there), as the data holds them: any channel count and bit depth."""
     from mpp.ops import normalize
-    from mpp.train.preview import preview_images
+    from mpp.train.preview import preview_images, preview_shards
 
     d = cfg.data
-    shards = held_out_shards(d, img_size, first_train=True)
+    shards = preview_shards(cfg, img_size)  # the previews' images: a missing shard left out
     mean, std, fmt = pixels
     images = preview_images(shards, img_size, d.allow_pipe, fmt)
     if images is None:

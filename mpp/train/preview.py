@@ -96,8 +96,7 @@ def preview_images(
 
 def build_preview(cfg: Any, plan: Any, objective: Any, device: torch.device, rank: int) -> Preview:
     """The run's previews; one that never draws when off (``train.preview_every`` 0), with nothing
-    to report to, or for an objective without masks (fine-tuning). Images: the val shards', else the built-in dataset's
-    validation split, else the first training shard's."""
+    to report to, or for an objective without masks (fine-tuning). Images: ``preview_shards``."""
     from mpp.train.plan import previews_on
 
     t, d, px, img_size = cfg.train, cfg.data, plan.pixels, plan.img_size
@@ -105,12 +104,22 @@ def build_preview(cfg: Any, plan: Any, objective: Any, device: torch.device, ran
         getattr(objective, "base", objective), "forward_per_patch"
     ):
         return Preview(0, None, px.mean, px.std, device, rank)
-    from mpp.data import held_out_shards
-
-    # else the first training shard there (plan.train_shards: the missing ones left out)
-    shards = held_out_shards(d, img_size) or plan.train_shards[:1]
+    shards = preview_shards(cfg, img_size, plan.train_shards)
     images = preview_images(shards, img_size, d.allow_pipe, px.format)
     return Preview(t.preview_every, images, px.mean, px.std, device, rank, d.display_channels)
+
+
+def preview_shards(cfg: Any, img_size: int, train: list[str] | None = None) -> Any:
+    """What the previews (and ``mpp viz``) draw: the held-out images (``held_out_shards``), else
+    the first training shard there: of ``train`` (the plan's, the missing ones left out), else
+    of the shards resolved as the plan does (none there: ConfigError naming the key)."""
+    from mpp.data import held_out_shards
+    from mpp.train.plan import train_shards
+
+    held = held_out_shards(cfg.data, img_size)
+    if held:
+        return held
+    return (train if train is not None else train_shards(cfg, img_size, warn=False)[0])[:1]
 
 
 class PreviewHook(Hook):
