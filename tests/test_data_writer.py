@@ -2,6 +2,7 @@
 
 import io
 import json
+import logging
 import os
 import tarfile
 
@@ -122,6 +123,8 @@ def test_train_and_val_share_a_folder_and_refuse_silent_overwrite(tmp_path):
 
 
 def test_image_folder_cli_and_flat_folder(tmp_path, capsys, caplog):
+    # the level set here: an earlier test in the same process may have raised the root's
+    caplog.set_level(logging.WARNING, logger="mpp.data")
     src = tmp_path / "src"
     for label, name in enumerate(["cat", "dog"]):
         (src / name / "sub").mkdir(parents=True)
@@ -167,6 +170,7 @@ def test_image_folder_cli_and_flat_folder(tmp_path, capsys, caplog):
 def test_a_failed_write_leaves_no_temporary_and_unreadable_input_is_an_error(
     tmp_path, monkeypatch, caplog
 ):
+    caplog.set_level(logging.WARNING, logger="mpp.data")
     good = [(encode(random_image(i)), 0) for i in range(3)]
     deep = (np.zeros((4, 4, 5), np.uint16), 0)  # kept as .npy: resizing it is the options' error
     with pytest.raises(ValueError, match="kept as .npy"):
