@@ -2,6 +2,7 @@
 safe loading, bad input, and the CLIs through the real launcher."""
 
 import json
+import logging
 import os
 import pickle
 from pathlib import Path
@@ -172,6 +173,7 @@ def test_missing_shards_stop_finetune_and_the_probes_before_anything_runs(
     evaluation, not a class count the absent shards could not give)."""
     from mpp.commands import finetune, knn, probe
 
+    caplog.set_level(logging.WARNING, logger="mpp")  # an earlier test may have raised the root's
     val, train = digits16["val"], digits16["train"]
     nowhere = str(tmp_path / "nowhere" / "train-{000000..000001}.tar")
     for main, config in ((finetune.main, "finetune_demo"), (knn.main, "linear_demo")):
