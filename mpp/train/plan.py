@@ -456,5 +456,7 @@ def load_plan_config(config: str, overrides: list[str]) -> tuple[RunConfig, bool
     finetune = raw.get("finetune") or {}
     if not (finetune.get("num_classes") or data.get("num_classes")) and not known:
         extra.append(f"finetune.num_classes={PLACEHOLDER_CLASSES}")
+    if not known and data.get("val_shards") is None:  # a fine-tuning run scores its own val set
+        extra.append(f"data.val_shards={PLACEHOLDER_SHARDS}")
     extra.append("init=scratch")
     return load_config(config, [*overrides, *extra], cls=FinetuneConfig), known
