@@ -22,6 +22,7 @@ SUITES = {
     "preview": "benchmarks.preview",
     "monitor": "benchmarks.monitor",
     "compiled-run": "benchmarks.compiled_run",
+    "feed": "benchmarks.feed",
 }
 
 

@@ -91,11 +91,11 @@ class ModelConfig(Section):
     grad_checkpointing: bool = False
     """Activation checkpointing per block (timm's name), encoder and decoders: recompute each
     block's activations in the backward instead of keeping them; not architecture."""
-    compile: bool = False
+    compile: bool | Literal["auto"] = "auto"
     """torch.compile through DeepSpeed's engine.compile(): x1.18-1.29 per step on an H200
-    (BENCHMARKS.md). Off by default: a whole H200 run has used it (monitor, previews,
-    checkpoints, no recompile), none has yet shown it faster end to end, and it compiles at
-    each start."""
+    (BENCHMARKS.md). auto: on for CUDA runs of at least 5,000 steps, where its compile at each
+    start (about a minute cold) is paid back; off on the CPU and for shorter runs (one log line
+    says which and why, mpp.train.trainer.resolve_compile)."""
     init: str | None = None
     """Pretraining only: continue from published weights (an encoder file, a Hugging Face ViT
     folder, MAE's / HPM's release .pth whose decoder also initialises an MAE decoder, a run)"""
@@ -123,6 +123,9 @@ class DataConfig(Section):
     """The label count; None: from the shards' class list (sizes.json)."""
     num_workers: int = Field(2, ge=0)
     """DataLoader workers per rank (each decodes and augments its share of every micro-batch)."""
+    prefetch: int = Field(2, ge=1)
+    """Micro-batches made ready on the device ahead of the step, in a thread of the training
+    process (mpp.data.prefetch): copied, decoded (data.decode=gpu) and normalised while it runs."""
     shuffle_buffer: int = Field(16, ge=1)
     """Samples shuffled together in each stream of the global batch (mpp.data.order)"""
     crop_scale: tuple[float, float] = (0.2, 1.0)

@@ -65,3 +65,18 @@ def test_engine_compile_trains_a_step(digits16, dist_group):
     engine.step()
     assert torch.isfinite(loss) and engine.is_compiled
     assert any(not torch.equal(p, before[n]) for n, p in objective.named_parameters())
+
+
+def test_compile_auto_compiles_only_long_cuda_runs():
+    """``model.compile=auto``: eager on the CPU and for runs too short to pay back a compile."""
+    from mpp.train.trainer import COMPILE_MIN_STEPS, resolve_compile
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_compile("auto", cuda, COMPILE_MIN_STEPS)[0] is True
+    short, why = resolve_compile("auto", cuda, 300)
+    assert short is False and "300 steps do not pay back a compile" in why
+    assert resolve_compile("auto", cpu, 10**6)[0] is False
+    assert (
+        resolve_compile(True, cpu, 10)[0] is True
+        and resolve_compile(False, cuda, 10**6)[0] is False
+    )

@@ -5,6 +5,7 @@ determinism and resume, bad data, shards from other tools and over HTTP.
 import functools
 import http.server
 import io
+import itertools
 import logging
 import signal
 import socket
@@ -200,6 +201,21 @@ def test_persistent_workers_give_every_epoch_and_resume_point_of_a_fresh_loader(
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, fresh, strict=True))
         pids.add(tuple(w.pid for w in kept._loader._iterator._workers))
     assert len(pids) == 1  # the same two worker processes served every epoch
+    # onwards: one pass from epoch 1's batch 3 into epochs 2 and 3 (their streams primed during
+    # the last batches before them): the same batches as a pass per epoch, with accumulation
+    accum = dict(kw, batch_size=1, global_batch=3)
+    kept = make_train_loader(paths, persistent=True, **accum)
+    kept.set_epoch(1, 3, onwards=True)
+    got = keys_and_pixels(itertools.islice(kept, 3 + 6 + 6))
+    fresh = []
+    for epoch, start in ((1, 3), (2, 0), (3, 0)):
+        fresh += keys_and_pixels(make_train_loader(paths, epoch=epoch, start_batch=start, **accum))
+    assert [k for k, _ in got] == [k for k, _ in fresh]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, fresh, strict=True))
+    kept.set_epoch(0, 0)  # a pass left mid-way: the next one starts where it is told
+    assert [k for k, _ in keys_and_pixels(kept)] == [
+        k for k, _ in keys_and_pixels(make_train_loader(paths, **accum))
+    ]
     kept.close()
 
 

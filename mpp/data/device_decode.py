@@ -2,30 +2,32 @@
 the global order and draw each sample's crop box and flip (``mpp.data.transforms.Deferred``), so
 every-sample-once, elastic and exact resume hold unchanged; the training process decodes the
 batch's JPEGs in one batched nvJPEG call (``torchvision.io.decode_jpeg(..., device="cuda")``) and
-crops, resizes (bicubic, antialiased, as PIL's) and flips each on the device. Anything else (PNG,
-TIFF, arrays, CMYK JPEGs, RandAugment) is decoded by the workers as before.
+crops, resizes (bicubic, antialiased, as PIL's) and flips them all at once on the device
+(``mpp.data.resize.crop_resize_flip``). Anything else (PNG, TIFF, arrays, CMYK JPEGs, RandAugment)
+is decoded by the workers as before.
 
-    decode = device_decoder(device)                 # None: this machine decodes on the CPU
-    images = fill_deferred(batch["image"].to(device), batch["deferred"], decode)
+    decode = nvjpeg(device)
+    images = fill_deferred(image_on_device_or_None, batch["deferred"], decode, device)
 """
 
 from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
+
+from .resize import crop_resize_flip, packed_copy
+from .transforms import DeferredBatch
 
 log = logging.getLogger(__name__)
 
 # encoded files (n,) uint8 on the host -> decoded (3, H, W) uint8 on the device
 Decoder = Callable[[list[Tensor]], list[Tensor]]
-Entry = tuple[int, bytes, tuple, bool, str]  # (place in the batch, file, box, flip, key)
 
 
 def nvjpeg_refusal(device: torch.device) -> str:
@@ -81,11 +83,12 @@ def nvjpeg(device: torch.device) -> Decoder:
 
 
 def on_host(files: list[Tensor]) -> list[Tensor]:
-    """The same interface on the CPU, through PIL: each file's (3, H, W) uint8 (grey as RGB)."""
+    """The same interface on the CPU, through PIL: each file's (3, H, W) uint8 (grey as RGB),
+    contiguous as nvJPEG's (``crop_resize_flip`` packs them as views)."""
     out = []
     for f in files:
         image = Image.open(io.BytesIO(f.numpy().tobytes())).convert("RGB")
-        out.append(torch.from_numpy(np.array(image)).permute(2, 0, 1))
+        out.append(torch.from_numpy(np.array(image).transpose(2, 0, 1).copy()))
     return out
 
 
@@ -112,20 +115,17 @@ def decode_each(files: list[Tensor], keys: list[str], decode: Decoder, device) -
     return out
 
 
-def fill_deferred(images: Tensor, deferred: Sequence[Entry], decode: Decoder) -> Tensor:
-    """``images`` (B, 3, S, S) uint8 on the device with each deferred sample's place filled: its
-    JPEG decoded, the box cropped, resized to S x S (bicubic, antialiased, rounded as PIL rounds)
-    and flipped. Boxes are whole pixels (RandomResizedCrop's)."""
-    size = images.shape[-2:]
-    files = [torch.frombuffer(bytearray(entry[1]), dtype=torch.uint8) for entry in deferred]
-    decoded = decode_each(files, [entry[4] for entry in deferred], decode, images.device)
-    for (place, _, box, flip, _), image in zip(deferred, decoded, strict=True):
-        if image.shape[-2:] == (1, 1):  # nothing decoded it
-            images[place] = 0
-            continue
-        left, top, right, bottom = (int(v) for v in box)
-        crop = image[None, :, top:bottom, left:right].float()  # (1, 3, h, w)
-        out = F.interpolate(crop, size=size, mode="bicubic", antialias=True, align_corners=False)
-        out = out.round_().clamp_(0, 255)[0]
-        images[place] = (out.flip(-1) if flip else out).to(torch.uint8)
-    return images
+def fill_deferred(
+    images: Tensor | None, deferred: DeferredBatch, decode: Decoder, device: torch.device
+) -> Tensor:
+    """The batch's (B, 3, S, S) uint8 on ``device``: ``images`` (the workers' decoded samples,
+    already there; None when every sample was deferred) with each deferred sample's place filled:
+    its JPEG decoded, the box cropped, resized to S x S (bicubic, antialiased, rounded as torch
+    rounds) and flipped, the whole batch at once. Boxes are whole pixels (RandomResizedCrop's)."""
+    decoded = decode_each(deferred.file_list(), deferred.keys, decode, device)
+    boxes, flips = deferred.boxes.numpy(), deferred.flips.numpy()
+    filled = crop_resize_flip(decoded, boxes, flips, deferred.img_size)
+    if images is None:  # every place, in order
+        return filled
+    places = packed_copy([deferred.places.numpy()], np.int64, device)[0]
+    return images.index_copy_(0, places, filled)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import json
+import math
 import random
 import signal
 import weakref
@@ -32,6 +33,7 @@ from .transforms import (
     IMAGE_KEYS,
     RGB,
     Augmentation,
+    DeferredBatch,
     PixelFormat,
     SampleFormatError,
     collate,
@@ -141,19 +143,46 @@ class _Stream(IterableDataset):
 
 
 class _TrainStream(_Stream):
-    """The training stream of one epoch at a time. (epoch, start_batch) live in shared memory:
-    persistent workers keep their copy of this object across epochs and read the position the
-    main process set (``Loader.set_epoch``) when the next pass starts."""
+    """The training stream from a position on. (epoch, start_batch, epochs) live in shared memory:
+    persistent workers keep their copy of this object and read the position the main process set
+    (``Loader.set_epoch``) when the next pass starts. ``epochs`` 0: epoch after epoch until the
+    pass is dropped, so the workers open the next epoch's streams while the training process
+    still consumes the last batches of this one (no stall at an epoch's start)."""
 
     def __init__(self, shards: list[str], cfg: StreamConfig):
         super().__init__(shards, cfg)
         self.position = torch.tensor(
-            [cfg.epoch, cfg.start_batch], dtype=torch.int64
+            [cfg.epoch, cfg.start_batch, 1], dtype=torch.int64
         ).share_memory_()
 
     def batches(self, worker: int, num_workers: int, errors: SkipCounter) -> Iterator[dict]:
-        epoch, start_batch = self.position.tolist()
+        epoch, start_batch, epochs = self.position.tolist()
         c = replace(self.cfg, epoch=epoch, start_batch=start_batch)
+        streams = self._streams(c, worker, num_workers, errors)
+        while True:
+            accum = _accumulation(c)
+            todo = list(schedule(c.num_batches // accum, accum, c.start_batch))
+            following = epochs == 0 or c.epoch + 1 < epoch + epochs
+            upcoming = replace(c, epoch=c.epoch + 1, start_batch=0)
+            primed = None
+            for n, (_, group) in enumerate(todo):
+                part = [next(s) for s in streams[group]]
+                yield collate(part, with_keys=c.with_keys, img_size=c.img_size) if part else {}
+                left = len(todo) - n - 1
+                if following and left < PRIME_BATCHES:  # the next epoch's streams, a share a batch
+                    if primed is None:
+                        primed = _Primed(self._streams(upcoming, worker, num_workers, errors))
+                    primed.prime(1 / (left + 1))
+            if not following:
+                return
+            c = upcoming
+            streams = primed.streams if primed else self._streams(c, worker, num_workers, errors)
+
+    def _streams(
+        self, c: StreamConfig, worker: int, num_workers: int, errors: SkipCounter
+    ) -> list[list[Iterator]]:
+        """This worker's sample streams of epoch ``c.epoch`` from ``c.start_batch``, by
+        micro-batch group (lazy: nothing is opened until a stream is first read)."""
         accum = _accumulation(c)
         steps = c.num_batches // accum
         epoch_shards = EpochShards(
@@ -181,13 +210,32 @@ class _TrainStream(_Stream):
 
         # this worker's part of every micro-batch group
         mine = split(c.batch_size, num_workers, worker)
-        streams = [
+        return [
             [stream(group, first + group * c.batch_size + i) for i in mine]
             for group in range(accum)
         ]
-        for _, group in schedule(steps, accum, c.start_batch):
-            part = [next(s) for s in streams[group]]
-            yield collate(part, with_keys=c.with_keys, img_size=c.img_size) if part else {}
+
+
+# an epoch's start: every stream opens its shard, reaches its position and fills its shuffle
+# window before its first sample. In an ``onwards`` pass the next epoch's streams do that during
+# the last PRIME_BATCHES micro-batches of this one, a share after each, so no batch waits for all.
+PRIME_BATCHES = 16
+
+
+class _Primed:
+    """Streams whose first samples are drawn ahead of time (the same samples, in the same order)."""
+
+    def __init__(self, streams: list[list[Iterator]]):
+        self.streams = streams
+        self.todo = [(g, i) for g, group in enumerate(streams) for i in range(len(group))]
+
+    def prime(self, share: float) -> None:
+        """Draw the first sample of ``share`` of the streams not yet primed (all of them at 1)."""
+        count = math.ceil(len(self.todo) * share)
+        for g, i in self.todo[:count]:
+            stream = self.streams[g][i]
+            self.streams[g][i] = itertools.chain([next(stream)], stream)
+        self.todo = self.todo[count:]
 
 
 def _accumulation(c: StreamConfig) -> int:
@@ -267,13 +315,15 @@ class Loader:
         self._loader: DataLoader | None = None
         self._skipped: dict[int, int] = {}
 
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """The next pass is ``epoch`` from its batch ``start_batch`` (a training stream)."""
+    def set_epoch(self, epoch: int, start_batch: int = 0, onwards: bool = False) -> None:
+        """The next pass is ``epoch`` from its batch ``start_batch`` (a training stream);
+        ``onwards``: and every epoch after it, without end (the pass's batches are the epochs'
+        micro-batches end to end; ``num_batches`` per epoch)."""
         total = self.dataset.cfg.num_batches
         if not 0 <= start_batch <= total:
             raise ValueError(f"start_batch {start_batch} outside [0, num_batches={total}]")
-        self.dataset.position.copy_(torch.tensor([epoch, start_batch]))
-        self.num_batches = total - start_batch
+        self.dataset.position.copy_(torch.tensor([epoch, start_batch, 0 if onwards else 1]))
+        self.num_batches = None if onwards else total - start_batch
 
     def close(self) -> None:
         """Stop persistent workers now, through the DataLoader's own shutdown (they finish and
@@ -325,8 +375,9 @@ class Loader:
                     continue
                 batch, parts = _join(parts), []
                 batch["skipped"] = self.skipped
-                if self.key_log is not None:
-                    self._log_keys(batch["key"], count)
+                if self.key_log is not None and self.num_batches is not None:
+                    epoch, start, _ = self.dataset.position.tolist()
+                    self.log_keys(batch["key"], epoch, start + count)
                 count += 1
                 yield batch
         # a worker's error (bad data): its workers stop now, not at interpreter exit
@@ -339,30 +390,35 @@ class Loader:
             # unequal batch counts across ranks deadlock the next collective: fail loudly instead
             raise RuntimeError(f"training loader gave {count} batches, expected {self.num_batches}")
 
-    def _log_keys(self, keys: list[str], count: int) -> None:
-        epoch, start = self.dataset.position.tolist()
+    def log_keys(self, keys: list[str], epoch: int, batch: int) -> None:
+        """One line of the key log (``data.log_keys``): an ``onwards`` pass runs ahead of the
+        training, so its consumer logs each batch as it trains on it."""
         self.key_log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.key_log, "a") as f:
-            f.write(json.dumps({"epoch": epoch, "batch": start + count, "keys": keys}) + "\n")
+            f.write(json.dumps({"epoch": epoch, "batch": batch, "keys": keys}) + "\n")
 
 
 def _join(parts: list[dict]) -> dict:
-    """One batch from the workers' parts of it (a training micro-batch; an eval batch is one part)."""
+    """One batch from the workers' parts of it (a training micro-batch; an eval batch is one part):
+    the images in one pinned tensor, the JPEGs left to the device in one ``DeferredBatch``."""
     if len(parts) == 1:
         return parts[0]
     parts = [p for p in parts if p]  # workers without a stream in this micro-batch
-    images = [p["image"] for p in parts]
-    shape = (sum(len(x) for x in images), *images[0].shape[1:])
-    # one copy, pinned
-    out = torch.empty(shape, dtype=images[0].dtype, pin_memory=torch.cuda.is_available())
-    batch = {"image": torch.cat(images, out=out)}
-    offsets = itertools.accumulate([0] + [len(x) for x in images])
-    deferred = [
-        (start + i, *rest)
-        for p, start in zip(parts, offsets, strict=False)
-        for i, *rest in p.get("deferred", ())
-    ]
-    if deferred:
+    sizes = [p["deferred"].size if "deferred" in p else len(p["image"]) for p in parts]
+    batch = {}
+    images = [p.get("image") for p in parts]
+    decoded = [x for x in images if x is not None]
+    if decoded:  # with every sample deferred, no image on the host at all
+        dtype = torch.float32 if any(x.is_floating_point() for x in decoded) else torch.uint8
+        shape = (sum(sizes), *decoded[0].shape[1:])
+        out = torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+        for x, start, n in zip(images, itertools.accumulate([0, *sizes]), sizes, strict=False):
+            if x is not None:  # 8-bit parts beside float ones: [0, 1] as collate makes them
+                scale = 255.0 if dtype != x.dtype else 1.0
+                out[start : start + n] = x / scale if scale != 1.0 else x
+        batch["image"] = out
+    deferred = DeferredBatch.join([p.get("deferred") for p in parts], sizes)
+    if deferred is not None:
         batch["deferred"] = deferred
     if "label" in parts[0]:
         batch["label"] = torch.cat([p["label"] for p in parts])

@@ -15,6 +15,7 @@ loader counts and skips it, naming the key and what it holds.
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import random
 from dataclasses import dataclass
@@ -300,6 +301,72 @@ def eval_transform(
     return crop_resize(img, center_crop_box(*_size(img), img_size), img_size, fmt.channels)
 
 
+@dataclass
+class DeferredBatch:
+    """A batch's JPEGs left for the device (``data.decode=gpu``): the files end to end in one
+    uint8 buffer (``offsets``: where each starts, and the end), each with its place in the batch,
+    crop box and flip; ``size``: the batch's samples, deferred or not; ``img_size``: the side they
+    are cropped to. Tensors, so a worker hands them over in shared memory, not pickled bytes."""
+
+    files: torch.Tensor  # (total bytes,) uint8
+    offsets: torch.Tensor  # (n + 1,) int64
+    places: torch.Tensor  # (n,) int64
+    boxes: torch.Tensor  # (n, 4) float64, (left, upper, right, lower)
+    flips: torch.Tensor  # (n,) bool
+    keys: list[str]
+    size: int
+    img_size: int
+
+    @classmethod
+    def of(
+        cls, entries: list[tuple[int, Deferred, str]], size: int, img_size: int
+    ) -> DeferredBatch:
+        """From (place, ``Deferred``, key) entries of a batch of ``size`` samples."""
+        ends = [0, *itertools.accumulate(len(d.data) for _, d, _ in entries)]
+        files = torch.empty(ends[-1], dtype=torch.uint8)
+        buffer = files.numpy()
+        for (_, d, _), start, end in zip(entries, ends, ends[1:], strict=False):
+            buffer[start:end] = np.frombuffer(d.data, np.uint8)
+        return cls(
+            files,
+            torch.tensor(ends, dtype=torch.int64),
+            torch.tensor([p for p, _, _ in entries], dtype=torch.int64),
+            torch.tensor([d.box for _, d, _ in entries], dtype=torch.float64).reshape(-1, 4),
+            torch.tensor([d.flip for _, d, _ in entries], dtype=torch.bool),
+            [k for _, _, k in entries],
+            size,
+            img_size,
+        )
+
+    @classmethod
+    def join(cls, parts: list[DeferredBatch | None], sizes: list[int]) -> DeferredBatch | None:
+        """The parts of one batch (None: a part with nothing deferred) of ``sizes`` samples each,
+        end to end."""
+        starts = [0, *itertools.accumulate(sizes)]
+        kept = [(p, start) for p, start in zip(parts, starts, strict=False) if p is not None]
+        if not kept:
+            return None
+        file_starts = itertools.accumulate([0] + [len(p.files) for p, _ in kept])
+        return cls(
+            torch.cat([p.files for p, _ in kept]),
+            torch.cat(
+                [torch.tensor([0])]
+                + [p.offsets[1:] + at for (p, _), at in zip(kept, file_starts, strict=False)]
+            ),
+            torch.cat([p.places + start for p, start in kept]),
+            torch.cat([p.boxes for p, _ in kept]),
+            torch.cat([p.flips for p, _ in kept]),
+            [k for p, _ in kept for k in p.keys],
+            starts[-1],
+            kept[0][0].img_size,
+        )
+
+    def file_list(self) -> list[torch.Tensor]:
+        """Each file as a view of the buffer (what nvJPEG's batched call takes)."""
+        ends = self.offsets.tolist()
+        return [self.files[a:b] for a, b in zip(ends[:-1], ends[1:], strict=True)]
+
+
 def collate(
     samples: list[tuple[np.ndarray | Deferred, int | None, str]],
     with_keys: bool = False,
@@ -307,28 +374,35 @@ def collate(
 ) -> dict:
     """List of (HWC array, label, key) -> {"image": (B, C, H, W) contiguous, "label": (B,)}: uint8
     when every sample is, else float32 in [0, 1] (an 8-bit sample divided by 255). ``Deferred``
-    samples (RGB uint8, ``img_size``) leave their place in "image" empty and are listed under
-    "deferred" as (place, bytes, box, flip, key) for the device to fill."""
-    arrays = [s[0] for s in samples if not isinstance(s[0], Deferred)]
-    h, w, c = arrays[0].shape if arrays else (img_size, img_size, 3)
-    floats = any(a.dtype != np.uint8 for a in arrays)
-    images = torch.empty((len(samples), c, h, w), dtype=torch.float32 if floats else torch.uint8)
+    samples (RGB uint8, ``img_size``) go to "deferred" (a ``DeferredBatch``) for the device to
+    fill; their places in "image" are left empty, and with every sample deferred there is no
+    "image" at all."""
+    deferred = [(i, s[0], s[2]) for i, s in enumerate(samples) if isinstance(s[0], Deferred)]
+    batch: dict = {}
+    if deferred:
+        batch["deferred"] = DeferredBatch.of(deferred, len(samples), img_size)
+    if len(deferred) < len(samples):
+        batch["image"] = _stack([s[0] for s in samples])
+    if samples[0][1] is not None:
+        batch["label"] = torch.tensor([s[1] for s in samples], dtype=torch.int64)
+    if with_keys:
+        batch["key"] = [s[2] for s in samples]
+    return batch
+
+
+def _stack(arrays: list[np.ndarray | Deferred]) -> torch.Tensor:
+    """(B, C, H, W): each HWC array in its place (one copy each), a ``Deferred``'s left empty."""
+    decoded = [a for a in arrays if not isinstance(a, Deferred)]
+    h, w, c = decoded[0].shape
+    floats = any(a.dtype != np.uint8 for a in decoded)
+    images = torch.empty((len(arrays), c, h, w), dtype=torch.float32 if floats else torch.uint8)
     out = images.numpy()
-    deferred = []
-    for i, (array, _, key) in enumerate(samples):
+    for i, array in enumerate(arrays):
         if isinstance(array, Deferred):
-            deferred.append((i, array.data, array.box, array.flip, key))
             continue
         # the one copy per image: HWC (maybe flipped) -> CHW
         if floats and array.dtype == np.uint8:
             out[i] = array.transpose(2, 0, 1) / np.float32(255)
         else:
             out[i] = array.transpose(2, 0, 1)
-    batch = {"image": images}
-    if deferred:
-        batch["deferred"] = deferred
-    if samples[0][1] is not None:
-        batch["label"] = torch.tensor([s[1] for s in samples], dtype=torch.int64)
-    if with_keys:
-        batch["key"] = [s[2] for s in samples]
-    return batch
+    return images

@@ -12,8 +12,10 @@ encoder), the ``MetricLog`` (metrics.jsonl, TensorBoard, W&B) and the loader. On
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from mpp.checkpoint.manager import Checkpointer
 from mpp.checkpoint.state import RunState, seed_everything
 from mpp.config import RunConfig
 from mpp.data import device_decode, make_train_loader
+from mpp.data.prefetch import Prefetcher
 from mpp.ops import normalize
 from mpp.parallel import stage0, zero
 from mpp.parallel.distributed import skip_shm_comm_op
@@ -33,6 +36,7 @@ from mpp.train.nonfinite import NonFiniteLossError, all_finite, roll_back, skip_
 from mpp.train.optim import Schedule, build_optimizer
 from mpp.train.plan import Plan
 
+log = logging.getLogger(__name__)
 EvalHook = Callable[[Any, RunState], "dict | None"]  # (DeepSpeed engine, state) -> values to log
 
 
@@ -62,7 +66,9 @@ class Trainer:
         # ranks draw different masks; data has its own seeds
         seed_everything(cfg.train.seed + self.rank)
         self.stop = min(plan.total_steps, cfg.train.stop_at_step or plan.total_steps)
-        self.engine, self.optimizer = start_engine(cfg, objective, plan.ds_config)
+        self.engine, self.optimizer = start_engine(
+            cfg, objective, plan.ds_config, device, self.stop
+        )
         self.objective = self.engine.module
         t = cfg.train
         self.checkpointer = Checkpointer(
@@ -97,8 +103,8 @@ class Trainer:
         )
         # data.decode=gpu: the workers' JPEGs decoded here, on the device
         self.decode = device_decode.nvjpeg(device) if plan.stream.defer_jpeg else None
-        self.skipped_before = 0  # bad samples this rank skipped in finished epochs
-        self.skipped, self.data_wait = 0, 0.0
+        self.ready: Prefetcher | None = None  # the batches made ready ahead of the step
+        self.skipped, self.data_wait = 0, 0.0  # bad samples this rank skipped; the last wait
 
     @property
     def done(self) -> bool:
@@ -126,27 +132,36 @@ class Trainer:
         return self.state
 
     def batches(self) -> Iterator[dict]:
-        """This rank's micro-batches from the run's position on, epoch after epoch; the time
+        """This rank's micro-batches from the run's position on, epoch after epoch, made ready
+        on the device ``data.prefetch`` batches ahead (``mpp.data.prefetch``); the time the step
         waited for each (``data_wait``) and the bad samples skipped so far (``skipped``)."""
-        while not self.done:
-            self.loader.set_epoch(self.state.epoch, self.state.batch_in_epoch)
+        state, pixels = self.state, self.plan.pixels
+        # the workers go on into the next epochs themselves: no stall at an epoch's start
+        self.loader.set_epoch(state.epoch, state.batch_in_epoch, onwards=True)
+        prepare = partial(
+            to_device, device=self.device, mean=pixels.mean, std=pixels.std, decode=self.decode
+        )
+        skipped_before = self.skipped
+        if self.ready is not None:  # a pass left by a rollback ends before the next starts
+            self.ready.close()
+        self.ready = Prefetcher(iter(self.loader), prepare, self.device, self.cfg.data.prefetch)
+        with self.ready as ready:
             t_wait = time.perf_counter()
-            for batch in self.loader:
+            for batch in ready:
                 self.data_wait = time.perf_counter() - t_wait
-                self.skipped = self.skipped_before + batch["skipped"]
+                self.skipped = skipped_before + batch.pop("skipped")
+                if self.loader.key_log is not None:  # logged as trained, not as made ready
+                    self.loader.log_keys(batch.pop("key"), state.epoch, state.batch_in_epoch)
                 yield batch
                 t_wait = time.perf_counter()
-            self.skipped_before += self.loader.skipped
 
     def train_step(self, batch: dict) -> bool:
-        """One micro-batch: forward, backward and DeepSpeed's step, which takes an optimiser step
+        """One micro-batch (on the device, normalised): forward, backward and DeepSpeed's step, which takes an optimiser step
         at the accumulation boundary. True when an optimiser step was taken and applied."""
         self.objective.set_progress(
             self.state.epoch + self.state.batch_in_epoch / self.plan.micro_per_epoch,
             self.plan.total_epochs,
         )
-        pixels = self.plan.pixels
-        batch = to_device(batch, self.device, pixels.mean, pixels.std, self.decode)
         out = micro_step(self.engine, batch, self.state, self.cfg.train.skip_nonfinite)
         if out is None:  # a non-finite loss on some rank: every rank skips it
             return skip_bad_step(self.state, self.cfg.train, self.rank)
@@ -232,6 +247,8 @@ class Trainer:
     def close(self) -> None:
         for hook in self.hooks:
             hook.close()
+        if self.ready is not None:  # its thread first: it reads from the loader
+            self.ready.close()
         self.loader.close()
         self.bar.close()
         self.metrics.close()
@@ -241,11 +258,15 @@ class Trainer:
 
 
 def start_engine(
-    cfg: RunConfig, objective: torch.nn.Module, ds_config: dict
+    cfg: RunConfig,
+    objective: torch.nn.Module,
+    ds_config: dict,
+    device: torch.device | None = None,
+    steps: int | None = None,
 ) -> tuple[Any, torch.optim.Optimizer]:
     """``deepspeed.initialize`` with our optimiser; at ZeRO stage 0 with fp32 weights its gradient
     all-reduce and clipping in multi-tensor ops (``mpp.parallel.stage0``); compiled when
-    ``model.compile``."""
+    ``model.compile`` says so for a run of ``steps`` on ``device`` (``resolve_compile``)."""
     import deepspeed
 
     skip_shm_comm_op()  # a process group made without init_distributed: still no build
@@ -254,9 +275,33 @@ def start_engine(
         model=objective, optimizer=optimizer, config=ds_config
     )
     stage0.use_multi_tensor_path(engine)
-    if cfg.model.compile:  # the training forward has no graph break (tests/test_compile.py)
+    compiled, why = resolve_compile(cfg.model.compile, device, steps)
+    if cfg.model.compile == "auto" and steps is not None and dist.get_rank() == 0:
+        log.info("model.compile=auto: %s", why)
+    if compiled:  # the training forward has no graph break (tests/test_compile.py)
         engine.compile()
     return engine, optimizer
+
+
+COMPILE_MIN_STEPS = 5_000  # a cold compile (~60 s) over the step it saves (68 -> 53 ms on an H200)
+
+
+def resolve_compile(
+    setting: bool | str, device: torch.device | None, steps: int | None
+) -> tuple[bool, str]:
+    """``model.compile`` -> (compile or not, why): as set, or for ``auto`` on for CUDA runs of
+    at least COMPILE_MIN_STEPS steps (the doctor's compile row and the GPU check's whole-run rows
+    are the evidence, BENCHMARKS.md)."""
+    if setting != "auto":
+        return bool(setting), f"model.compile={setting}"
+    if device is None or device.type != "cuda" or steps is None:
+        return False, "eager (compile pays on a GPU: inductor's CPU kernels gain little here)"
+    if steps < COMPILE_MIN_STEPS:
+        return False, (
+            f"eager: {steps} steps do not pay back a compile (about a minute cold; at x1.18-1.29 "
+            f"per step it pays after ~{COMPILE_MIN_STEPS} steps); model.compile=true forces it"
+        )
+    return True, f"compiled ({steps} steps on CUDA; model.compile=false turns it off)"
 
 
 def micro_step(
@@ -293,7 +338,7 @@ def to_device(
         k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
         for k, v in batch.items()
     }
-    if deferred:
-        out["image"] = device_decode.fill_deferred(out["image"], deferred, decode)
+    if deferred is not None:
+        out["image"] = device_decode.fill_deferred(out.get("image"), deferred, decode, device)
     out["image"] = normalize(out["image"], mean, std)
     return out

@@ -40,8 +40,7 @@ class EngineStep:
         objective = build_objective(cfg)
         world = torch.distributed.get_world_size()
         ds_config = cfg.deepspeed_config(world, device.type)
-        if compile:
-            cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"compile": True})})
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"compile": compile})})
         self.engine, self.optimizer = start_engine(cfg, objective, ds_config)
         self.cfg, self.device, self.model = cfg, device, self.engine.module
         self.precision = cfg.resolved_precision(device.type)
