@@ -360,28 +360,117 @@ def test_decode_quick_measures_every_worker_path(tmp_path, capsys):
 
 def test_the_gpu_check_dry_run_runs_every_step(tmp_path):
     """``benchmarks/gpu_check.py --dry-run``: each step of the GPU check in its small form on the
-    CPU (gpu-step with every lever, the decode suite, the CUDA tests collected), one JSON; without
-    ``--dry-run`` on a machine without CUDA it says so and exits 2."""
+    CPU (the shards, gpu-step of MPP and MAE at the runs' batch, a whole eager run of each config
+    held against it, the CUDA tests collected, the decode suite), one JSON with the whole runs'
+    table; without ``--dry-run`` on a machine without CUDA it says so and exits 2."""
     out = tmp_path / "gc"
     r = run_cli(["python", "benchmarks/gpu_check.py", "--dry-run", "--out", str(out)], timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((out / "gpu-check.json").read_text())
     steps = {s["name"]: s for s in summary["steps"]}
-    assert list(steps) == ["doctor", "gpu-step 128 levers", "decode", "cuda tests", "compiled run"]
+    assert list(steps) == [
+        "shards",
+        "gpu-step 256",
+        "runs mae_b16",
+        "runs mpp_b16",
+        "cuda tests",
+        "decode",
+    ]
     assert all(s["rc"] == 0 for s in steps.values()) and summary["dry_run"] is True
-    rows = steps["gpu-step 128 levers"]["result"]["rows"]
-    got = {row["lever"]: (row["zero_stage"], row["precision"]) for row in rows}
-    assert got == {
-        "shipped": (0, "bf16-autocast"),
-        "zero1-bf16": (1, "bf16"),
-        "zero1-bf16-before": (1, "bf16"),
-    }
+    shards = steps["shards"]["result"]["setting"]["shards"]
+    assert shards["count"] >= 60 and shards["files"] == 4 and shards["share_500px"] > 0.5
+    rows = steps["gpu-step 256"]["result"]["rows"]
+    assert {row["objective"] for row in rows} == {"mpp", "mae"}
     assert all(row["step_s"] > 0 and "error" not in row for row in rows)
+    runs = summary["whole_runs"]
+    assert [(row["config"], row["decode"], row["compile"]) for row in runs] == [
+        ("mae_b16", "cpu", False),
+        ("mpp_b16", "cpu", False),
+    ]
+    for row in runs:  # each against gpu-step's row of its objective at the same batch
+        assert row["rc"] == 0 and row["imgs_per_sec"] > 0 and 0 <= row["data_wait"] <= 1
+        assert row["run_over_step"] == row["imgs_per_sec"] / row["step_imgs_per_sec"]
+    # only the last run of mae_b16's call ran the monitor and previews and a mid-run checkpoint
+    assert runs[0]["extras"] and runs[0]["monitor_records"] > 0 and runs[0]["checkpoints"] == 2
+    assert not runs[1]["extras"] and runs[1]["monitor_records"] == 0
+    assert runs[1]["checkpoints"] == 1
     assert "tests collected" in steps["cuda tests"]["last_line"]
-    assert "| gpu-step 128 levers | 0 |" in r.stdout
+    assert "| runs mae_b16 | 0 |" in r.stdout and "whole runs against their step alone" in r.stdout
     if not torch.cuda.is_available():
         refused = run_cli(["python", "benchmarks/gpu_check.py", "--out", str(out)], timeout=60)
         assert refused.returncode == 2 and "no CUDA GPU" in refused.stdout
+
+
+def test_the_gpu_check_on_a_gpu_fits_a_lent_session(tmp_path, monkeypatch):
+    """The GPU form's steps: the dry run's, in under 8 minutes whatever their own limits say; every
+    whole run of mae_b16 and mpp_b16 (both decodes, eager and compiled) held against gpu-step at
+    batch 256 with --compile; the doctor and issue 36's levers no longer run."""
+    import tempfile
+
+    from benchmarks import gpu_check
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the scratch folder it makes
+    steps = gpu_check.steps(tmp_path / "gc", dry=False)
+    assert [s["name"] for s in steps] == [
+        "shards",
+        "gpu-step 256",
+        "runs mae_b16",
+        "runs mpp_b16",
+        "cuda tests",
+        "decode",
+    ]
+    assert gpu_check.BUDGET_S <= 480 and all(s["limit_s"] <= 180 for s in steps)
+    argv = {s["name"]: " ".join(s["argv"]) for s in steps}
+    assert "--compile --profile --batch 256" in argv["gpu-step 256"]
+    for config in ("mae_b16", "mpp_b16"):
+        assert f"--config {config} --decode cpu,gpu --compile false,true" in argv[f"runs {config}"]
+        assert f"--step-json {tmp_path / 'gc' / 'gpu-step-256.json'}" in argv[f"runs {config}"]
+    assert [s["name"] for s in steps if s["optional"]] == ["cuda tests", "decode"]
+    assert "-m mpp doctor" not in " ".join(argv.values()) and "--levers" not in str(argv)
+
+
+def test_compiled_run_draws_jpegs_of_imagenets_sizes():
+    """compiled-run's images: most 500 px on the long side in ImageNet's three usual shapes, some
+    smaller, some larger; the same draw for the same seed."""
+    from benchmarks.compiled_run import imagenet_sizes
+
+    sizes = imagenet_sizes(15_616)
+    assert sizes == imagenet_sizes(15_616) and len(sizes) == 15_616
+    share = lambda f: sum(map(f, sizes)) / len(sizes)  # noqa: E731
+    assert 0.7 < share(lambda s: max(s) == 500) < 0.85
+    assert share(lambda s: s in ((500, 375), (375, 500), (500, 333))) > 0.6
+    assert 0.1 < share(lambda s: max(s) < 500) < 0.2 and 0.05 < share(lambda s: max(s) > 500) < 0.12
+    assert all(min(s) >= 100 and max(s) <= 1200 for s in sizes)
+
+
+def test_compiled_run_holds_each_run_against_its_own_step():
+    """Eager run against gpu-step's eager row, compiled against compiled, on the attention a run's
+    ``auto`` takes (xformers where gpu-step ran it); none at another batch or without a step."""
+    from benchmarks.compiled_run import against_step
+
+    def gs(backends):
+        rows = [
+            {"lever": "shipped", "objective": o, "attention": a, "compiled": c, "imgs_per_sec": v}
+            for a in backends
+            for o, c, v in (("mae", False, 1000.0), ("mae", True, 1250.0), ("mpp", False, 800.0))
+        ]
+        return {"setting": {"batch": 256}, "rows": rows}
+
+    def run(compiled, batch=256, ips=1125.0, wait=0.01, objective="mae"):
+        return {"objective": objective, "compile": compiled, "batch": batch}, ips, wait
+
+    rows = []
+    for spec in (run(False), run(True), run(False, batch=128), run(True, objective="mpp")):
+        rows.append(spec[0] | {"imgs_per_sec": spec[1], "data_wait": spec[2]})
+    against_step(rows, gs(["sdpa"]))
+    assert [r["run_over_step"] for r in rows] == [1.125, 0.9, None, None]
+    assert [r["met"] for r in rows] == [True, True, None, None]
+    assert rows[0]["step_attention"] == "sdpa"
+    rows[0]["data_wait"] = 0.06
+    against_step(rows, gs(["sdpa", "xformers"]))
+    assert rows[0]["met"] is False and rows[0]["step_attention"] == "xformers"
+    against_step(rows, None)
+    assert all(r["run_over_step"] is None and r["met"] is None for r in rows)
 
 
 def test_cli_lists_every_suite():

@@ -10,11 +10,14 @@ the log end to end; the figures a GPU gives (MFU, memory, host syncs, compile) s
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from subprocess import PIPE
 from typing import Any
 
 import numpy as np
@@ -111,11 +114,40 @@ def launcher_run(
         ["--config", str(config), "--output-dir", str(run_dir)],
     )
     start = time.perf_counter()
+    # its own process group, killed whole on a timeout: the launcher's children (the training
+    # process, its data workers) would otherwise outlive it, holding the GPU
+    with subprocess.Popen(
+        cmd, env=job_env(), stdout=PIPE, stderr=PIPE, text=True, start_new_session=True
+    ) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(p)
+            return None, time.perf_counter() - start
+        except BaseException:  # an interrupt: nothing of the run left behind either
+            _kill_group(p)
+            raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err), time.perf_counter() - start
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    """The launcher's process group killed, and whatever under it left the group."""
+    import psutil
+
     try:
-        r = subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None, time.perf_counter() - start
-    return r, time.perf_counter() - start
+        tree = psutil.Process(p.pid).children(recursive=True)
+    except psutil.Error:
+        tree = []
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:  # all gone already
+        pass
+    for proc in tree:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    p.communicate()
 
 
 def read_train_records(run_dir: Path) -> list[dict[str, Any]]:
