@@ -150,7 +150,9 @@ def test_image_folder_cli_and_flat_folder(tmp_path, capsys, caplog):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "sizes.json",
         "train-000000.tar",
+        "train-000000.tar.idx",  # the member index (mpp.data.shard_index)
         "train-000001.tar",
+        "train-000001.tar.idx",
     ]  # no temporary left
     sizes = read_sizes(paths)
     assert sizes["class_names"] == ["cat", "dog"] and sum(sizes["shards"].values()) == 7

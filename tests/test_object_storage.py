@@ -2,18 +2,24 @@
 through the real s3fs client: a 2-rank pretraining from a glob of uneven shards without
 sizes.json (counted from the objects, the counts kept in the run), a shard deleted mid-run
 (named, skipped, the run finishes), a bad bucket (one line before anything starts), and
-transient errors retried with backoff and counted."""
+transient errors retried with backoff and counted. Issue 49 §4: an epoch reads each shard's
+bytes about once (the member index), counted by a proxy in front of the server."""
 
 from __future__ import annotations
 
+import http.client
+import http.server
 import json
+import logging
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import (
     free_port,
@@ -25,7 +31,15 @@ from conftest import (
     write_config,
 )
 
-from mpp.data import expand_shards, sources
+from mpp.data import (
+    WriterOptions,
+    expand_shards,
+    from_arrays,
+    make_train_loader,
+    sources,
+    write_shards,
+)
+from mpp.data.shards import main as shards_main
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
@@ -70,6 +84,99 @@ def s3(tmp_path_factory):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+class CountingProxy:
+    """A reverse proxy in a thread that counts the body bytes of the GET responses it relays."""
+
+    def __init__(self, port: int):
+        self.served = 0
+        proxy = self
+
+        class Relay(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # s3fs keeps its connections
+            disable_nagle_algorithm = True  # else each small response waits 40 ms for an ACK
+
+            def relay(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                upstream = http.client.HTTPConnection("127.0.0.1", port)
+                upstream.request(self.command, self.path, body, dict(self.headers))
+                response = upstream.getresponse()
+                data = response.read()
+                upstream.close()
+                proxy.served += len(data) if self.command == "GET" else 0
+                self.send_response(response.status, response.reason)
+                for k, v in response.getheaders():  # a HEAD's length is the object's
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                    elif k.lower() == "content-length" and self.command == "HEAD":
+                        self.send_header(k, v)
+                if self.command != "HEAD":
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data if self.command != "HEAD" else b"")
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = relay
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Relay)
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+@pytest.fixture
+def counted(s3):
+    """The bucket through a ``CountingProxy``: s3fs's endpoint is the proxy's for the test."""
+    import fsspec
+
+    moto = s3["env"]["FSSPEC_S3_ENDPOINT_URL"]
+    proxy = CountingProxy(int(moto.rsplit(":", 1)[1]))
+
+    def endpoint(url: str) -> None:
+        os.environ["FSSPEC_S3_ENDPOINT_URL"] = url
+        fsspec.config.conf.clear()
+        fsspec.config.set_conf_env(fsspec.config.conf)
+
+    endpoint(proxy.url)
+    try:
+        yield proxy
+    finally:
+        endpoint(moto)
+        proxy.server.shutdown()
+
+
+def test_an_epoch_from_a_bucket_reads_its_shards_bytes_once(counted, s3, tmp_path, caplog):
+    """64 streams (one rank's batch of 64) over 4 x 600-sample shards: without the member index
+    each stream reads its first shard from its start (B x S / 2 samples: 8 epochs' worth, and
+    s3fs's 50 MB read-ahead took the rest of each shard); with it, each reads its own bytes."""
+    caplog.set_level(logging.WARNING, logger="mpp.data")
+    pixels = np.random.default_rng(0).integers(0, 256, (2400, 8, 8), dtype=np.uint8)
+    options = WriterOptions(max_count=600, progress=False)
+    paths = write_shards(from_arrays(pixels), tmp_path / "shards", "train", options=options)
+    for path in [*paths, str(tmp_path / "shards" / "sizes.json")]:  # shards from before the index
+        s3["fs"].put(path, f"mpp-data/many/{Path(path).name}")
+    spec, total = "s3://mpp-data/many/train-{000000..000003}.tar", sum(map(os.path.getsize, paths))
+
+    def epoch() -> tuple[list[str], int]:
+        loader = make_train_loader(
+            spec, batch_size=64, num_batches=2400 // 64, img_size=8, num_workers=1, with_keys=True
+        )
+        before = counted.served
+        return [k for batch in loader for k in batch["key"]], counted.served - before
+
+    keys, without = epoch()
+    warned = [r.message for r in caplog.records if "have no member index" in r.getMessage()]
+    assert len(warned) == 1 and "mpp shards --index 's3://mpp-data/many/'" in warned[0]
+    shards_main(["--index", "s3://mpp-data/many/"])  # beside them, in the bucket
+    assert s3["fs"].exists("mpp-data/many/train-000003.tar.idx")
+    caplog.clear()
+    again, read = epoch()
+    assert again == keys and len(set(keys)) == 2400 // 64 * 64  # the same samples, in order
+    assert "member index" not in caplog.text
+    print(f"an epoch read {without / total:.2f}x the shards' bytes, {read / total:.2f}x indexed")
+    assert read <= 1.05 * total and without > 4 * total
 
 
 def upload(s3, digits16, tmp_path) -> dict:
@@ -162,26 +269,28 @@ def test_a_transient_error_is_retried_with_backoff_and_counted(monkeypatch):
 
     calls, waits, heard = [], [], []
 
-    class Flaky:
-        def __init__(self, url, mode):
-            calls.append(url)
+    class Flaky:  # a filesystem whose first two opens fail
+        size = 7
 
-        def open(self):
+        def open(self, path, mode, **options):
+            calls.append(path)
             if len(calls) < 3:
                 raise ConnectionResetError("reset by peer")
-            return "stream"
+            return self
 
-    monkeypatch.setattr(fsspec, "open", Flaky)
+    monkeypatch.setattr(fsspec.core, "url_to_fs", lambda url: (Flaky(), url))
     monkeypatch.setattr(sources.time, "sleep", waits.append)
-    assert sources.open_shard("s3://b/x.tar", on_retry=lambda u, e: heard.append(u)) == "stream"
+    stream = sources.open_shard("s3://b/x.tar", on_retry=lambda u, e: heard.append(u))
+    assert sources.shard_bytes(stream) == 7
     assert len(calls) == 3 and waits == [0.5, 1.0] and heard == ["s3://b/x.tar"] * 2
     calls.clear()
 
     class Gone(Flaky):
-        def open(self):
+        def open(self, path, mode, **options):
+            calls.append(path)
             raise FileNotFoundError("no such key")
 
-    monkeypatch.setattr(fsspec, "open", Gone)
+    monkeypatch.setattr(fsspec.core, "url_to_fs", lambda url: (Gone(), url))
     with pytest.raises(FileNotFoundError):  # not transient: no retry
         sources.open_shard("s3://b/y.tar")
     assert len(calls) == 1

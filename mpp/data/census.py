@@ -10,7 +10,10 @@ source that knows wins:
 3. the count cache: ``.mpp_counts.json`` beside the shards (valid while a shard's size and mtime
    are unchanged), else the run directory's ``shard_counts.json``;
 4. one pass over the tar headers (seeks, no decode) through the reader's own grouping
-   (``mpp.data.tario.tar_samples``), so the samples counted are exactly the samples read.
+   (``mpp.data.tario.tar_samples``), so the samples counted are exactly the samples read. The
+   same pass indexes the shard (``mpp.data.shard_index``): beside it as the counts are, else
+   ``RUN/shard_index/``. Asked to (``index=True``: ``mpp shards --index``), it also indexes the
+   shards counted from the files, and writes into a bucket that takes it.
 
 A count is the samples that have an image: those are the positions of the order (samples
 without one are left out of it, and named). Under a process group the shards to scan are split
@@ -24,12 +27,23 @@ import logging
 import os
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
 
-from .sources import _local_path, _read_json, _scheme, _sizes_url, _write_json, open_shard
+from . import shard_index
+from .shard_index import MemberIndex
+from .sources import (
+    OBJECT_SCHEMES,
+    _local_path,
+    _read_json,
+    _scheme,
+    _sizes_url,
+    _write_json,
+    open_shard,
+    shard_bytes,
+)
 from .tario import tar_samples
 from .transforms import IMAGE_KEYS
 
@@ -45,6 +59,12 @@ class ShardCount:
     duplicate_keys: int = 0  # samples whose key an earlier sample of the shard has
     without_image: int = 0  # samples with no image member (not trained)
     problem: str | None = None  # why the shard ends early (truncated, corrupt, unreadable)
+    # where its samples start (a clean shard's header pass; not in the count caches)
+    index: MemberIndex | None = field(default=None, repr=False, compare=False)
+
+    def record(self) -> dict:
+        """What the count caches keep of it."""
+        return {k: v for k, v in vars(self).items() if k not in ("source", "index")}
 
 
 @dataclass
@@ -53,6 +73,7 @@ class Census:
     counts: list[ShardCount]
     scan_s: float = 0.0  # wall time of the header scan (all ranks in parallel)
     to_run_cache: dict = field(default_factory=dict)  # url -> count, for RUN/shard_counts.json
+    index_to_run: dict = field(default_factory=dict)  # url -> MemberIndex, for RUN/shard_index
 
     @property
     def sizes(self) -> list[int]:
@@ -85,7 +106,10 @@ class Census:
         return "; ".join(lines)
 
     def write_run_cache(self, run_dir: Path) -> None:
-        """The counts no shard folder could keep, into ``RUN/shard_counts.json`` (rank 0)."""
+        """The counts and indexes no shard folder could keep, into ``RUN/shard_counts.json`` and
+        ``RUN/shard_index/`` (rank 0)."""
+        for url, index in self.index_to_run.items():
+            shard_index.save(url, index, shard_index.run_index_dir(run_dir))
         if self.to_run_cache:
             path = Path(run_dir) / RUN_CACHE_FILE
             old = (_read_json(str(path)) or {}).get("shards", {})
@@ -93,18 +117,23 @@ class Census:
 
 
 def scan_shard(url: str, allow_pipe: bool = False) -> ShardCount:
-    """Count one shard's samples from its tar headers alone (a local file is seeked through)."""
+    """Count one shard's samples from its tar headers alone (a local file is seeked through) and,
+    for a clean one, index them: each sample with an image's offset and key."""
     keys: set[str] = set()
     count = ShardCount(0, "tar headers")
+    offsets, image_keys, size = [], [], None
     try:
         stream = open_shard(url, allow_pipe=allow_pipe)
     except Exception as exn:
         count.problem = f"cannot open: {exn!r}"
         return count
     try:
-        for key, sample in tar_samples(stream, headers_only=True):
+        size = shard_bytes(stream)
+        for key, sample, offset in tar_samples(stream, headers_only=True, offsets=True):
             if any(ext in sample for ext in IMAGE_KEYS):
                 count.samples += 1
+                offsets.append(offset)
+                image_keys.append(key)
             else:
                 count.without_image += 1
             count.duplicate_keys += key in keys
@@ -113,20 +142,36 @@ def scan_shard(url: str, allow_pipe: bool = False) -> ShardCount:
         count.problem = str(exn) or repr(exn)
     finally:
         stream.close()
+    if count.problem is None and size is not None and shard_index.indexable(url):
+        mtime = (_stat(url) or {}).get("mtime_ns")
+        count.index = MemberIndex(tuple(offsets), tuple(image_keys), size, mtime)
     return count
 
 
-def census(shards: list[str], allow_pipe: bool = False, run_dir: Path | None = None) -> Census:
+def census(
+    shards: list[str], allow_pipe: bool = False, run_dir: Path | None = None, index: bool = False
+) -> Census:
     """Every shard's count (module docstring). A collective when a process group is up: every rank
-    calls it with the same ``shards``, rank 0's list and files decide."""
+    calls it with the same ``shards``, rank 0's list and files decide. ``index``: every shard
+    indexed that can be (``mpp shards --index``), the ones counted from the files too."""
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    known = known_counts(shards, run_dir) if rank == 0 else None
+    known, indexed = None, None
+    if rank == 0:  # the remote shards' indexes (their absence costs)
+        known = known_counts(shards, run_dir)
+        wanted = [s for s in shards if shard_index.indexable(s) and shard_index.remote(s)]
+        indexed = shard_index.present(wanted, shard_index.run_index_dir(run_dir))
     if distributed:
-        box = [(shards, known)]
+        box = [(shards, known, indexed)]
         dist.broadcast_object_list(box, src=0)
-        shards, known = box[0]
-    todo = [s for s in shards if s not in known]
+        shards, known, indexed = box[0]
+    # asked to index: every local shard again (a seek pass), the remote ones without an index
+    todo = [
+        s
+        for s in shards
+        if s not in known
+        or (index and shard_index.indexable(s) and not (shard_index.remote(s) and s in indexed))
+    ]
     t0 = time.perf_counter()
     if todo and rank == 0:
         log.info(
@@ -145,7 +190,31 @@ def census(shards: list[str], allow_pipe: bool = False, run_dir: Path | None = N
     )
     if rank == 0 and scanned:
         result.to_run_cache = _save_beside_shards(scanned)
+        result.index_to_run = _save_indexes(scanned, into_buckets=index)
+    if rank == 0 and not index:  # asked to index, the caller says what it could not
+        kept = set(indexed) | {s for s, c in scanned.items() if c.index is not None}
+        if run_dir is None:  # nowhere for the run directory's share
+            kept -= set(result.index_to_run)
+        unindexed = [s for s in shards if shard_index.remote(s) and s not in kept]
+        if unindexed:
+            log.warning("data: %s", _unindexed(unindexed, result))
     return result
+
+
+def _unindexed(shards: list[str], counted: Census) -> str:
+    """The one line that says what remote shards without a member index cost, and the remedy."""
+    sizes = dict(zip(counted.shards, counted.sizes, strict=True))
+    per_shard = round(sum(sizes[s] for s in shards) / len(shards))
+    folder = shards[0].rsplit("/", 1)[0] + "/"
+    spec = f"'{folder}'" if _scheme(folder) in OBJECT_SCHEMES else "SHARDS"
+    shown = ", ".join(shards[:3]) + (" ..." if len(shards) > 3 else "")
+    return (
+        f"{len(shards)} of {len(counted.shards)} shards have no member index ({shown}): each of "
+        f"the B streams of a global batch that starts inside one reads it from its start, about "
+        f"B x {per_shard // 2} samples ({per_shard}-sample shards: B/2 shards' bytes) more an "
+        f"epoch; index them once with `mpp shards --index {spec}` (with --run-dir RUN where "
+        "their folder cannot be written)"
+    )
 
 
 def known_counts(shards: list[str], run_dir: Path | None = None) -> dict[str, ShardCount]:
@@ -202,7 +271,8 @@ def _valid(hit: dict | None, url: str) -> dict | None:
     """A cached record's counts, unless the shard changed since it was counted (size, mtime)."""
     if not hit or ("bytes" in hit and any(hit.get(k) != v for k, v in (_stat(url) or {}).items())):
         return None
-    return {k: v for k, v in hit.items() if k in ShardCount.__dataclass_fields__ and k != "source"}
+    fields = ShardCount.__dataclass_fields__
+    return {k: v for k, v in hit.items() if k in fields and k not in ("source", "index")}
 
 
 def _save_beside_shards(scanned: dict[str, ShardCount]) -> dict:
@@ -211,7 +281,7 @@ def _save_beside_shards(scanned: dict[str, ShardCount]) -> dict:
     by_folder: dict[str, dict[str, dict]] = {}
     rest = {}
     for url, count in scanned.items():
-        record = {**{k: v for k, v in asdict(count).items() if k != "source"}, **(_stat(url) or {})}
+        record = {**count.record(), **(_stat(url) or {})}
         folder = os.path.dirname(_local_path(url)) or "." if "bytes" in record else None
         if folder is not None and os.access(folder, os.W_OK):
             by_folder.setdefault(folder, {})[url] = record
@@ -226,4 +296,21 @@ def _save_beside_shards(scanned: dict[str, ShardCount]) -> dict:
             )
         except OSError:  # a full or read-only filesystem: the run directory keeps them
             rest.update(records)
+    return rest
+
+
+def _save_indexes(scanned: dict[str, ShardCount], into_buckets: bool = False) -> dict:
+    """Write each scanned shard's index beside it where its folder can be written (a bucket only
+    ``into_buckets``); the rest are returned (url -> index) for ``RUN/shard_index``."""
+    rest = {}
+    for url, count in scanned.items():
+        if count.index is None:
+            continue
+        local = _stat(url) is not None
+        try:
+            if not (local or (into_buckets and _scheme(url) in OBJECT_SCHEMES)):
+                raise PermissionError("the census writes into a bucket only when asked")
+            shard_index.save(url, count.index)
+        except OSError:  # a read-only folder or bucket: the run directory keeps it
+            rest[url] = count.index
     return rest

@@ -119,6 +119,8 @@ class StreamConfig:
     shard_sizes: tuple[int, ...] | None = None
     # per shard, the only sample keys read (a labelled subset, mpp.data.labels); None: all of them
     shard_keys: tuple[frozenset[str], ...] | None = None
+    # the shards' member indexes no shard folder could keep (RUN/shard_index, mpp.data.shard_index)
+    index_dir: str | None = None
     # what every sample holds: channels, layout, value range (mpp.data.transforms)
     pixels: PixelFormat = RGB
     # training only: JPEGs left for the device to decode (data.decode=gpu, mpp.data.device_decode)
@@ -191,6 +193,7 @@ class _TrainStream(_Stream):
             epoch_order(len(self.shards), c.seed, c.epoch),
             c.allow_pipe,
             c.shard_keys,
+            c.index_dir,
         )
         select = partial(
             select_image, errors=errors, with_labels=c.with_labels, num_classes=c.num_classes

@@ -40,16 +40,22 @@ def epoch_order(num_shards: int, seed: int, epoch: int) -> list[int]:
 class EpochShards:
     """One epoch's concatenation: ``shards`` (``sizes`` samples each, counted before training)
     read end to end in the epoch's ``order``; ``allow_pipe`` lets ``pipe:`` URLs run. ``keys``:
-    per shard, the only samples read (a labelled subset, ``mpp.data.labels``; ``sizes`` count them)."""
+    per shard, the only samples read (a labelled subset, ``mpp.data.labels``; ``sizes`` count them).
+    ``index_dir``: the member indexes no shard folder could keep (``mpp.data.shard_index``)."""
 
     shards: list[str]
     sizes: list[int]
     order: list[int]
     allow_pipe: bool
     keys: Sequence[frozenset[str]] | None = None
+    index_dir: str | None = None
 
-    def read_from(self, start: int, errors: SkipCounter) -> Iterator[dict]:
-        """Raw tar samples from position ``start`` of the concatenation, wrapping around forever."""
+    def read_from(
+        self, start: int, errors: SkipCounter, count: int | None = None
+    ) -> Iterator[dict]:
+        """Raw tar samples from position ``start`` of the concatenation, wrapping around forever.
+        ``count``: the positions the reader wants (a stream's range): a shard is read only as far
+        as they reach (with its member index) unless more are asked for."""
         sizes, order = self.sizes, self.order
         offset = start % max(1, sum(sizes))
         first = 0
@@ -59,17 +65,15 @@ class EpochShards:
         for n in itertools.count():
             index = order[(first + n) % len(order)]
             item = {"url": self.shards[index], "skip": offset if n == 0 else 0}
+            if count:  # the range's samples in this shard; the ones after it read when asked for
+                item["count"] = min(count, sizes[index] - item["skip"])
+                count -= item["count"]
             if self.keys is not None:
                 item["keys"] = self.keys[index]
                 if len(item["keys"]) <= SUBSET_KEPT:
                     yield from _kept_subset(item, errors, self.allow_pipe)
                     continue
-            yield from shard_samples(
-                [item],
-                errors,
-                self.allow_pipe,
-                images_only=True,
-            )
+            yield from shard_samples([item], errors, self.allow_pipe, True, self.index_dir)
 
 
 # A few-label subset's samples, kept per process across epochs: with 30 labelled images an epoch
@@ -116,7 +120,7 @@ def stream_samples(
     """Stream ``stream``'s samples: its ``steps`` positions of ``epoch`` through a shuffle window,
     then (only when bad data left it short) the samples after its range. ``select``: raw sample
     -> (bytes, label, key)."""
-    mine = itertools.islice(epoch.read_from(stream * steps, errors), steps)
+    mine = itertools.islice(epoch.read_from(stream * steps, errors, steps), steps)
     shuffled = (
         wds.shuffle(window, initial=window, rng=rng)(select(mine)) if window > 1 else select(mine)
     )

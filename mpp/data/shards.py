@@ -1,7 +1,10 @@
-"""Command line: image folder (class sub-folders) or flat folder -> WebDataset shards + sizes.json.
+"""Command line: image folder (class sub-folders) or flat folder -> WebDataset shards + sizes.json
+(and each shard's member index); or --index: the member index of shards any tool wrote.
 
 mpp shards ~/imagenet/train data/in1k --prefix train --max-count 5000 --max-side 256
 mpp shards my_images/ data/mine --prefix train        # class sub-folders -> labels
+mpp shards --index 's3://bucket/train/'               # NAME.tar.idx beside each shard
+mpp shards --index 'https://host/train-{000..127}.tar' --run-dir runs/x   # a read-only place
 """
 
 from __future__ import annotations
@@ -10,7 +13,10 @@ import argparse
 import logging
 from pathlib import Path
 
+from . import shard_index
+from .census import census
 from .errors import DataError, SkipCounter
+from .sources import expand_shards
 from .writer import (
     ImageEncoding,
     WriterOptions,
@@ -24,9 +30,25 @@ from .writer import (
 def main(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(prog="mpp shards", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "src", type=Path, help="image folder: <class>/<image> sub-folders, or flat with --flat"
+        "src",
+        type=Path,
+        nargs="?",
+        help="image folder: <class>/<image> sub-folders, or flat with --flat",
     )
-    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("out_dir", type=Path, nargs="?")
+    parser.add_argument(
+        "--index",
+        metavar="SHARDS",
+        help="instead: index these shards (any writer's, local or remote: a pattern, list or "
+        "folder), so that a training stream reads only its own samples' bytes; NAME.tar.idx "
+        "beside each shard, or in --run-dir",
+    )
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        help="with --index: the run that will read the shards, whose shard_index/ keeps the "
+        "indexes their folder cannot (a read-only bucket, http)",
+    )
     parser.add_argument("--prefix", default="data", help="shards are named PREFIX-000000.tar ...")
     # the defaults are the library's (WriterOptions, ImageEncoding)
     parser.add_argument(
@@ -70,7 +92,10 @@ def main(argv: list[str] | None = None) -> list[str]:
     )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-
+    if args.index:
+        return index_shards(args.index, args.run_dir, parser)
+    if args.src is None or args.out_dir is None:
+        parser.error("SRC and OUT_DIR are needed (or --index SHARDS)")
     has_classes = any(p.is_dir() for p in args.src.iterdir())
     if args.flat or not has_classes:
         samples, class_names = from_flat_folder(args.src), None
@@ -108,6 +133,26 @@ def main(argv: list[str] | None = None) -> list[str]:
     spec = shard_spec(args.out_dir, args.prefix, len(paths))
     print(f"wrote {len(samples) - errors.skipped} samples{labels} to {spec}{skipped}")
     return paths
+
+
+def index_shards(spec: str, run_dir: Path | None, parser: argparse.ArgumentParser) -> list[str]:
+    """``--index``: the census's header pass over the shards without an index; the indexed shards."""
+    shards = expand_shards(spec)
+    counted = census(shards, run_dir=run_dir, index=True)
+    if counted.index_to_run and run_dir is None:
+        shown = ", ".join(list(counted.index_to_run)[:3])
+        parser.error(f"cannot write beside {shown}: pass --run-dir RUN, the run that reads them")
+    if run_dir is not None:
+        counted.write_run_cache(run_dir)
+    indexed = shard_index.present(shards, shard_index.run_index_dir(run_dir))
+    where = f" ({shard_index.run_index_dir(run_dir)} for those beside which it cannot write)"
+    print(f"{len(indexed)} of {len(shards)} shards indexed{where if run_dir else ''}")
+    if len(indexed) < len(shards):
+        left = [s for s in shards if s not in indexed]
+        print(
+            f"not indexed (compressed, or ending early: read from their start): {', '.join(left)}"
+        )
+    return sorted(indexed)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ is skipped and named like any other bad shard.
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import logging
 import os
@@ -110,37 +111,129 @@ def _local_path(url: str) -> str:
 
 
 def open_shard(
-    url: str, *, allow_pipe: bool = False, on_retry: Callable[[str, Exception], None] | None = None
+    url: str,
+    *,
+    allow_pipe: bool = False,
+    on_retry: Callable[[str, Exception], None] | None = None,
+    start: int = 0,
+    end: int | None = None,
 ):
     """A readable binary stream for one shard (local file, http(s), object storage or, if
     allowed, a `pipe:`), a ``.tar.gz`` / ``.tgz`` one decompressed; an object's transient open
-    error is retried (``on_retry`` hears each)."""
+    error is retried (``on_retry`` hears each). ``start``, ``end``: its bytes [start, end) alone
+    (an uncompressed local file, object or URL; ``end`` None: to its end): a seek on a local file,
+    a ranged read of an object or URL, nothing before ``start`` read (``mpp.data.shard_index``)."""
     scheme = _scheme(url)
+    compressed = url.endswith((".tar.gz", ".tgz"))
+    if (start or end is not None) and (scheme == "pipe" or compressed):
+        raise ValueError(f"{url}: a pipe or a compressed shard is read whole")
     if scheme in ("", "file"):
         stream = open(_local_path(url), "rb")
+        stream.seek(start)
     elif scheme in OBJECT_SCHEMES:
-        stream = _open_object(url, on_retry)
+        stream = _open_object(url, on_retry, start, end)
     elif scheme in ("http", "https"):
-        # urllib, not webdataset's curl pipe: curl retries an unreachable host for a minute
-        # and reports nothing useful; urlopen fails at once with the reason.
-        stream = urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S)
+        stream = _open_http(url, start, end)
     elif scheme == "pipe" and allow_pipe:
         import webdataset as wds
 
         stream = wds.gopen(url)
     else:
         raise ValueError(f"refusing to open shard {url!r}")
-    return gzip.GzipFile(fileobj=stream) if url.endswith((".tar.gz", ".tgz")) else stream
+    return gzip.GzipFile(fileobj=stream) if compressed else stream
 
 
-def _open_object(url: str, on_retry: Callable[[str, Exception], None] | None = None):
-    """An object through fsspec, retried RETRIES times with doubling backoff on an error that may
-    pass; a missing object or a refusal (FileNotFoundError, PermissionError) is raised at once."""
+def _open_http(url: str, start: int = 0, end: int | None = None):
+    """A URL's bytes from ``start`` (to ``end``): a ``Range`` request, the bytes before ``start``
+    read through where the server sends the whole file instead."""
+    # urllib, not webdataset's curl pipe: curl retries an unreachable host for a minute and
+    # reports nothing useful; urlopen fails at once with the reason.
+    ranged = start > 0 or end is not None
+    last = "" if end is None else end - 1
+    headers = {"Range": f"bytes={start}-{last}"} if ranged else {}
+    stream = urllib.request.urlopen(
+        urllib.request.Request(url, headers=headers), timeout=HTTP_TIMEOUT_S
+    )
+    if ranged and stream.status != 206:  # no range support: read through, as without an index
+        while start > 0 and (n := len(stream.read(min(start, CHUNK)))):
+            start -= n
+    return stream
+
+
+def shard_bytes(stream) -> int | None:
+    """The size of the whole shard behind an open stream (``open_shard``'s, any range of it);
+    None where the stream cannot say (a pipe, a compressed shard)."""
+    if isinstance(stream, ObjectRange):
+        return stream.size
+    if isinstance(stream, io.BufferedReader):
+        return os.fstat(stream.fileno()).st_size
+    headers = getattr(stream, "headers", None)  # http: "bytes a-b/size", or the whole length
+    if headers is not None and (whole := headers.get("Content-Range", "").rpartition("/")[2]):
+        return int(whole) if whole.isdigit() else None
+    length = headers.get("Content-Length") if headers is not None else None
+    return int(length) if length and getattr(stream, "status", 200) == 200 else None
+
+
+# An object is read in ranged requests of CHUNK bytes, none past the range's end: fsspec's own
+# files read ahead in blocks (s3fs: 50 MB), so a stream that stops inside a shard had read the
+# rest of it, and often the whole of a smaller one. 4 MB is ~36 ImageNet JPEGs a request.
+CHUNK = 4 << 20
+
+
+class ObjectRange:
+    """The bytes [start, end) of an open fsspec file that fetches exactly what is read (no
+    cache), CHUNK bytes a request (more for a larger read), nothing past ``end``."""
+
+    def __init__(self, file, start: int = 0, end: int | None = None):
+        self.file, self.size = file, file.size
+        self.position, self.end = start, self.size if end is None else min(end, self.size)
+        self.buffer = memoryview(b"")
+
+    def read(self, n: int = -1) -> bytes:
+        if n < 0:
+            n = len(self.buffer) + self.end - self.position
+        parts = []
+        while n > 0:
+            if not self.buffer:
+                want = min(max(n, CHUNK), self.end - self.position)
+                if want <= 0:
+                    break
+                self.file.seek(self.position)
+                self.buffer = memoryview(self.file.read(want))
+                self.position += len(self.buffer)
+                if not self.buffer:
+                    break
+            part = self.buffer[:n]
+            parts.append(part)
+            self.buffer, n = self.buffer[len(part) :], n - len(part)
+        return b"".join(parts)
+
+    def close(self) -> None:
+        self.buffer = memoryview(b"")
+        self.file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _open_object(
+    url: str,
+    on_retry: Callable[[str, Exception], None] | None = None,
+    start: int = 0,
+    end: int | None = None,
+) -> ObjectRange:
+    """An object through fsspec (``ObjectRange``), retried RETRIES times with doubling backoff on
+    an error that may pass; a missing object or a refusal (FileNotFoundError, PermissionError)
+    is raised at once."""
     import fsspec
 
     for attempt in range(RETRIES + 1):
         try:
-            return fsspec.open(url, "rb").open()
+            fs, path = fsspec.core.url_to_fs(url)
+            return ObjectRange(fs.open(path, "rb", cache_type="none"), start, end)
         except (FileNotFoundError, PermissionError, ImportError):
             raise
         except Exception as exn:  # noqa: BLE001  connection resets, throttling, timeouts

@@ -9,10 +9,11 @@ at the cut is dropped (it may be missing members).
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Generator, Iterator
 
+from . import shard_index
 from .errors import SkipCounter
-from .sources import open_shard
+from .sources import open_shard, shard_bytes
 from .transforms import IMAGE_KEYS
 
 BLOCK = 512
@@ -66,14 +67,20 @@ READ, MARK, DROP = "read", "mark", "drop"  # its bytes; (name, None); nothing at
 Rule = Callable[[str], str]
 
 
-def read_tar(stream, rule: Rule | None = None) -> Iterator[tuple[str, bytes | None]]:
+def read_tar(
+    stream, rule: Rule | None = None, start: int = 0, end: int | None = None, offsets: bool = False
+) -> Iterator[tuple]:
     """(name, bytes) of each regular file in an uncompressed tar stream (ustar, GNU, pax names).
     ``rule(name)``: READ (the default), MARK (the data passed over, a seek when the stream can,
     and (name, None) yielded) or DROP (passed over, nothing yielded): resuming inside a shard or
-    reading a subset of its samples reads only the headers of the rest."""
+    reading a subset of its samples reads only the headers of the rest. A ranged read: the
+    stream is at byte ``start`` of the tar and ends cleanly at byte ``end``, a member boundary
+    (``mpp.data.shard_index``). ``offsets``: (name, bytes, offset), the offset where the member's
+    first header block starts (a pax or GNU long-name header before it included)."""
     pax: dict[str, str] = {}
     long_name = None
-    while True:
+    position = first = start  # first: the member's first header block
+    while end is None or position < end:
         header = _read_exact(stream, BLOCK)
         if len(header) < BLOCK:
             raise TarError(
@@ -94,13 +101,15 @@ def read_tar(stream, rule: Rule | None = None) -> Iterator[tuple[str, bytes | No
         # old tars mark directories by the slash
         regular = kind in (b"0", b"\0", b"7") and not name.endswith("/")
         padding = -size % BLOCK
+        position += BLOCK + size + padding
         action = rule(name) if regular and rule is not None else READ
         if action != READ:
             if not _skip(stream, size + padding):
                 raise TarError(f"truncated inside {name}", name)
             pax, long_name = {}, None
             if action == MARK:
-                yield name, None
+                yield (name, None, first) if offsets else (name, None)
+            first = position
             continue
         # exactly the member: slicing off the padding would copy it
         data = _read_exact(stream, size)
@@ -113,8 +122,9 @@ def read_tar(stream, rule: Rule | None = None) -> Iterator[tuple[str, bytes | No
             long_name = data.rstrip(b"\0").decode("utf-8", "replace")
             continue
         if regular:
-            yield name, data
+            yield (name, data, first) if offsets else (name, data)
         pax, long_name = {}, None  # directories, links and global headers carry nothing for us
+        first = position
 
 
 def split_name(name: str) -> tuple[str | None, str | None]:
@@ -167,61 +177,127 @@ def tar_samples(
     images_only: bool = False,
     keys: Collection[str] | None = None,
     members: Collection[str] | None = None,
-) -> Iterator[tuple[str, dict[str, bytes | None]]]:
+    start: int = 0,
+    end: int | None = None,
+    offsets: bool = False,
+) -> Iterator[tuple]:
     """(key, {ext: bytes}) for each sample of a tar stream, grouped as webdataset groups them:
     consecutive members with the same key. The one grouping rule of the reader, the census
     (``mpp.data.census``) and the label index (``mpp.data.labels``), so a shard's counted
     samples are exactly the ones read. ``keys``: only the samples with these keys (a labelled
     subset); ``skip``: the first ``skip`` samples (of those) passed over unread; ``members``:
     only these extensions' bytes read, the others' values None; ``headers_only``: nothing read
-    but headers (values None); ``images_only``: samples without an image member left out.
+    but headers (values None); ``images_only``: samples without an image member left out;
+    ``start``, ``end``: a ranged read (``read_tar``); ``offsets``: (key, sample, offset), the
+    offset of the sample's first header block (the member index, ``mpp.data.shard_index``).
     A cut (``TarError``) ends it after the whole samples before it: the sample being read is
     kept only when the cut is known to be in a later sample's member."""
     rule = member_rule(skip, keys, members, headers_only)
-    key, sample = None, None
+    key, sample, at = None, None, None
 
     def whole(key: str, sample: dict) -> bool:
         return not images_only or any(ext in sample for ext in IMAGE_KEYS)
 
+    def done() -> tuple:
+        return (key, sample, at) if offsets else (key, sample)
+
     try:
-        for name, data in read_tar(stream, rule):
+        for name, data, offset in read_tar(stream, rule, start, end, offsets=True):
             k, ext = split_name(name)
             if sample is not None and k != key:
                 if whole(key, sample):
-                    yield key, sample
+                    yield done()
                 sample = None
             if sample is None:
-                key, sample = k, {}
+                key, sample, at = k, {}, offset
             sample.setdefault(ext, data)
     except Exception as exn:  # truncation, corrupt headers, network errors
         cut_key = split_name(exn.member)[0] if isinstance(exn, TarError) and exn.member else None
         if sample is not None and cut_key is not None and cut_key != key and whole(key, sample):
-            yield key, sample
+            yield done()
         raise
     if sample is not None and whole(key, sample):
-        yield key, sample
+        yield done()
 
 
 def shard_samples(
-    src: Iterator[dict], errors: SkipCounter, allow_pipe: bool = False, images_only: bool = False
+    src: Iterator[dict],
+    errors: SkipCounter,
+    allow_pipe: bool = False,
+    images_only: bool = False,
+    index_dir: str | None = None,
 ) -> Iterator[dict]:
-    """Pipeline stage: {url[, skip][, keys]} -> samples {"__key__", "__url__", ext: bytes}, each
-    shard read by ``tar_samples`` (``skip`` and ``keys`` as there)."""
+    """Pipeline stage: {url[, skip][, count][, keys]} -> samples {"__key__", "__url__", ext:
+    bytes}, each shard read by ``tar_samples`` (``skip`` and ``keys`` as there). With the
+    shard's member index (``mpp.data.shard_index``, beside it or in ``index_dir``; not for
+    ``keys``), samples [skip, skip + count) are read alone, by a seek or a ranged read, and the
+    rest of the shard (``count`` None: all of it) only when more are asked for."""
     for item in src:
-        url = item["url"]
+        url, skip, count = item["url"], item.get("skip", 0), item.get("count")
         errors.shard_opened(url)
-        try:
-            stream = open_shard(url, allow_pipe=allow_pipe, on_retry=errors.retried)
-        except Exception as exn:  # any failure to open is bad data
-            errors.skip(f"cannot open shard {url}: {exn!r}", url=url)
+        ranged = item.get("keys") is None and (skip or count is not None)
+        index = shard_index.load(url, index_dir) if ranged else None
+        if index is not None and skip + (count or 0) > len(index):
+            shard_index.stale(url, f"{len(index)} samples indexed, the order counts more")
+            index = None
+        if index is None:
+            yield from _samples(url, errors, allow_pipe, images_only, skip, item.get("keys"))
             continue
-        try:
-            samples = tar_samples(
-                stream, item.get("skip", 0), images_only=images_only, keys=item.get("keys")
+        stop = len(index) if count is None else skip + count
+        for first, last in ((skip, stop), (stop, len(index))):
+            if first == last:
+                continue
+            got = yield from _samples(
+                url, errors, allow_pipe, images_only, index=index, span=(first, last)
             )
-            for key, sample in samples:
-                yield {"__key__": key, "__url__": url, **sample}
-        except Exception as exn:  # truncation, corrupt headers, network errors
-            errors.skip(f"skipping the rest of shard {url}: {exn!r}", url=url)
-        finally:
-            stream.close()
+            if got == "stale":  # nothing of it yielded: the rest as without an index
+                yield from _samples(url, errors, allow_pipe, images_only, first)
+            if got != "done":
+                break
+
+
+def _samples(
+    url: str,
+    errors: SkipCounter,
+    allow_pipe: bool,
+    images_only: bool,
+    skip: int = 0,
+    keys: Collection[str] | None = None,
+    index: shard_index.MemberIndex | None = None,
+    span: tuple[int, int] = (0, 0),
+) -> Generator[dict, None, str]:
+    """One read of a shard: from its start (``skip``, ``keys`` as ``tar_samples``'), or the
+    bytes of ``index``'s samples [first, last) (``span``) alone. Returns "done", "failed" (the
+    error counted) or "stale" (``index`` does not match the shard; nothing yielded)."""
+    start, end = index.span(*span) if index is not None else (0, None)
+    try:
+        stream = open_shard(
+            url, allow_pipe=allow_pipe, on_retry=errors.retried, start=start, end=end
+        )
+    except Exception as exn:  # any failure to open is bad data
+        errors.skip(f"cannot open shard {url}: {exn!r}", url=url)
+        return "failed"
+    yielded = False
+    try:
+        if index is not None and shard_bytes(stream) != index.bytes:
+            shard_index.stale(url, f"{shard_bytes(stream)} bytes, not the {index.bytes} indexed")
+            return "stale"
+        samples = tar_samples(
+            stream, skip, images_only=images_only, keys=keys, start=start, end=end
+        )
+        for key, sample in samples:
+            expected = index.keys[span[0]] if index is not None else key
+            if not yielded and key != expected:
+                shard_index.stale(url, f"{key!r} at byte {start}, not {expected!r}")
+                return "stale"
+            yielded = True
+            yield {"__key__": key, "__url__": url, **sample}
+    except Exception as exn:  # truncation, corrupt headers, network errors
+        if index is not None and not yielded and isinstance(exn, TarError):
+            shard_index.stale(url, f"no sample at byte {start} ({exn})")
+            return "stale"
+        errors.skip(f"skipping the rest of shard {url}: {exn!r}", url=url)
+        return "failed"
+    finally:
+        stream.close()
+    return "done"

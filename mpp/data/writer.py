@@ -1,4 +1,5 @@
-"""Write WebDataset tar shards (`key.jpg|png|webp` + `key.cls`) and a sizes.json beside them."""
+"""Write WebDataset tar shards (`key.jpg|png|webp` + `key.cls`), a sizes.json beside them and each
+shard's member index (`NAME.tar.idx`, ``mpp.data.shard_index``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
+from . import shard_index
+from .census import scan_shard
 from .errors import DataError, SkipCounter
 from .sources import SIZES_FILE, _write_json
 from .transforms import sniff_format
@@ -201,6 +204,7 @@ def _clear_old_shards(out_dir: Path, prefix: str, overwrite: bool) -> None:
         )
     for path in old:
         path.unlink()
+        path.with_name(path.name + shard_index.SUFFIX).unlink(missing_ok=True)
 
 
 def _decodes(image: ImageLike) -> bool:
@@ -264,6 +268,8 @@ def write_shards(
         os.replace(temporary(), final)  # readers never see a half-written shard
         paths.append(str(final))
         counts[final.name] = count
+        # the reader's own header pass (a seek per member): the offsets are the ones it reads
+        shard_index.save(str(final), scan_shard(str(final)).index)
 
     written = 0
     try:

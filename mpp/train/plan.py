@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from mpp.config import ConfigError, FinetuneConfig, RunConfig, source_of
-from mpp.data import StreamConfig, device_decode, digits_shards, expand_shards
+from mpp.data import StreamConfig, device_decode, digits_shards, expand_shards, shard_index
 from mpp.data.census import Census, census
 from mpp.data.labels import LabelledSubset, choose, from_key_file, label_index
 from mpp.data.stats import Pixels, first_dtype, pixel_stats
@@ -110,6 +110,8 @@ def plan_run(
         shard_keys=subset.keys if subset is not None else None,
         pixels=pixels.format,
         defer_jpeg=defer_jpeg,
+        # the member indexes the census kept in the run (shards in a folder it cannot write)
+        index_dir=shard_index.run_index_dir(run_dir_of(cfg)),
         **cfg.stream_settings(),
     )
     return Plan(
