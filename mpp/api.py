@@ -16,26 +16,35 @@ def create_model(name: str, pretrained: str | Path | None = None, **overrides: A
     """timm's ``create_model``: the ViT variant ``name`` (``vit_base_patch16_224``, ...) with
     ``overrides`` (``img_size``, ``in_chans``, ``num_classes``, ``global_pool``, ...), and with
     ``pretrained`` weights loaded (a run, an exported ``.safetensors``, a timm or Hugging Face
-    folder, MAE's release ``.pth``): its width, depth and heads as the weights state them (a run's
-    ``vit_tiny`` of depth 4 stays that), the position embedding resampled to the size, RGB
-    weights adapted to ``in_chans``, a fresh head. In eval mode."""
-    from mpp.hub.pretrained import load_into, read_model_kwargs
+    folder, MAE's release ``.pth``): its architecture as the weights state it (a run's
+    ``vit_tiny`` of depth 4 and 64 px stays that, a grey run's stays one channel), an override
+    winning (the position embedding resampled to its size, RGB weights adapted to its
+    ``in_chans``), a fresh head. ``model.pretrained_cfg`` says what it expects as timm's does:
+    ``input_size`` and the ``mean``, ``std`` (and ``value_range``) it was trained on. In eval
+    mode."""
+    from mpp.hub.pretrained import load_into
+    from mpp.hub.source import adopt_architecture, pretrained_cfg, weight_source
     from mpp.models.vit import create_vit
 
-    stated = read_model_kwargs(pretrained) if pretrained is not None else {}
-    head = {"name", "img_size", "num_classes", "global_pool", "in_chans", "drop_path_rate"}
-    architecture = {k: v for k, v in stated.items() if k not in head}
-    model = create_vit(name, **{**architecture, **overrides})
-    if pretrained is not None:
-        load_into(model, pretrained)
+    if pretrained is None:
+        return create_vit(name, **overrides).eval()
+    source = weight_source(pretrained)
+    fresh = {"name", "num_classes", "drop_path_rate"}  # a new head, training's own choice
+    keys = tuple(k for k in source.architecture if k not in fresh)
+    stated = adopt_architecture(source, name, overrides, keys, "create_model's {key}")
+    model = create_vit(name, **{**stated, **overrides})
+    load_into(model, pretrained, keys={"channels": "in_chans", "img_size": "img_size"})
+    model.pretrained_cfg = pretrained_cfg(source, model)
     return model.eval()
 
 
 def load_encoder(source: str | Path) -> nn.Module:
     """The encoder ``source`` holds, built as the file states it (a pretraining or fine-tuning
     run, its checkpoints, an exported ``.safetensors``, a timm or Hugging Face folder): a ready
-    ``VisionTransformer`` with ``forward_features``, its head if it was fine-tuned, in eval mode."""
+    ``VisionTransformer`` with ``forward_features``, its head if it was fine-tuned, in eval mode,
+    its ``pretrained_cfg`` as ``create_model``'s."""
     from mpp.hub.pretrained import load_pretrained
+    from mpp.hub.source import pretrained_cfg, weight_source
     from mpp.models.vit import create_vit
 
     weights, kwargs = load_pretrained(source)
@@ -45,6 +54,7 @@ def load_encoder(source: str | Path) -> nn.Module:
         )
     model = create_vit(**kwargs)
     model.load_state_dict(weights)
+    model.pretrained_cfg = pretrained_cfg(weight_source(source), model)
     return model.eval()
 
 
@@ -58,7 +68,7 @@ def _config(
     """The loaded config: ``overrides`` ({"train.max_steps": 50} or ["train.max_steps=50"]) and
     whole sections (``train={"max_steps": 50}``) over the file, and over them the keys ``given``
     by name (``output_dir``, ``init``) where they are not None."""
-    from mpp.config import as_overrides, load_config
+    from mpp.config import as_overrides, read_config
 
     flat = dict(overrides) if isinstance(overrides, dict) else {}
     for section, values in sections.items():
@@ -69,7 +79,7 @@ def _config(
         flat |= {f"{section}.{k}": v for k, v in values.items()}
     flat |= {key: str(value) for key, value in given.items() if value is not None}
     items = list(overrides) if isinstance(overrides, list) else []
-    return load_config(config, items + as_overrides(flat), cls=kind)
+    return read_config(config, items + as_overrides(flat), cls=kind, given="api")
 
 
 def pretrain(

@@ -12,8 +12,9 @@ from __future__ import annotations
 import copy
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -28,7 +29,7 @@ from mpp.masking import MASKING_CONFIGS, MaskingConfig, RandomMasking
 from mpp.objectives.configs import MPPConfig, ObjectiveConfig
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
 from mpp.parallel.ds_config import derive, refusal_of
-from mpp.sections import Section, refusal
+from mpp.sections import Section, nearest, refusals, refuse
 
 # the shipped configs: configs/ at the top of the clone, linked as mpp/configs, which a wheel holds
 CONFIG_DIR = (Path(__file__).parent / "configs").resolve()
@@ -55,7 +56,45 @@ LABEL_SUBSET_KEYS = ("labels_per_class", "label_fraction", "label_keys")
 
 
 class ConfigError(ValueError):
-    """A bad configuration: one line naming the key and the file."""
+    """A bad configuration: a line per finding, each naming the key and the file (or the
+    override over it) and what to do; several are said at once, under a line that counts them."""
+
+    def __init__(self, *findings: str) -> None:
+        super().__init__(*findings)
+
+    @property
+    def findings(self) -> list[str]:
+        return [str(f) for f in self.args]
+
+    def __str__(self) -> str:
+        if len(self.args) == 1:
+            return str(self.args[0])
+        shown = "\n".join(f"  {f}" for f in self.findings)
+        return f"{len(self.args)} problems (all of them, each with its fix):\n{shown}"
+
+
+T = TypeVar("T")
+
+
+class Refusals:
+    """Checks run one after another with every refusal kept, so that one ConfigError lists them
+    all: a user once fixed a 16-bit image set in four runs, one refusal at a time."""
+
+    def __init__(self) -> None:
+        self.findings: list[str] = []
+
+    def __call__(self, check: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+        """``check(*args, **kwargs)``, or None with its refusal kept."""
+        try:
+            return check(*args, **kwargs)
+        except ConfigError as e:
+            self.findings += e.findings
+            return None
+
+    def raise_any(self) -> None:
+        """One ConfigError listing every refusal kept (each once), if any was."""
+        if self.findings:
+            raise ConfigError(*dict.fromkeys(self.findings))
 
 
 class ModelConfig(Section):
@@ -174,14 +213,16 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
+        found = []
         lo, hi = self.crop_scale
         if not 0.0 < lo <= hi <= 1.0:
-            raise ValueError(f"crop_scale must satisfy 0 < min <= max <= 1, got {self.crop_scale}")
+            found.append(f"crop_scale must satisfy 0 < min <= max <= 1, got {self.crop_scale}")
         if not 0.0 < self.crop_ratio[0] <= self.crop_ratio[1]:
-            raise ValueError(f"crop_ratio must satisfy 0 < min <= max, got {self.crop_ratio}")
+            found.append(f"crop_ratio must satisfy 0 < min <= max, got {self.crop_ratio}")
         chosen = [k for k in LABEL_SUBSET_KEYS if getattr(self, k) is not None]
         if len(chosen) > 1:
-            raise ValueError(f"set one of {', '.join(chosen)}, not several")
+            found.append(f"set one of {', '.join(chosen)}, not several")
+        refuse(found)
         return self
 
     @property
@@ -222,14 +263,16 @@ class OptimConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> OptimConfig:
+        found = []
         if self.lr is None and self.blr is None:
-            raise ValueError("one of lr or blr must be set")
+            found.append("one of lr or blr must be set")
         if self.lr is not None and self.blr is not None:
-            raise ValueError(f"set lr or blr, not both (lr={self.lr}, blr={self.blr})")
+            found.append(f"set lr or blr, not both (lr={self.lr}, blr={self.blr})")
         if self.warmup_steps is not None and self.warmup_epochs is not None:
-            raise ValueError("set warmup_steps or warmup_epochs, not both")
+            found.append("set warmup_steps or warmup_epochs, not both")
         if self.betas is not None and not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"betas must be in [0, 1), got {self.betas}")
+            found.append(f"betas must be in [0, 1), got {self.betas}")
+        refuse(found)
         return self
 
 
@@ -285,60 +328,69 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
+        found = []
         if self.epochs is None and self.max_steps is None:
-            raise ValueError("one of epochs or max_steps must be set")
+            found.append("one of epochs or max_steps must be set")
         if self.on_nonfinite != "skip" and not self.skip_nonfinite:
-            raise ValueError(
-                f"on_nonfinite={self.on_nonfinite!r} needs skip_nonfinite=true (the check that sees a NaN)"
+            found.append(
+                f"on_nonfinite={self.on_nonfinite!r} needs skip_nonfinite=true (the check that "
+                "sees a NaN)"
             )
         if self.micro_batch_size is not None and self.max_micro_batch_size is not None:
-            raise ValueError(
-                "set micro_batch_size (exact) or max_micro_batch_size (a bound), not both"
-            )
+            found.append("set micro_batch_size (exact) or max_micro_batch_size (a bound), not both")
         if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
-            raise ValueError(
-                f"batch_size {self.batch_size} is not divisible by micro_batch_size {self.micro_batch_size}"
+            found.append(
+                f"batch_size {self.batch_size} is not divisible by micro_batch_size "
+                f"{self.micro_batch_size}"
             )
+        refuse(found)
         return self
 
 
-def _channels_agree(cfg: Any) -> None:
-    """The pixel keys fit ``data.channels``, and ``model.in_chans``, when set, agrees with it
-    (unset, the encoder is built with data.channels)."""
+def _channels_disagree(cfg: Any) -> list[str]:
+    """Where the pixel keys do not fit ``data.channels``, or ``model.in_chans``, when set, does
+    not agree with it (unset, the encoder is built with data.channels): a finding each."""
     data, c = cfg.data, cfg.data.channels
+    found = []
+    init = getattr(cfg, "init", None) or getattr(getattr(cfg, "model", None), "init", None)
+    given = data.model_fields_set
     for key in ("mean", "std"):
         value = getattr(data, key)
+        if init is not None and (key not in given or "channels" not in given):
+            continue  # the init's facts fill what is unset (mpp.build.with_init_facts checks again)
         if value != "auto" and len(value) != c:
             hint = " (ImageNet's)" if value in (IMAGENET_MEAN, IMAGENET_STD) else ""
-            raise ValueError(
+            found.append(
                 f"data.{key}: {len(value)} values{hint} for data.channels={c}: give {c} "
                 'or "auto" (measured on the training shards)'
             )
     if data.std != "auto" and any(v <= 0 for v in data.std):
-        raise ValueError(f"data.std must be positive, got {list(data.std)}")
+        found.append(f"data.std must be positive, got {list(data.std)}")
     vr = data.value_range
     if isinstance(vr, tuple) and not vr[0] < vr[1]:
-        raise ValueError(f"data.value_range: need low < high, got {list(vr)}")
+        found.append(f"data.value_range: need low < high, got {list(vr)}")
     shown = data.display_channels
     if shown is not None and (len(shown) not in (1, 3) or not all(0 <= i < c for i in shown)):
-        raise ValueError(
+        found.append(
             f"data.display_channels: 3 channels (or 1, grey) of 0..{c - 1}, got {list(shown)}"
         )
     if cfg.model.in_chans not in (None, c):
-        raise ValueError(
+        found.append(
             f"model.in_chans={cfg.model.in_chans} but data.channels={c}: the patch embedding must "
             "take what the data holds (set one, or both alike)"
         )
+    return found
 
 
-def _validated_on_its_own_data(cfg: Any) -> None:
+def _not_scored_on_its_own_data(cfg: Any) -> list[str]:
     """Fine-tuning and the probes score ``data.val_shards``; unset, the built-in digits'
     validation split, which only a run on the built-in digits may be scored on."""
     if cfg.data.train_shards is not None and cfg.data.val_shards is None:
-        raise ValueError(
+        return [
             "data.val_shards: not set beside data.train_shards; the scores would come from the "
             "built-in digits' validation split: give your data's validation shards"
-        )
+        ]
+    return []
 
 
 class RunConfig(Section):
@@ -352,31 +404,41 @@ class RunConfig(Section):
     deepspeed: dict[str, Any] = Field(default_factory=dict)
     _source: str = PrivateAttr("<config>")  # the file it came from, for error messages
     _overrides: list[str] = PrivateAttr(default_factory=list)  # the --set items over it
+    _given: str = PrivateAttr("cli")  # how the overrides were given (GIVEN)
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
+        refuse(self._across_keys())
+        return self
+
+    def _across_keys(self) -> list[str]:
+        """What the sections say together, a finding each (a kind of run adds its own)."""
+        found, not_objects = [], set()  # a section that is no object: said once
         for key, owner in DERIVED_DS_KEYS.items():
             section, _, leaf = key.partition(".")
             held = self.deepspeed.get(section) if leaf else self.deepspeed
             if leaf and held is not None and not isinstance(held, dict):
-                raise ValueError(
-                    f"deepspeed.{section} must be an object of DeepSpeed's keys; its {leaf} is "
-                    f"derived from {owner}"
-                )
-            if isinstance(held, dict) and (leaf or section) in held:
-                raise ValueError(f"deepspeed.{key} is derived from {owner}; set it there")
+                if section not in not_objects:
+                    not_objects.add(section)
+                    found.append(
+                        f"deepspeed.{section} must be an object of DeepSpeed's keys; its {leaf} "
+                        f"is derived from {owner}"
+                    )
+            elif isinstance(held, dict) and (leaf or section) in held:
+                found.append(f"deepspeed.{key} is derived from {owner}; set it there")
         stage = self.zero_stage
         if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage <= 3:
-            raise ValueError(
-                f"deepspeed.zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}"
-            )
+            found.append(f"deepspeed.zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
         if self.data.train_shards is None and self.data.builtin is None:
-            raise ValueError("data.train_shards is not set (give shards, or data.builtin='digits')")
-        _channels_agree(self)
-        # DeepSpeed's parser on what a GPU run would give it (on a CPU only the precision differs)
-        if why := refusal_of(self.deepspeed, lambda: self.deepspeed_config(1, "cuda")):
-            raise ValueError(why)
-        return self
+            found.append("data.train_shards is not set (give shards, or data.builtin='digits')")
+        found += _channels_disagree(self)
+        # DeepSpeed's parser on what a GPU run would give it (on a CPU only the precision
+        # differs); only on a deepspeed section that the checks above let through
+        if not any(f.startswith("deepspeed.") for f in found) and (
+            why := refusal_of(self.deepspeed, lambda: self.deepspeed_config(1, "cuda"))
+        ):
+            found.append(why)
+        return found
 
     def stream_settings(self) -> dict[str, Any]:
         """The training stream's settings from the data section (``mpp.data.StreamConfig`` fields)."""
@@ -462,15 +524,15 @@ class Config(RunConfig):
     masking: MaskingConfig = RandomMasking()
     monitor: MonitorSection = MonitorSection()
 
-    @model_validator(mode="after")
-    def _every_image(self) -> Config:
+    def _across_keys(self) -> list[str]:
         """Pretraining trains on every image: a labelled subset is the evaluations'."""
+        found = super()._across_keys()
         if (key := self.data.label_subset_key) is not None:
-            raise ValueError(
+            found.append(
                 f"data.{key}: a labelled subset is for fine-tuning and the probes; pretraining "
                 "trains on every image (the monitor's labelled bank is monitor.bank_per_class)"
             )
-        return self
+        return found
 
     @field_validator("objective", mode="before")
     @classmethod
@@ -541,10 +603,8 @@ class FinetuneConfig(RunConfig):
     init: str = "scratch"
     finetune: FinetuneSection = FinetuneSection()
 
-    @model_validator(mode="after")
-    def _check_val(self) -> FinetuneConfig:
-        _validated_on_its_own_data(self)
-        return self
+    def _across_keys(self) -> list[str]:
+        return super()._across_keys() + _not_scored_on_its_own_data(self)
 
     def stream_settings(self) -> dict[str, Any]:
         f = self.finetune
@@ -594,11 +654,11 @@ class ProbeConfig(Section):
     seed: int = 0
     _source: str = PrivateAttr("<config>")
     _overrides: list[str] = PrivateAttr(default_factory=list)  # the --set items over it
+    _given: str = PrivateAttr("cli")  # how the overrides were given (GIVEN)
 
     @model_validator(mode="after")
     def _check(self) -> ProbeConfig:
-        _channels_agree(self)
-        _validated_on_its_own_data(self)
+        refuse(_channels_disagree(self) + _not_scored_on_its_own_data(self))
         return self
 
 
@@ -613,18 +673,28 @@ def resolve_config_path(path: str | Path) -> Path:
     for cand in (CONFIG_DIR / p.name, CONFIG_DIR / f"{p.name}.json"):
         if p.parent == Path(".") and cand.is_file():
             return cand
-    shipped = ", ".join(sorted(c.stem for c in CONFIG_DIR.glob("*.json")))
+    shipped = sorted(c.stem for c in CONFIG_DIR.glob("*.json"))
+    near = nearest(p.stem, shipped) if p.parent == Path(".") else None
+    hint = f"did you mean {near}? " if near else ""
     raise ConfigError(
-        f"{path}: config file not found (looked here and in {CONFIG_DIR}); shipped: {shipped}"
+        f"{path}: config file not found (looked here and in {CONFIG_DIR}); {hint}shipped: "
+        + ", ".join(shipped)
     )
 
 
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+# how an error names the override that made a key's value: the command line's --set, the
+# Python API's arguments (mpp.pretrain(..., train={"max_steps": 50}))
+GIVEN = {"cli": "--set {item}", "api": "the argument {item}"}
+
+
+def apply_overrides(
+    raw: dict[str, Any], overrides: list[str], given: str = "cli"
+) -> dict[str, Any]:
     """A copy of ``raw`` with each ``a.b=value`` set, the value parsed as JSON, else the string."""
     raw = copy.deepcopy(raw)
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected key=value")
+            raise ConfigError(f"{GIVEN[given].format(item=repr(item))}: expected key=value")
         key, value = item.split("=", 1)
         try:
             value = json.loads(value)
@@ -635,32 +705,41 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         for k in keys[:-1]:
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"--set {item!r}: {k} is not a section")
+                raise ConfigError(f"{GIVEN[given].format(item=repr(item))}: {k} is not a section")
         node[keys[-1]] = value
     return raw
 
 
 def as_overrides(values: dict[str, Any]) -> list[str]:
-    """``{"train.max_steps": 50}`` (the API's overrides) as ``--set`` items, each value as JSON."""
+    """``{"train.max_steps": 50}`` (the API's overrides) as ``key=value`` items, each value as
+    JSON (``read_config(..., given="api")``)."""
     return [f"{key}={json.dumps(value)}" for key, value in values.items()]
 
 
-def attributed(source: str, key: str, overrides: list[str], unknown: bool = False) -> str:
-    """Where ``key``'s value came from: the ``--set`` that made it (over the file), else the
-    file (the last such ``--set``: it is the one that holds). ``unknown``: an unknown key, which a
-    ``--set`` of a key below it may have made."""
+def attributed(
+    source: str, key: str, overrides: list[str], unknown: bool = False, given: str = "cli"
+) -> str:
+    """Where ``key``'s value came from: the override that made it (over the file; a ``--set``,
+    or an argument of the API: ``given``), else the file (the last such override: it is the one
+    that holds). ``unknown``: an unknown key, which an override of a key below it may have
+    made."""
     for item in reversed(overrides):
         name = item.split("=", 1)[0].strip()
         if key and (
             key == name or key.startswith(name + ".") or (unknown and name.startswith(key + "."))
         ):
-            return f"--set {item} (over {source})"
+            return f"{GIVEN[given].format(item=item)} (over {source})"
     return source
 
 
 def source_of(cfg: Any, key: str) -> str:
     """``attributed`` for a loaded config's key: where a later check's error says it came from."""
-    return attributed(getattr(cfg, "_source", "<config>"), key, getattr(cfg, "_overrides", []))
+    return attributed(
+        getattr(cfg, "_source", "<config>"),
+        key,
+        getattr(cfg, "_overrides", []),
+        given=getattr(cfg, "_given", "cli"),
+    )
 
 
 def validate(
@@ -668,27 +747,39 @@ def validate(
     source: str = "<config>",
     cls: type[BaseModel] = Config,
     overrides: list[str] = (),
+    given: str = "cli",
 ) -> Any:
-    """``raw`` as ``cls``; a refusal is a ConfigError of its first error in one line: where (the
-    file, or the ``--set`` that made it), the key, what is wrong (``mpp.sections.refusal``)."""
+    """``raw`` as ``cls``; a refusal is a ConfigError of every error found, a line each: where
+    (the file, or the override that made it), the key, what is wrong (``mpp.sections.refusals``)."""
     try:
         return cls.model_validate(raw)
     except ValidationError as err:
-        key, msg = refusal(err, cls, raw)
-        unknown = err.errors()[0]["type"] == "extra_forbidden"
-        # a check across keys has no key of its own: the keys its message names, in order
-        named = [key] if key else re.findall(r"\b[a-z_]+(?:\.[a-z_]+)+\b", msg)
-        source = next(
-            (s for s in (attributed(source, k, overrides, unknown) for k in named) if s != source),
-            source,
-        )
-        raise ConfigError(f"{source}: {key}: {msg}" if key else f"{source}: {msg}") from None
+        found = []
+        for key, msg, unknown in refusals(err, cls, raw):
+            # a check across keys has no key of its own: the keys its message names, in order
+            named = [key] if key else re.findall(r"\b[a-z_]+(?:\.[a-z_]+)+\b", msg)
+            where = (attributed(source, k, overrides, unknown, given) for k in named)
+            where = next((s for s in where if s != source), source)
+            found.append(f"{where}: {key}: {msg}" if key else f"{where}: {msg}")
+        raise ConfigError(*found) from None
 
 
 def load_config(
     path: str | Path, overrides: list[str] | None = None, cls: type[BaseModel] = Config
 ) -> Any:
-    """Read, override, validate. Errors are ``ConfigError`` naming the key and the file."""
+    """Read, override, validate. Errors are ``ConfigError`` naming the key and the file, or the
+    ``--set`` over it."""
+    return read_config(path, overrides, cls)
+
+
+def read_config(
+    path: str | Path,
+    overrides: list[str] | None = None,
+    cls: type[BaseModel] = Config,
+    given: str = "cli",
+) -> Any:
+    """``load_config`` with the overrides' origin (``given``): "cli", a ``--set``; "api", an
+    argument of ``mpp.pretrain``... (the errors name it)."""
     p = resolve_config_path(path)
     try:
         raw = json.loads(p.read_text())
@@ -696,11 +787,12 @@ def load_config(
         raise ConfigError(f"{p}: not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: expected a JSON object at the top level")
-    raw = apply_overrides(raw, overrides or [])
-    cfg = validate(raw, str(p), cls, overrides or [])
+    raw = apply_overrides(raw, overrides or [], given)
+    cfg = validate(raw, str(p), cls, overrides or [], given)
     cfg._source = str(p)
     if hasattr(cfg, "_overrides"):
         cfg._overrides = list(overrides or [])
+        cfg._given = given
     return cfg
 
 

@@ -17,14 +17,21 @@ from typing import Any
 
 from torch import nn
 
-from mpp.build import build_objective
+from mpp.build import build_objective, with_init_facts
 from mpp.checkpoint.manager import encoder_kwargs
 from mpp.checkpoint.state import seed_everything
 from mpp.cli import open_run_dir
 from mpp.config import Config, ConfigError, FinetuneConfig
 from mpp.parallel.distributed import device_type, from_rank0, init_distributed, world_from_env
 from mpp.train.monitor import MonitorHook
-from mpp.train.plan import check_data, check_resume, newest_checkpoint, plan_run, run_dir_of
+from mpp.train.plan import (
+    check_data,
+    check_resume,
+    finished_run,
+    newest_checkpoint,
+    plan_run,
+    run_dir_of,
+)
 from mpp.train.preemption import StopHook
 from mpp.train.preview import PreviewHook
 from mpp.train.runlock import release
@@ -35,30 +42,56 @@ from mpp.transfer.finetune import build_classifier, train_classifier
 @dataclass
 class Finished:
     run_dir: Path
-    result: Any  # pretraining: the final RunState; fine-tuning: results.json's dict (rank 0)
+    # pretraining: the final RunState; fine-tuning: results.json's dict (rank 0); None when the
+    # run had finished before (``ran`` False: said in one line, nothing ran or was written)
+    result: Any
     seconds: float  # this invocation's, resumed runs' earlier parts not counted
+    ran: bool = True
 
 
-def start_of(cfg: Any, resume: str | None, restart: bool, rank: int) -> str | None:
+def start_of(
+    cfg: Any, resume: str | None, restart: bool, rank: int, encoder: nn.Module | None = None
+) -> str | None:
     """Where the run starts: ``resume`` as given ("auto" or a checkpoint); with ``restart`` from
-    scratch; else from the run directory's newest complete checkpoint when it holds one (said in
-    one line), so the same command run again goes on rather than starting over. ConfigError
-    when the checkpoint is missing or cannot be resumed with this config (``check_resume``)."""
+    scratch; else from the run directory's newest complete checkpoint when it holds one
+    (``going_on`` says so), so the same command run again goes on rather than starting over.
+    ConfigError when the checkpoint is missing or cannot be resumed with this config and
+    ``encoder`` (``check_resume``: another objective or model, precision, global batch)."""
     if resume and restart:
         raise ConfigError("resume and restart: choose one (restart moves the earlier run aside)")
     if resume not in (None, "auto") and not Path(resume).exists():
         raise ConfigError(f"--resume {resume}: no such checkpoint")
-    if resume or restart or (tag := newest_checkpoint(cfg)) is None:
-        check_resume(cfg, resume)
+    if resume or restart or newest_checkpoint(cfg) is None:
+        check_resume(cfg, resume, encoder)
         return resume
-    check_resume(cfg, "auto")  # a refusal first, not "going on" and then a refusal
-    if rank == 0:
+    check_resume(cfg, "auto", encoder)  # a refusal first, not "going on" and then a refusal
+    return "auto"
+
+
+def going_on(cfg: Any, given: str | None, resume: str | None, rank: int) -> None:
+    """Rank 0: the line saying that the run goes on from its newest checkpoint unasked
+    (``start_of`` chose it for ``given``, no --resume)."""
+    if rank == 0 and given is None and resume == "auto":
         print(
-            f"{run_dir_of(cfg)} holds a checkpoint ({tag}): going on from it (--restart starts "
-            "over, --output-dir names a new run)",
+            f"{run_dir_of(cfg)} holds a checkpoint ({newest_checkpoint(cfg)}): going on from it "
+            "(--restart starts over, --output-dir names a new run)",
             file=sys.stderr,
         )
-    return "auto"
+
+
+# what a finished run leaves that its user reads (fine-tuning: results.json; curves: `mpp plot`)
+OUTPUTS = ("encoder.safetensors", "results.json", "metrics.jsonl", "curves.png")
+
+
+def said_finished(cfg: Any, tag: str, step: int) -> str:
+    """The line a run that had finished before answers with: its step and where its outputs are."""
+    run_dir = run_dir_of(cfg)
+    outputs = ", ".join(n for n in OUTPUTS if (run_dir / n).exists())
+    return (
+        f"finished before: {run_dir} is at step {step} ({tag}), the last this config trains, its "
+        f"encoder exported; nothing ran or was rewritten -> {run_dir}: {outputs} (--restart "
+        "starts over; a larger train.max_steps or train.epochs goes on)"
+    )
 
 
 def initial_model(cfg: Config | FinetuneConfig) -> nn.Module:
@@ -104,14 +137,23 @@ def _run(
 ) -> Finished:
     """The steps every training job takes: every check that needs no process group first (the
     config, the resume, the data), then the process group, the plan (rank 0's, on every rank),
-    the run directory held by this job, and ``train(plan, run_dir, device, resume)``."""
+    and, unless the run had finished before (``finished_run``: said, nothing written), the run
+    directory held by this job and ``train(plan, run_dir, device, resume)``."""
     rank, world = world_from_env()
     img_size = encoder.patch_embed.img_size[0]
-    resume = start_of(cfg, resume, restart, rank)
-    check_data(cfg, img_size)
+    given, resume = resume, start_of(cfg, resume, restart, rank, encoder)
+    # the data as read: channels and statistics the config leaves unset taken from its init
+    data_cfg = with_init_facts(cfg)
+    check_data(data_cfg, img_size)
     device = init_distributed()
     # the shards' samples counted by the ranks together (mpp.data.census)
-    plan = from_rank0(plan_run(cfg, world, device_type(), img_size, num_classes=num_classes))
+    plan = from_rank0(plan_run(data_cfg, world, device_type(), img_size, num_classes=num_classes))
+    # nothing left to train: said, and the run directory left as it is
+    if resume == "auto" and (end := from_rank0(finished_run(cfg, plan))):
+        if rank == 0:
+            print(said_finished(cfg, *end))
+        return Finished(run_dir_of(cfg), None, 0.0, ran=False)
+    going_on(cfg, given, resume, rank)
     # a second job on it stops here; its config.json as loaded, data.json what was measured,
     # model.json the encoder built
     run_dir = open_run_dir(

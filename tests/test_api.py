@@ -52,7 +52,8 @@ def test_the_readmes_snippet_runs_as_written(tmp_path, monkeypatch):
 
 def test_a_refused_run_raises_its_whole_message_and_prints_nothing(tmp_path, monkeypatch, capfd):
     """One call per job (mpp.jobs): the API raises the named error itself, whose message names
-    the key, the value's origin and the file; nothing reaches stderr, nothing is created."""
+    the key, the value's origin (the argument: no --set was typed) and the file; nothing reaches
+    stderr, nothing is created."""
     from mpp.config import ConfigError
 
     monkeypatch.chdir(tmp_path)
@@ -61,7 +62,7 @@ def test_a_refused_run_raises_its_whole_message_and_prints_nothing(tmp_path, mon
             "mae_demo", "runs/x", data={"train_shards": "data/mine/t-{000000..000001}.tar"}
         )
     assert str(e.value) == (
-        '--set data.train_shards="data/mine/t-{000000..000001}.tar" (over '
+        'the argument data.train_shards="data/mine/t-{000000..000001}.tar" (over '
         f"{REPO / 'configs' / 'mae_demo.json'}): data.train_shards: 2 shard(s) not found, "
         "first: data/mine/t-000000.tar"
     )
@@ -262,7 +263,7 @@ def test_a_wheel_works_from_an_empty_directory(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     from transformers import ViTModel
 
-    hf = ViTModel.from_pretrained(empty / "hf")
+    hf = ViTModel.from_pretrained(empty / "hf", add_pooling_layer=False)
     assert hf.config.image_size == 64 and hf.config.patch_size == 4  # mae_demo's variant
     umask = os.umask(0)
     os.umask(umask)

@@ -243,14 +243,17 @@ def test_data_that_needs_a_range_is_refused_before_anything_starts(tmp_path):
                 plan_run(cfg, 1, "cpu", 32)
             except (ConfigError, ValueError) as e:
                 message = str(e)
-                assert len(message.splitlines()) == 1, case
-                if vr == "unset" and not eight_bit and (c == 3 or "unset" not in (mean, std)):
+                unset = [k for k, how in (("mean", mean), ("std", std)) if how == "unset"]
+                if vr == "unset" and not eight_bit and (c == 3 or not unset):
+                    assert len(message.splitlines()) == 1, case
                     assert "data.value_range: unset, but" in message, (case, message)
                     assert f"holds {dtype} images" in message, (case, message)
                     seen["refused"] += 1
-                else:  # ImageNet's 3 values for other channel counts: named too
-                    assert c != 3 and "unset" in (mean, std), (case, message)
-                    assert "data.mean" in message or "data.std" in message, (case, message)
+                else:  # ImageNet's 3 values for other channel counts: each named, at once
+                    assert c != 3 and unset, (case, message)
+                    assert len(message.splitlines()) == (1 if len(unset) == 1 else 3), case
+                    for key in unset:
+                        assert f"data.{key}: 3 values (ImageNet's)" in message, (case, message)
                     seen["named mean/std"] += 1
                 continue
             assert eight_bit or vr != "unset", case
@@ -259,6 +262,53 @@ def test_data_that_needs_a_range_is_refused_before_anything_starts(tmp_path):
     # unset mean or std meet ImageNet's 3 values first; of the other 12, the 4 with no range are
     # refused and 8 plan. The JPEG plans all 27.
     assert seen == {"refused": 4 * 4, "named mean/std": 4 * 15, "planned": 27 + 4 * 8}, seen
+
+
+def test_a_16_bit_set_is_refused_once_with_every_fix(tmp_path):
+    """Issue 50, finding 4: 40 grey 16-bit PNGs under mae_demo took four runs, one refusal each
+    (data.channels and the value range; data.mean; data.std; the batch). Before the process
+    group: all five at once, each naming its key and its fix, the channel count that fits
+    found. The plan collects as well (the census's count, num_samples, the value range); with
+    no training shard found it stops there, with the layout's refusals alone."""
+    from mpp.config import ConfigError, load_config
+    from mpp.train.plan import check_data, plan_run
+
+    grey16 = [(png16(RNG.integers(0, 65536, (48, 40))), i % 2) for i in range(40)]
+    (shard,) = write_shards(grey16, tmp_path, "train", options=WriterOptions(progress=False))
+    sets = [f"data.train_shards={shard}", "train.max_steps=1", "data.num_workers=0"]
+    with pytest.raises(ConfigError) as e:
+        check_data(load_config("mae_demo", sets), 32)
+    config = "configs/mae_demo.json"
+    keys = [f.split(": ")[1] for f in e.value.findings]
+    assert keys == [
+        "data.channels",
+        "data.mean",
+        "data.std",
+        "data.value_range",
+        "train.batch_size",
+    ], str(e.value)
+    assert all(config in f for f in e.value.findings)
+    message = str(e.value)
+    assert message.startswith("5 problems (all of them, each with its fix):\n"), message
+    assert "holds a 48x40 uint16 array, not 3 channel(s): set data.channels=1\n" in message
+    assert "data.mean: 3 values (ImageNet's), but the images hold 1 channel(s): give 1" in message
+    assert "(e.g. [0, 65535])" in message and "64 exceeds the 40 samples of an epoch" in message
+
+    # after the process group, the plan's own: the range and the census's count, at once
+    sets += ["data.channels=1", 'data.mean="auto"', 'data.std="auto"', "data.num_samples=50"]
+    with pytest.raises(ConfigError) as e:
+        plan_run(load_config("mae_demo", sets), 1, "cpu", 32)
+    keys = [f.split(": ")[1] for f in e.value.findings]
+    assert keys == ["data.value_range", "data.num_samples", "train.batch_size"], str(e.value)
+    assert "data.num_samples: 50, but the shards hold 40 samples" in str(e.value)
+
+    # no training shard: nothing of the data can be read, said with the layout's refusal
+    lost = ["data.train_shards=/nonexistent/x-000000.tar", "train.precision=fp16"]
+    with pytest.raises(ConfigError) as e:
+        plan_run(load_config("mae_demo", [*sets, *lost]), 1, "cpu", 32)
+    keys = [f.split(": ")[1] for f in e.value.findings]
+    assert keys == ["train.precision", "data.train_shards"], str(e.value)
+    assert all(f.startswith("--set ") for f in e.value.findings), str(e.value)
 
 
 def test_the_first_image_that_fits_no_channel_count_tells_its_dtype(tmp_path):

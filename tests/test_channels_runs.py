@@ -194,7 +194,10 @@ def test_each_kind_pretrains_skipping_its_corrupt_sample_with_its_statistics(run
     if kind == "tif":
         assert used["value_range"][0] >= 0 and used["value_range"][1] <= 60000
     records = read_metrics(run)
-    assert [m for m in records if "loss" in m][-1]["skipped"] >= 1  # the corrupt sample
+    # the corrupt sample: the others' shards carry it to the loader, which skips and counts it;
+    # our writer decodes every image and leaves it out (issue 50 §4)
+    skipped = [m for m in records if "loss" in m][-1]["skipped"]
+    assert skipped == 0 if KINDS[kind][5] == "ours" else skipped >= 1
     monitored = [m for m in records if "monitor/knn_top1" in m]
     assert [m["step"] for m in monitored] == [0, 4]
     if kind == "npy":  # HPM over MPP's factorised colours: a class per channel
@@ -361,3 +364,57 @@ def test_channels_and_in_chans_that_disagree_exit_2_naming_both(tmp_path, runs, 
     code = main(["--config", str(path), "--output-dir", str(tmp_path / "x")])
     assert code == 2 and "model.in_chans=3 but data.channels=4" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_grey_16_bit_run_gives_what_it_was_trained_on_to_every_reader(runs, tmp_path):
+    """Issue 50 §2: from the 16-bit grey run, k-NN, fine-tuning and mpp.create_model with
+    nothing said of its channels, statistics or value range take them from the run (its
+    model.json and data.json), as linear_demo's vit_tiny_patch8_32 takes its 16 px and patch 4;
+    the readers' config.json stays as loaded. Before, k-NN ended in `patch_embed.proj.weight
+    takes 1 channels; only RGB weights are adapted to 3`."""
+    import mpp
+
+    run, data = runs["png"]["run"], runs["png"]["data"]
+    used = json.loads((run / "data.json").read_text())
+    model = {**runs["png"]["cfg"]["model"], "name": "vit_tiny_patch8_32"}
+    shards = {"train_shards": data["train"], "val_shards": data["val"], "num_classes": 4}
+    knn = {"name": "k", "init": str(run), "model": model, "data": shards}
+    ft = {
+        **knn,
+        "finetune": {"mixup": 0.0, "cutmix": 0.0, "randaug_n": 0, "reprob": 0.0},
+        "optim": {"lr": 1e-3, "warmup_steps": 1},
+        "train": {"batch_size": 12, "max_steps": 1, "ckpt_every": 100},
+    }
+    for tool, cfg in (("knn", knn), ("finetune", ft)):
+        path = write_config(tmp_path / f"{tool}.json", cfg)
+        out = tmp_path / tool
+        r = run_cli(
+            ["python", f"downstream/{tool}.py", "--config", str(path), "--output-dir", str(out)]
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert json.loads((out / "data.json").read_text()) == used
+        built = json.loads((out / "model.json").read_text())
+        assert (built["in_chans"], built["img_size"], built["patch_size"]) == (1, SIZE, 4)
+        loaded = json.loads((out / "config.json").read_text())["data"]
+        assert loaded["channels"] == 3 and loaded["value_range"] is None  # as loaded
+    assert json.loads((tmp_path / "knn" / "results.json").read_text())["num_val"] == VAL
+
+    classifier = mpp.create_model("vit_tiny_patch8_32", pretrained=run, num_classes=4)
+    assert classifier.pretrained_cfg["input_size"] == (1, SIZE, SIZE)
+    assert [list(classifier.pretrained_cfg[k]) for k in ("mean", "std", "value_range")] == [
+        used[k] for k in ("mean", "std", "value_range")
+    ]
+    assert classifier(torch.randn(2, 1, SIZE, SIZE)).shape == (2, 4)
+
+    path = write_config(tmp_path / "rgb.json", {**knn, "data": {**shards, "channels": 3}})
+    r = run_cli(
+        [
+            "python",
+            "downstream/knn.py",
+            "--config",
+            str(path),
+            "--output-dir",
+            str(tmp_path / "rgb"),
+        ]
+    )
+    assert r.returncode == 2 and "leave data.channels unset to take the init's 1" in r.stderr

@@ -220,6 +220,7 @@ def test_persistent_workers_give_every_epoch_and_resume_point_of_a_fresh_loader(
 
 
 def test_bad_data_is_skipped_and_counted_exactly(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="mpp.data")
     good, _ = make_shards(tmp_path, [4, 3])
     jpeg = encode(99)
     mixed = write_tar(
@@ -255,8 +256,10 @@ def test_bad_data_is_skipped_and_counted_exactly(tmp_path, caplog):
     keys, _, batches = collect(loader)
     assert len(keys) == 4 + 3 + 2 + 2  # good, good, mixed (a, e), cut (0, 1)
     assert loader.skipped == 4  # summed over both worker processes
+    # named by this process, each once, with the running count
+    assert "mixed.tar#d: no image member" in caplog.text and "[4 skipped so far]" in caplog.text
 
-    caplog.set_level(logging.WARNING, logger="mpp.data")
+    caplog.clear()
     train = make_train_loader(
         [mixed, cut], batch_size=4, num_batches=5, img_size=16, num_workers=0, with_labels=True
     )
@@ -267,7 +270,43 @@ def test_bad_data_is_skipped_and_counted_exactly(tmp_path, caplog):
     assert (
         "mixed.tar#d" not in caplog.text
     )  # no image: outside the training order (the census names it)
-    assert len(caplog.records) < train.skipped  # rate-limited
+    assert len(caplog.records) < train.skipped  # each named once, however often it is met
+
+
+def test_a_bad_sample_is_named_once_per_run_and_counted_in_each_epoch_that_meets_it(
+    tmp_path, caplog
+):
+    """Issue 50, finding 5: over 3 epochs of one ``onwards`` pass (a training run's), the damaged
+    JPEG is named once, by the training process, with the running count; each epoch counts it
+    once, in its own batches: the next epoch's streams are opened early (primed) during this
+    one's last batches, but a run resumed at the next epoch counts it there, so counting it
+    early would count it twice across a resume."""
+    caplog.set_level(logging.WARNING, logger="mpp.data")
+    jpeg = encode(99)
+    damaged = jpeg[: jpeg.index(b"\xff\xda") + 14] + b"\x00\x01" * 200 + b"\xff\xd8\xff\xd9"
+
+    def shard(name: str) -> str:  # 12 samples; shard "b" starts with the damaged one
+        members = []
+        for i in range(12):
+            image = damaged if (name, i) == ("b", 0) else encode(12 * (name == "b") + i)
+            members += [(f"{name}{i:02d}.jpg", image), (f"{name}{i:02d}.cls", b"1")]
+        return write_tar(tmp_path / f"{name}.tar", members)
+
+    shards = [shard("a"), shard("b")]
+    # 24 samples, 4 streams of 6: every sample read once an epoch; the damaged one, at a shard's
+    # start, is a stream's first sample (no shuffle window), the one the priming reads
+    settings = dict(batch_size=4, num_batches=6, img_size=16, shuffle_buffer=1, num_workers=2)
+    loader = make_train_loader(shards, persistent=True, **settings)
+    loader.set_epoch(0, onwards=True)
+    counts = [b["skipped"] for b in itertools.islice(loader, 18)]
+    loader.close()
+    named = [r.getMessage() for r in caplog.records if "b.tar#b00" in r.getMessage()]
+    assert len(named) == 1 and named[0].endswith("[1 skipped so far]"), caplog.text
+    per_epoch = [counts[5], counts[11] - counts[5], counts[17] - counts[11]]
+    assert per_epoch == [1, 1, 1]
+    for epoch in range(3):  # what a run resumed at each epoch's start counts for it
+        fresh = make_train_loader(shards, epoch=epoch, **settings)
+        assert list(fresh)[-1]["skipped"] == 1
 
 
 def test_all_bad_shards_raise_instead_of_looping(tmp_path):

@@ -203,6 +203,44 @@ def test_a_failed_write_leaves_no_temporary_and_unreadable_input_is_an_error(
     assert list((tmp_path / "c").iterdir()) == []
 
 
+def damaged_jpeg(seed: int = 0) -> bytes:
+    """A real JPEG's header (its first ~600 bytes, to the scan's start) + garbage + end marker:
+    ``Image.open`` reads it, decoding its pixels fails (issue 50, finding 5)."""
+    jpeg = encode(random_image(seed, 64, 64))
+    garbage = np.random.default_rng(0).integers(0, 256, 3000, dtype=np.uint8).tobytes()
+    data = jpeg[: jpeg.index(b"\xff\xda") + 14] + garbage + b"\xff\xd9"
+    assert Image.open(io.BytesIO(data)).size == (64, 64)
+    with pytest.raises(OSError):
+        Image.open(io.BytesIO(data)).load()
+    return data
+
+
+def test_a_jpeg_whose_header_opens_but_pixels_do_not_decode_is_named_and_skipped(
+    tmp_path, capsys, caplog
+):
+    """Kept bytes are decoded whole at write time (a real ``load()``): the damaged file is named
+    once, left out of the shards and the count, not met by the loader every epoch."""
+    caplog.set_level(logging.WARNING, logger="mpp.data")
+    src = tmp_path / "src" / "cls"
+    src.mkdir(parents=True)
+    for i in range(3):
+        (src / f"{i}.jpg").write_bytes(encode(random_image(i)))
+    (src / "damaged.jpg").write_bytes(damaged_jpeg())
+    paths = shards_main([str(tmp_path / "src"), str(tmp_path / "out"), "--no-progress"])
+    out = capsys.readouterr().out
+    assert "wrote 3 samples, 1 classes" in out and "skipped 1 unreadable (named above)" in out
+    named = [r.getMessage() for r in caplog.records if "damaged.jpg" in r.getMessage()]
+    assert len(named) == 1 and "cannot read or decode it (OSError(" in named[0], named
+    assert sum(n.endswith(".jpg") for n in tar_members(paths[0])) == 3
+    assert read_sizes(paths)["shards"] == {"data-000000.tar": 3}
+    # through the API too, as bytes: named by its position
+    caplog.clear()
+    good = [(encode(random_image(i)), 0) for i in range(2)]
+    write_shards([*good, (damaged_jpeg(), 0)], tmp_path / "api", options=QUIET)
+    assert "skipping sample 2: cannot read or decode it" in caplog.text
+    assert listed_samples(str(tmp_path / "api" / "data-000000.tar")) == 2
+
+
 def test_arrays_resize_and_reencode(tmp_path):
     arrays = np.stack([random_image(i, 8, 8) for i in range(4)])
     path = write_shards(
@@ -297,3 +335,19 @@ def test_tar_reader_agrees_with_tarfile(tmp_path, fmt):
         ours = list(read_tar(f))
     assert ours == [(n, d) for n, d in tar_members(path).items() if n.endswith(".bin")]
     assert len(ours) == 6
+
+
+def test_one_shard_is_printed_by_its_name(tmp_path, capsys):
+    """``mpp shards`` printed ``val-{000000..000000}.tar`` for one shard, where README shows
+    ``val-000000.tar`` (issue 50, finding 9); the spec it prints reads back as what it wrote."""
+    from mpp.data import shard_spec
+
+    assert shard_spec("d", "val", 1) == "d/val-000000.tar"
+    assert shard_spec("d", "train", 2) == "d/train-{000000..000001}.tar"
+    src = tmp_path / "photos"
+    for i in range(3):
+        (src / "cat").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((8, 8, 3), 40 * i, np.uint8)).save(src / "cat" / f"{i}.png")
+    paths = shards_main([str(src), str(tmp_path / "out"), "--prefix", "val", "--no-progress"])
+    spec = capsys.readouterr().out.strip().split(" to ")[-1]
+    assert spec == f"{tmp_path / 'out'}/val-000000.tar" and expand_shards(spec) == paths

@@ -169,9 +169,18 @@ def test_the_xformers_fix_installs_the_torch_the_wheel_was_built_for():
     assert xformers_fix({}) == FIX_0035
 
 
-def test_the_xformers_row_prints_the_fix_for_this_install():
+def test_the_xformers_row_prints_the_fix_for_this_install(monkeypatch):
     """The real wheel under the real torch: here xformers 0.0.35 (built for 2.10.0+cu128) under
-    the CPU torch 2.13.0, so the row ends with the command that installs torch 2.10.0."""
+    the CPU torch 2.13.0. On a GPU (here as one with sm 9.0) the row ends with the command that
+    installs torch 2.10.0; without one it gave the same CUDA torch as advice (issue 50, finding
+    10): there SDPA is the path, said so, and no command is given."""
+    if not torch.cuda.is_available():
+        row = xformers_row()
+        assert row.verdict == PASS and "fix" not in row.values, row
+        assert "no GPU here: attn_backend auto runs PyTorch's SDPA" in row.reason, row.reason
+        assert "pip install" not in row.reason and "index-url" not in row.reason, row.reason
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
     row = xformers_row()
     assert row.values, row.reason  # xformers is a dependency: installed and answering
     built = row.values["build"]["build.torch_version"]
@@ -183,6 +192,31 @@ def test_the_xformers_row_prints_the_fix_for_this_install():
     assert row.verdict == WARN and row.values["fix"] == fix and row.reason.endswith(f"; fix: {fix}")
     if row.values["version"] == "xFormers 0.0.35":
         assert fix == FIX_0035
+
+
+def test_the_doctor_table_fits_100_columns():
+    """A reason as long as a real xformers row's (335 columns wide once): wrapped onto lines of
+    its own row, every word kept, the table 100 wide; short rows keep one line."""
+    from mpp.tools.doctor.__main__ import render
+
+    long = (
+        "built for torch 2.10.0+cu128 (here 2.13.0+cpu), CUDA 12.8 (here none: a CPU torch), "
+        "Python 3.10.19 (here 3.11.7): its own kernels do not load; ops left: cutlassF-pt, "
+        "cutlassB-pt, triton_splitKF; fix: " + FIX_0035
+    )
+    rows = [
+        Row("environment", "torch", PASS, "torch 2.13.0+cpu, Python 3.11.7"),
+        Row("environment", "xformers wheel", WARN, long),
+        Row("engine", "deepspeed launcher run", PASS, "4 steps"),
+    ]
+    table, counts = render(rows).split("\n\n")
+    lines = table.splitlines()
+    assert max(map(len, lines)) == 100, table
+    assert len(lines) > 2 + len(rows)  # the long reason wrapped
+    assert "https://download.pytorch.org/whl/cu128" in table  # no word broken
+    reason = " ".join(line.split("|")[4].strip() for line in lines[2:])
+    assert " ".join(r.reason for r in rows) == reason
+    assert counts == "2 pass, 1 warn, 0 fail, 0 needs a GPU"
 
 
 def test_spec_peaks_are_datasheet_dense_bf16_by_device_name():

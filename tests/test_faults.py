@@ -148,6 +148,43 @@ def test_garbage_jpegs_a_truncated_and_a_missing_shard_are_counted_and_the_run_c
     assert (tmp_path / "run" / "encoder.safetensors").is_file()
 
 
+def test_a_damaged_jpeg_is_named_once_a_command_and_skipped_counts_it_each_epoch_across_a_resume(
+    tmp_path, digits16
+):
+    """Issue 50, finding 5: one damaged JPEG (a header, then garbage) in 48 samples, each trained
+    once an epoch of 3 steps. 12 steps (4 epochs), stopped at step 4 (mid-epoch) and resumed:
+    ``skipped`` ends at 4, one per epoch, as a straight run's does (it restarted at 0 after a
+    resume), and each command names the sample once (every epoch did, before)."""
+    shard_dir = tmp_path / "shards"
+    shard_dir.mkdir()
+    jpeg = _jpeg(99)
+    damaged = jpeg[: jpeg.index(b"\xff\xda") + 14] + b"\x00\x01" * 200 + b"\xff\xd8\xff\xd9"
+    for s in range(2):
+        samples = [
+            (f"{s}-{i:03d}", damaged if (s, i) == (1, 5) else _jpeg(24 * s + i)) for i in range(24)
+        ]
+        _write_shard(shard_dir / f"train-{s:06d}.tar", samples)
+    spec = str(shard_dir / "train-{000000..000001}.tar")
+    cfg = tiny_config(
+        digits16,
+        data={"train_shards": spec, "num_workers": 2},
+        train={"max_steps": 12, "log_every": 2, "ckpt_every": 2},
+    )
+    cmd = ["python", "pretrain/run.py", "--config", str(write_config(tmp_path / "c.json", cfg))]
+    cmd += ["--output-dir", str(tmp_path / "run")]
+    stopped = run_cli([*cmd, "--set", "train.stop_at_step=4"])
+    resumed = run_cli(cmd)
+    for r in (stopped, resumed):
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stderr.count("train-000001.tar#1-005: cannot decode") == 1, r.stderr[-3000:]
+    records = last_per_step(read_metrics(tmp_path / "run"))
+    assert sorted(records) == list(range(2, 13, 2))
+    assert records[12]["skipped"] == 4 and records[4]["skipped"] in (1, 2)
+    assert [records[s]["skipped"] for s in sorted(records)] == sorted(
+        records[s]["skipped"] for s in records
+    )
+
+
 def test_all_bad_shards_stop_the_run_with_their_names_not_a_hang(tmp_path, digits16):
     shard_dir = tmp_path / "bad"
     shard_dir.mkdir()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
+from conftest import REPO
 from safetensors.torch import load_file
 
 from mpp.config import validate
@@ -81,8 +83,37 @@ def test_hf_export_of_a_classifier_gives_our_logits_and_refuses_mean_pooling(tmp
         torch.testing.assert_close(hf(pixel_values=x).logits, ours(x), rtol=0, atol=1e-5)
     assert hf.config.id2label[3] == "3"  # the digits shards' class names
     avg, _ = fake_run(tmp_path, "avg", num_classes=10, global_pool="avg")
-    with pytest.raises(ValueError, match="global_pool='avg'.*no counterpart.*--format timm"):
-        export(avg, "hf")
+    with pytest.raises(ValueError) as e:
+        export(avg, "hf", tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()  # refused before anything is written
+    for fix in ("no counterpart", "--format timm", "finetune.global_pool=token", "ViTModel"):
+        assert fix in str(e.value), str(e.value)
+
+
+def test_an_hf_encoder_loads_as_the_docs_say_with_no_missing_pooler(tmp_path, capfd):
+    """Issue 50, finding 11: transformers' ViTModel adds a pooler the export does not have and
+    lists it as MISSING unless told add_pooling_layer=False; every page that shows the load says
+    so, and so does the export command."""
+    from mpp.hub.export import main
+
+    for page in (REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))):
+        text = page.read_text()
+        for call in re.findall(r"ViTModel\.from_pretrained\([^)]*\)", text):
+            assert "add_pooling_layer=False" in call, f"{page.name}: {call}"
+        if "--format hf" in text:
+            assert "add_pooling_layer=False" in text, page.name
+    downstream = (REPO / "docs" / "downstream.md").read_text()
+    assert "finetune_demo" in downstream and "finetune.global_pool=token" in downstream
+    run, ours = fake_run(tmp_path)
+    capfd.readouterr()
+    assert main([str(run), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    said = capfd.readouterr().err
+    assert f"ViTModel.from_pretrained('{tmp_path / 'hf'}', add_pooling_layer=False)" in said
+    load = transformers.ViTModel.from_pretrained
+    hf, info = load(tmp_path / "hf", add_pooling_layer=False, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and hf.pooler is None
+    _, info = load(tmp_path / "hf", output_loading_info=True)  # what the docs warn of
+    assert set(info["missing_keys"]) == {"pooler.dense.weight", "pooler.dense.bias"}
 
 
 def test_timm_export_of_a_classifier_carries_head_pooling_and_the_runs_statistics(tmp_path):
@@ -353,7 +384,7 @@ def test_a_config_that_contradicts_the_weights_file_is_an_error_naming_both_valu
 
 
 def test_an_eps_timm_cannot_state_is_kept_for_hf_and_refused_for_timm(tmp_path):
-    from mpp.hub.pretrained import timm_model_kwargs
+    from mpp.hub.source import timm_model_kwargs
 
     run, ours = fake_run(tmp_path, norm_eps=1e-12)
     hf = transformers.ViTModel.from_pretrained(export(run, "hf"), add_pooling_layer=False).eval()

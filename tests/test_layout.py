@@ -364,3 +364,12 @@ def test_the_name_scan_skips_paths_and_file_names():
     assert dotted_names(text) == {"mpp.ops.patchify"}
     assert resolves("mpp.ops.patchify") and resolves("mpp.config.TrainConfig.batch_size")
     assert not resolves("mpp.hub.no_such_module") and not resolves("mpp.ops.no_such_helper")
+
+
+def test_readme_names_the_plot_extra_where_it_names_curves():
+    """README said nothing of the ``plot`` extra that draws ``RUN/curves.png`` (issue 50,
+    finding 9): the paragraph naming curves.png names the extra, as pyproject.toml defines it."""
+    assert 'plot = ["matplotlib' in (ROOT / "pyproject.toml").read_text()
+    paragraphs = (ROOT / "README.md").read_text().split("\n\n")
+    named = [p for p in paragraphs if "curves.png" in p]
+    assert named and all("pip install '.[plot]'" in p for p in named), named

@@ -329,16 +329,21 @@ def test_a_busy_port_and_missing_shards_are_one_line_each(tmp_path, digits16, ca
     assert f"data.value_range: unset, but {shard} holds uint16 images" in errors[0]
     assert not (tmp_path / "r").exists()
     # ... and under the default 3 channels, which a 16-bit grey image does not fit: named too
-    # (the check once skipped it, and the run started, then died of 100 skipped samples)
+    # (the check once skipped it, and the run started, then died of 100 skipped samples), with
+    # the count that fits, the statistics that do not fit it and the range, in one refusal
     code = main([*argv, "--set", f"data.train_shards={shard}"])
     err = capsys.readouterr().err
-    errors = [x for x in err.splitlines() if x.startswith("error:")]
-    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
-    assert (
+    assert code == 2 and err.count("error:") == 1 and "Traceback" not in err, err[-3000:]
+    assert "error: 4 problems (all of them, each with its fix):" in err, err
+    for finding in (
         f"data.channels: 3, but the first image of {shard} holds a 16x16 uint16 array, not 3 "
-        "channel(s): set data.channels to what the images hold, and data.value_range (unset): "
-        "say what maps to [0, 1] (e.g. [0, 65535])"
-    ) in errors[0], errors[0]
+        "channel(s): set data.channels=1",
+        "data.mean: 3 values (ImageNet's), but the images hold 1 channel(s): give 1 or",
+        "data.std: 3 values (ImageNet's), but the images hold 1 channel(s): give 1 or",
+        f"data.value_range: unset, but {shard} holds uint16 images: say what maps to [0, 1] "
+        "(e.g. [0, 65535])",
+    ):
+        assert finding in err, err
     assert not (tmp_path / "r").exists()
     # 8-bit RGB JPEGs under data.channels=1: refused as early, with no value-range advice (the
     # check once let every 8-bit misfit pass, and the run died of 100 skipped samples)
@@ -350,12 +355,13 @@ def test_a_busy_port_and_missing_shards_are_one_line_each(tmp_path, digits16, ca
     sets = [f"data.train_shards={shard}", "data.channels=1", "data.mean=[0.5]", "data.std=[0.25]"]
     code = main([*argv, *[a for s in sets for a in ("--set", s)]])
     err = capsys.readouterr().err
-    errors = [x for x in err.splitlines() if x.startswith("error:")]
-    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
-    assert errors[0].endswith(
+    assert code == 2 and err.count("error:") == 1 and "Traceback" not in err, err[-3000:]
+    assert (
         f"data.channels: 1, but the first image of {shard} holds a 16x16x3 uint8 array, not 1 "
-        "channel(s): set data.channels to what the images hold"
-    ), errors[0]
+        "channel(s): set data.channels=3\n"
+    ) in err, err
+    assert "data.mean: 1 value, but the images hold 3 channel(s)" in err, err
+    assert "value_range" not in err, err
     assert not (tmp_path / "r").exists()
 
 

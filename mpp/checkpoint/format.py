@@ -156,6 +156,22 @@ def saved_layout(ckpt_root: str | Path, tag: str) -> dict:
         return {}
 
 
+def written_by(ckpt_root: str | Path) -> tuple[dict, dict]:
+    """What the run that wrote the checkpoints in ``ckpt_root`` (its ``RUN/checkpoints``) recorded
+    beside them, read without touching a checkpoint: its config.json and its model.json (the
+    encoder it built), {} for each it lacks."""
+    from mpp.hub.encoder_file import MODEL_FILE
+
+    run_dir = Path(ckpt_root).parent
+    records = []
+    for name in ("config.json", MODEL_FILE):
+        try:
+            records.append(json.loads((run_dir / name).read_text()))
+        except (OSError, ValueError):
+            records.append({})
+    return records[0], records[1]
+
+
 def save_checkpoint(
     engine: Any,
     ckpt_root: str | Path,

@@ -23,6 +23,8 @@ class RunState:
     # steps whose non-finite losses were rolled back
     rollback_steps: list[int] = field(default_factory=list)
     lr_scale: float = 1.0  # train.rollback_lr_scale per rollback
+    # bad samples all ranks skipped, as of the last metrics record (metrics.jsonl's `skipped`)
+    skipped: int = 0
 
 
 def rng_state() -> dict[str, Any]:

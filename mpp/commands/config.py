@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from mpp.cli import add_set_argument
 from mpp.config import Config, ConfigError, FinetuneConfig, ProbeConfig, load_config
-from mpp.sections import sections_in
+from mpp.sections import nearest, sections_in
 
 KINDS = {"pretrain": Config, "finetune": FinetuneConfig, "probe": ProbeConfig}
 
@@ -50,6 +50,29 @@ def explain(key: str) -> list[str]:
     return [f"{key}  [{', '.join(kinds)}]\n{para}" for para, kinds in found.items()]
 
 
+def every_key(model: type[BaseModel] | None = None, prefix: str = "") -> set[str]:
+    """Every dotted key of the pretraining, fine-tuning and probe configs (``objective.bits``,
+    ``objective.base.bits``): what ``--explain`` can explain."""
+    if model is None:
+        return set().union(*(every_key(root) for root in KINDS.values()))
+    keys = set()
+    for name, field in model.model_fields.items():
+        keys.add(prefix + name)
+        for section in sections_in(field.annotation):
+            keys |= every_key(section, f"{prefix}{name}.")
+    return keys
+
+
+def suggest(key: str) -> str:
+    """' (did you mean X?)' for a key no config has: the same key of another section
+    (train.warmup_steps: optim.warmup_steps), else the nearest key; '' when none is near."""
+    keys = every_key()
+    leaf = key.rsplit(".", 1)[-1]
+    moved = sorted(k for k in keys if k.rsplit(".", 1)[-1] == leaf)
+    near = moved[:3] or [nearest(key, keys)]
+    return f" (did you mean {' or '.join(near)}?)" if near != [None] else ""
+
+
 def _type(annotation: Any) -> str:
     return str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
 
@@ -70,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         found = explain(args.explain)
         if not found:
             print(
-                f"error: {args.explain}: no such key in a pretraining, fine-tuning or probe config",
+                f"error: {args.explain}: no such key in a pretraining, fine-tuning or probe config"
+                + suggest(args.explain),
                 file=sys.stderr,
             )
             return 2

@@ -14,7 +14,7 @@ from mpp.checkpoint.storage import CheckpointError, DiskFullError
 from mpp.cli import config_from_args
 from mpp.config import ConfigError
 from mpp.data import DataError
-from mpp.jobs import initial_model, start_of
+from mpp.jobs import going_on, initial_model, start_of
 from mpp.parallel.distributed import PortInUse, world_from_env
 from mpp.submit import submit
 from mpp.train.nonfinite import NonFiniteLossError
@@ -48,8 +48,9 @@ def train_main(args: Any, argv: list[str] | None, command: str, cls: type, run, 
     try:
         cfg = config_from_args(args, cls)
         if args.submit:  # checked here, run there
-            initial_model(cfg)
-            start_of(cfg, args.resume, args.restart, rank)
+            model = initial_model(cfg)
+            resume = start_of(cfg, args.resume, args.restart, rank, model.encoder)
+            going_on(cfg, args.resume, resume, rank)
         else:
             done = run(cfg, args.resume, args.restart)
     except tuple(kind for kind, _ in EXIT_STATUS) as e:
@@ -67,6 +68,6 @@ def train_main(args: Any, argv: list[str] | None, command: str, cls: type, run, 
         return next(status for kind, status in EXIT_STATUS if isinstance(e, kind))
     if args.submit:
         return submit(command, argv, cfg)
-    if rank == 0:
+    if rank == 0 and done.ran:  # else the line saying it had finished is all
         report(done)
     return 0

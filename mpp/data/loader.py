@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from .census import census
-from .errors import SkipCounter
+from .errors import SkipCounter, SkipLog
 from .order import EpochShards, done_before, epoch_order, schedule, split, stream_samples
 from .sources import check_shards, expand_shards
 from .tario import shard_samples
@@ -53,7 +53,9 @@ def select_image(
         key = f"{url}#{sample['__key__']}"
         image = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
         if image is None:
-            errors.skip(f"skipping sample {key}: no image member (has {sorted(sample)})", url)
+            errors.skip(
+                f"skipping sample {key}: no image member (has {sorted(sample)})", url, name=key
+            )
             continue
         label = None
         if with_labels:
@@ -62,7 +64,7 @@ def select_image(
                 if num_classes is not None and not 0 <= label < num_classes:
                     raise ValueError(f"label {label} outside [0, {num_classes})")
             except (KeyError, ValueError) as exn:
-                errors.skip(f"skipping sample {key}: bad or missing .cls ({exn!r})", url)
+                errors.skip(f"skipping sample {key}: bad or missing .cls ({exn!r})", url, name=key)
                 continue
         errors.sample_read()
         yield image, label, key
@@ -78,10 +80,10 @@ def decode(
         try:
             image = transform(data, rng=rng)
         except SampleFormatError as exn:  # another channel count, dtype or layout
-            errors.skip(f"skipping sample {key}: it {exn}", decode=True)
+            errors.skip(f"skipping sample {key}: it {exn}", decode=True, name=key)
             continue
         except Exception as exn:  # PIL raises many types for corrupt data
-            errors.skip(f"skipping sample {key}: cannot decode ({exn!r})", decode=True)
+            errors.skip(f"skipping sample {key}: cannot decode ({exn!r})", decode=True, name=key)
             continue
         errors.sample_decoded()
         yield image, label, key
@@ -129,7 +131,8 @@ class StreamConfig:
 
 class _Stream(IterableDataset):
     """Shards + settings; each DataLoader worker iterates its own part (``batches``), each batch
-    sent with the worker's bad-data count."""
+    sent with the worker's bad-data count and what it skipped since its last batch, for the
+    ``Loader`` to name (once per run: a worker does not know what the others named)."""
 
     def __init__(self, shards: list[str], cfg: StreamConfig):
         self.shards, self.cfg = shards, cfg
@@ -137,11 +140,17 @@ class _Stream(IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
-        errors = SkipCounter(self.cfg.max_consecutive_errors)
+        errors = SkipCounter(self.cfg.max_consecutive_errors, log_here=False)
+        self.ahead = 0
         for batch in self.batches(worker, num_workers, errors):
-            yield {**batch, "_worker": worker, "_skipped": errors.skipped}
+            yield {**batch, **self._skips(worker, errors)}
         # a last message so errors after the final batch (or in a worker with none) still count
-        yield {"_worker": worker, "_skipped": errors.skipped, "_end": True}
+        yield {**self._skips(worker, errors), "_end": True}
+
+    def _skips(self, worker: int, errors: SkipCounter) -> dict:
+        # ahead: skips in batches not made yet (the next epoch's, primed), counted with them
+        skipped = errors.skipped - self.ahead
+        return {"_worker": worker, "_skipped": skipped, "_skips": errors.take_reports()}
 
 
 class _TrainStream(_Stream):
@@ -174,10 +183,13 @@ class _TrainStream(_Stream):
                 if following and left < PRIME_BATCHES:  # the next epoch's streams, a share a batch
                     if primed is None:
                         primed = _Primed(self._streams(upcoming, worker, num_workers, errors))
+                    before = errors.skipped
                     primed.prime(1 / (left + 1))
+                    # the next epoch's bad samples count in its batches: a resume there meets them
+                    self.ahead += errors.skipped - before
             if not following:
                 return
-            c = upcoming
+            c, self.ahead = upcoming, 0
             streams = primed.streams if primed else self._streams(c, worker, num_workers, errors)
 
     def _streams(
@@ -296,7 +308,10 @@ def _ignore_stop_signals(worker_id: int) -> None:
 
 
 class Loader:
-    """Iterable of batch dicts; `skipped` sums the bad-data counts reported by every worker.
+    """Iterable of batch dicts; `skipped` sums the bad-data counts reported by every worker in
+    this pass, each batch's ``skipped`` the count up to it. The workers' bad data is named here,
+    each item once for the loader's life (a training run: every epoch, ``set_epoch(onwards=True)``
+    or pass by pass), with this loader's running count of skips.
 
     ``persistent``: one DataLoader, its workers kept across passes (a training run's epochs:
     ``set_epoch`` before each), instead of new worker processes every epoch."""
@@ -316,7 +331,8 @@ class Loader:
         # a training micro-batch arrives in one part per worker, in worker order
         self.parts = max(1, num_workers) if isinstance(dataset, _TrainStream) else 1
         self._loader: DataLoader | None = None
-        self._skipped: dict[int, int] = {}
+        self._skipped: dict[int, int] = {}  # this pass's count, by worker
+        self.met, self.skip_log = 0, SkipLog()  # bad data met in every pass, as it was reported
 
     def set_epoch(self, epoch: int, start_batch: int = 0, onwards: bool = False) -> None:
         """The next pass is ``epoch`` from its batch ``start_batch`` (a training stream);
@@ -371,6 +387,7 @@ class Loader:
         try:
             for item in items:
                 self._skipped[item.pop("_worker")] = item.pop("_skipped")
+                self._name_skips(item.pop("_skips"))
                 if item.pop("_end", False):
                     continue
                 parts.append(item)
@@ -392,6 +409,13 @@ class Loader:
         if self.num_batches is not None and count != self.num_batches:
             # unequal batch counts across ranks deadlock the next collective: fail loudly instead
             raise RuntimeError(f"training loader gave {count} batches, expected {self.num_batches}")
+
+    def _name_skips(self, reports: list[tuple[str, str]]) -> None:
+        """A worker's skips since its last batch, counted and named (the first time each is met)
+        with the running count."""
+        for name, message in reports:
+            self.met += 1
+            self.skip_log.warn(name, message, self.met)
 
     def log_keys(self, keys: list[str], epoch: int, batch: int) -> None:
         """One line of the key log (``data.log_keys``): an ``onwards`` pass runs ahead of the

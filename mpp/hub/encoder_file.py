@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mpp.checkpoint.storage import CheckpointError
+from mpp.data.stats import run_pixels
 
 # in a run directory, beside config.json (which stays as loaded): the encoder the run built, as
 # this file's metadata states it (mpp.checkpoint.manager.encoder_kwargs)
@@ -25,22 +26,43 @@ def export_encoder(
     path: str | Path,
     prefix: str = "encoder.",
 ) -> None:
+    """The encoder's fp32 weights with their architecture, and the pixels of the run it is
+    written into (its data.json), so the file alone says what it was trained on."""
     enc = {k[len(prefix) :]: v.float() for k, v in state_dict.items() if k.startswith(prefix)}
     if not enc:
         raise ValueError(f"no '{prefix}*' weights in the state dict")
-    save_weights(enc, path, {"format": "mpp-encoder", "model": model_kwargs})
+    save_weights(enc, path, encoder_metadata(model_kwargs, run_pixels(Path(path).parent)))
 
 
-def encoder_file_kwargs(path: str | Path) -> dict:
-    """The model kwargs an exported ``encoder.safetensors`` states in its metadata ({}: none),
-    read without its tensors."""
+def encoder_metadata(model_kwargs: dict, pixels: dict | None) -> dict:
+    """An ``encoder.safetensors``'s metadata: the architecture, and the mean, std and value
+    range it was trained on when known (as timm's ``pretrained_cfg`` carries them)."""
+    meta = {"format": "mpp-encoder", "model": model_kwargs}
+    return meta | ({"data": pixels} if pixels else {})
+
+
+def encoder_file_metadata(path: str | Path) -> dict:
+    """An exported ``encoder.safetensors``'s metadata, each value decoded ({"model": ..., "data":
+    ...}; {} for a file that states none), read without its tensors."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            return json.loads((f.metadata() or {}).get("model", "{}"))
+            meta = f.metadata() or {}
     except (SafetensorError, OSError, ValueError) as e:  # a truncated copy, or not a weights file
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    out = {}
+    for key in ("model", "data"):
+        try:
+            out[key] = json.loads(meta[key]) if key in meta else {}
+        except ValueError:
+            out[key] = {}  # another tool's metadata under the same name
+    return out
+
+
+def encoder_file_kwargs(path: str | Path) -> dict:
+    """The model kwargs an exported ``encoder.safetensors`` states in its metadata ({}: none)."""
+    return encoder_file_metadata(path)["model"]
 
 
 def load_encoder_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:

@@ -21,9 +21,10 @@ import sys
 from pathlib import Path
 
 from mpp.checkpoint.storage import CheckpointError
-from mpp.hub.encoder_file import save_weights
+from mpp.hub.encoder_file import encoder_metadata, save_weights
 from mpp.hub.hf import hf_config, to_hf
-from mpp.hub.pretrained import load_pretrained, run_model_kwargs
+from mpp.hub.pretrained import load_pretrained
+from mpp.hub.source import weight_source
 from mpp.models.vit import full_vit_config
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD, to_2tuple
 
@@ -66,47 +67,34 @@ def timm_model_args(model_kwargs: dict) -> dict:
 
 
 def run_info(source: str | Path) -> dict:
-    """What the run that made ``source`` knew: its mean/std (its data.json, else config.json)
-    and its shards' class names (its config.json); ImageNet's statistics and no names when there
-    is no run beside it."""
+    """What the encoder ``source`` holds was trained on (``weight_source``): its mean, std and
+    value range (ImageNet's statistics and 8-bit when it states none), and its run's shards' class
+    names (its config.json; None when there is no run beside it)."""
     from mpp.data import digits_shards, expand_shards, read_sizes
-    from mpp.data.stats import run_pixels
 
-    src = Path(source)
-    # beside a run's encoder.safetensors, or above its checkpoints/ or checkpoints/stepN
-    cfg_file = next(
-        (
-            d / "config.json"
-            for d in (src, src.parent, src.parent.parent)
-            if (d / "config.json").is_file()
-        ),
-        None,
-    )
-    info = {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD), "class_names": None}
-    if cfg_file is None:
+    found = weight_source(source)
+    info = {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD), "value_range": None}
+    info |= {k: list(v) if v else v for k, v in found.pixels.items()}
+    info["class_names"] = None
+    run = found.run_dir
+    if run is None or not (run / "config.json").is_file():
         return info
-    cfg = json.loads(cfg_file.read_text())
-    data = cfg.get("data") or {}
-    used = run_pixels(cfg_file.parent) or {}
-    if not used and "auto" in (data.get("mean"), data.get("std")):
+    data = json.loads((run / "config.json").read_text()).get("data") or {}
+    if not found.pixels and "auto" in (data.get("mean"), data.get("std")):
         raise ValueError(
-            f'{cfg_file}: data.mean/std "auto", and no data.json beside it says what the run '
-            "measured (copy the run's data.json and model.json with its config.json)"
+            f'{run / "config.json"}: data.mean/std "auto", and no data.json beside it says what '
+            "the run measured (copy the run's data.json and model.json with its config.json)"
         )
-    info.update(
-        mean=list(used.get("mean") or info["mean"]), std=list(used.get("std") or info["std"])
-    )
     try:
-        side = full_vit_config(run_model_kwargs(cfg_file.parent))["img_size"]
-        side = side[0] if isinstance(side, list) else side
-        spec = data.get("train_shards") or digits_shards(side)["train"]
+        spec = data.get("train_shards") or digits_shards(found.img_size)["train"]
         info["class_names"] = (read_sizes(expand_shards(spec)) or {}).get("class_names")
-    except (KeyError, ValueError, OSError):
+    except (KeyError, ValueError, OSError, TypeError):
         pass  # no class names: HF labels stay "0", "1", ...
     return info
 
 
 def export(source: str | Path, fmt: str, out: str | Path | None = None) -> Path:
+    """``source``'s encoder (or fine-tuned classifier) as ``fmt``; the path written."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; allowed: {FORMATS}")
     sd, kwargs = load_pretrained(source)
@@ -119,17 +107,19 @@ def export(source: str | Path, fmt: str, out: str | Path | None = None) -> Path:
     if not classifier:
         sd = {k: v for k, v in sd.items() if not k.startswith("head.")}
         kwargs = {k: v for k, v in kwargs.items() if k not in ("num_classes", "global_pool")}
+    elif fmt == "hf":
+        hf_config(kwargs)  # refused before anything is written: what HF cannot express
     src = Path(source)
     base = src if src.is_dir() else src.parent
-    if fmt == "safetensors":
+    if fmt == "safetensors":  # with what the source states it was trained on, as it states it
         path = Path(out) if out else base / "encoder.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_weights(sd, path, {"format": "mpp-encoder", "model": kwargs})
+        pixels = {k: list(v) if v else v for k, v in weight_source(source).pixels.items()}
+        save_weights(sd, path, encoder_metadata(kwargs, pixels))
         return path
     folder = Path(out) if out else base / fmt
-    info = run_info(source)
     write = write_timm if fmt == "timm" else write_hf
-    write(sd, kwargs, info, folder)
+    write(sd, kwargs, run_info(source), folder)
     return folder
 
 
@@ -157,6 +147,8 @@ def write_timm(sd: dict, kwargs: dict, info: dict, folder: Path) -> None:
     }
     if info["class_names"] and args["num_classes"]:
         config["label_names"] = info["class_names"]
+    if info["value_range"]:  # not 8-bit: what maps to [0, 1] (timm's own readers assume 255)
+        config["value_range"] = info["value_range"]
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -178,15 +170,19 @@ def write_hf(sd: dict, kwargs: dict, info: dict, folder: Path) -> None:
     )
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     h, w = to_2tuple(full["img_size"], "img_size")
+    # the value range to [0, 1]: HF rescales by a factor only, so a low end other than 0 moves
+    # into the mean ((x / span - low / span) - mean == x / span - (mean + low / span))
+    low, high = info["value_range"] or (0, 255)
+    span = high - low
     processor = {
         "image_processor_type": "ViTImageProcessor",
         "do_resize": True,
         "size": {"height": h, "width": w},
         "resample": 3,  # PIL bicubic
         "do_rescale": True,
-        "rescale_factor": 1 / 255,
+        "rescale_factor": 1 / span,
         "do_normalize": True,
-        "image_mean": info["mean"],
+        "image_mean": [m + low / span for m in info["mean"]],
         "image_std": info["std"],
     }
     (folder / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
@@ -208,7 +204,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)  # CheckpointError: a damaged file, named
         return 2
     print(path)
+    if args.format == "hf":
+        print(hf_loading(path), file=sys.stderr)
     return 0
+
+
+def hf_loading(folder: Path) -> str:
+    """How transformers loads the folder: an encoder as ``ViTModel`` without the pooler it would
+    otherwise add untrained (and list as MISSING in its load report)."""
+    arch = json.loads((folder / "config.json").read_text())["architectures"][0]
+    if arch == "ViTModel":
+        return (
+            f"load it with transformers.ViTModel.from_pretrained('{folder}', "
+            "add_pooling_layer=False): the encoder has no pooler (ViTModel would add an untrained "
+            "one, listed as MISSING in its load report); last_hidden_state is our forward_features"
+        )
+    return f"load it with transformers.{arch}.from_pretrained('{folder}')"
 
 
 if __name__ == "__main__":

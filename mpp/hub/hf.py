@@ -24,9 +24,13 @@ def hf_config(model_kwargs: dict, id2label: dict[int, str] | None = None) -> dic
     num_classes = int(full.get("num_classes", 0) or 0)
     if num_classes and full.get("global_pool", "token") != "token":
         raise ValueError(
-            f"global_pool={full['global_pool']!r}: Hugging Face's ViTForImageClassification classifies the "
-            "cls token after the final LayerNorm; a mean-pooled head with fc_norm (MAE's fine-tuning) has "
-            "no counterpart there. Export it with --format timm, or fine-tune with finetune.global_pool=token"
+            f"global_pool={full['global_pool']!r}: Hugging Face's ViTForImageClassification "
+            "classifies the cls token after the final LayerNorm; a mean-pooled head with fc_norm "
+            "(MAE's fine-tuning recipe: finetune.global_pool's default, every shipped fine-tuning "
+            "config's) has no counterpart there. Export this run with --format timm (timm's "
+            "VisionTransformer takes it as it is), fine-tune with --set finetune.global_pool=token "
+            "for an HF classifier, or export the pretraining run it started from with --format hf "
+            "(an encoder for ViTModel)"
         )
     dim, mlp_ratio = full["embed_dim"], full.get("mlp_ratio", 4.0)
     if float(dim * mlp_ratio) != int(dim * mlp_ratio):

@@ -7,8 +7,6 @@ Never unpickles arbitrary objects."""
 
 from __future__ import annotations
 
-import inspect
-import json
 import logging
 import math
 import os
@@ -16,17 +14,17 @@ from pathlib import Path
 
 import torch
 
-from mpp.checkpoint.format import MARKER, complete_tags, find_checkpoint, zero_to_fp32
+from mpp.checkpoint.format import MARKER, complete_tags, zero_to_fp32
 from mpp.checkpoint.storage import CheckpointError
-from mpp.hub.encoder_file import MODEL_FILE, encoder_file_kwargs, load_encoder_file
-from mpp.hub.hf import model_kwargs_from_hf, read_hf_folder
-from mpp.models.vit import VisionTransformer, full_vit_config, resample_abs_pos_embed, vit_config
+from mpp.hub.encoder_file import load_encoder_file
+from mpp.hub.hf import read_hf_folder
+from mpp.hub.source import RELEASE_SUFFIXES, differs, folder_kind, weight_source
+from mpp.models.vit import VisionTransformer, full_vit_config, resample_abs_pos_embed
 
 log = logging.getLogger(__name__)
 
 # the encoder's keys in timm's (and MAE's, and our) naming
 ENCODER_KEYS = ("cls_token", "pos_embed", "patch_embed.", "blocks.", "norm.", "fc_norm.", "head.")
-RELEASE_SUFFIXES = (".pth", ".pt", ".bin")
 # what the tensors' shapes say, and what only a file's metadata / config says (the image size is
 # neither: a new resolution resamples pos_embed)
 SHAPE_FACTS = ("patch_size", "in_chans", "embed_dim", "depth", "mlp_ratio", "qkv_bias")
@@ -41,31 +39,26 @@ def load_pretrained(init: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(encoder state dict with timm names, model kwargs if known) from ``init``: an exported or
     timm ``.safetensors``, a Hugging Face or timm folder, a checkpoint in MAE's / HPM's release
     format (``{"model": state_dict}``, ``.pth``), a pretrain run directory, or a DeepSpeed
-    checkpoint (root or tag) of any ZeRO stage. Never unpickles arbitrary objects."""
-    path = _existing(init)
-    kind, config = _folder_kind(path)
-    if kind == "hf":
-        return read_hf_folder(path)
-    if kind == "timm":
-        return load_encoder_file(path / "model.safetensors")[0], timm_model_kwargs(config)
-    if (path / "encoder.safetensors").is_file():
-        path = path / "encoder.safetensors"
-    if path.is_file():
-        if path.suffix in RELEASE_SUFFIXES:
-            sd = read_release_file(path)
-            return {k: v for k, v in sd.items() if k.startswith(ENCODER_KEYS)}, {}
-        return load_encoder_file(path)
-    found = find_checkpoint(path)
-    if found is None:
-        raise ValueError(_no_weights(path))
-    sd = zero_to_fp32(*found)
+    checkpoint (root or tag) of any ZeRO stage (``weight_source``). Never unpickles arbitrary
+    objects."""
+    source = weight_source(init)
+    if source.kind == "hf":
+        return read_hf_folder(source.path)
+    if source.kind == "timm":
+        return load_encoder_file(source.path / "model.safetensors")[0], source.model
+    if source.kind == "release":
+        sd = read_release_file(source.path)
+        return {k: v for k, v in sd.items() if k.startswith(ENCODER_KEYS)}, {}
+    if source.kind == "encoder":
+        return load_encoder_file(source.path)
+    sd = zero_to_fp32(str(source.path), source.tag)
     # the encoder inside any objective (not a teacher's): the shortest '...encoder.' prefix
     prefixes = {k[: k.index("encoder.") + len("encoder.")] for k in sd if "encoder." in k}
     prefix = min((p for p in prefixes if not p.startswith("teacher")), key=len, default=None)
     if prefix is None:
         raise ValueError(f"{init}: the checkpoint holds no encoder weights")
     encoder = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
-    kwargs = run_model_kwargs(Path(found[0]).parent)
+    kwargs = dict(source.model)
     # a fine-tuning run's classifier (an older run's config.json leaves the head out)
     if "head.weight" in encoder:
         pool = "avg" if "fc_norm.weight" in encoder else "token"
@@ -80,134 +73,25 @@ def init_record(init: str | Path) -> dict:
     if init == "scratch":
         return {}
     path = Path(init)
-    if not path.is_dir() or _folder_kind(path)[0]:
+    if not path.is_dir() or folder_kind(path)[0]:
         return {"init_read": str(path)}
-    found = find_checkpoint(path)
-    root = Path(found[0]) if found else path / "checkpoints"
+    source = weight_source(path)
+    root = source.path if source.kind == "checkpoint" else path / "checkpoints"
     tags = complete_tags(root)
-    export = path / "encoder.safetensors"
-    if export.is_file():  # what load_pretrained reads: the checkpoints written before it
-        made = export.stat().st_mtime
+    if source.kind == "encoder":  # the checkpoints written before it
+        made = source.path.stat().st_mtime
         before = [t for t in tags if (root / t / MARKER).stat().st_mtime <= made]
-        record = {"init_read": str(export)}
+        record = {"init_read": str(source.path)}
         finished = before == tags and not (path / "preempted.json").is_file()
         tags = before
     else:
-        record = {"init_read": str(root / found[1]) if found and found[1] else str(path)}
+        record = {"init_read": str(root / source.tag) if source.tag else str(path)}
         finished = False
     if tags:
         record["init_step"] = int(tags[-1].removeprefix("step"))
     if (path / "config.json").is_file():  # a run's directory: did it finish?
         record["init_finished"] = finished
     return record
-
-
-def _no_weights(path: Path) -> str:
-    results = path / "results.json"
-    if results.is_file() and "eval" in (done := json.loads(results.read_text())):
-        return (
-            f"{path}: a {done['eval']} evaluation run keeps no weights (it read {done.get('init')})"
-        )
-    return f"{path}: neither encoder.safetensors nor a DeepSpeed checkpoint found there"
-
-
-def _existing(init: str | Path) -> Path:
-    path = Path(init)
-    if not path.exists():
-        raise FileNotFoundError(f"{init}: no such file or directory")
-    if path.is_file() and path.suffix not in RELEASE_SUFFIXES + (".safetensors",):
-        raise ValueError(
-            f"{init}: unknown kind (expected .safetensors, .pth, a run directory, a Hugging Face "
-            "or timm folder, or a DeepSpeed checkpoint)"
-        )
-    return path
-
-
-def run_model_kwargs(run_dir: Path) -> dict:
-    """The encoder a run built: its model.json, else (a run from before model.json) its
-    config.json's model section; {} when it has neither."""
-    if (run_dir / MODEL_FILE).is_file():
-        model = json.loads((run_dir / MODEL_FILE).read_text())
-    elif (run_dir / "config.json").is_file():
-        model = json.loads((run_dir / "config.json").read_text()).get("model", {})
-    else:
-        return {}
-    # not init, grad_checkpointing
-    architecture = {"name", *inspect.signature(VisionTransformer).parameters}
-    return {k: v for k, v in model.items() if v is not None and k in architecture}
-
-
-def read_model_kwargs(init: str | Path) -> dict:
-    """The model kwargs ``init`` states, read without its tensors (metadata, model.json);
-    {} when it states none (a release .pth, a bare timm .safetensors)."""
-    path = _existing(init)
-    kind, config = _folder_kind(path)
-    if kind:
-        return model_kwargs_from_hf(config) if kind == "hf" else timm_model_kwargs(config)
-    if (path / "encoder.safetensors").is_file():
-        path = path / "encoder.safetensors"
-    if path.is_file():
-        if path.suffix != ".safetensors":
-            return {}
-        try:
-            return encoder_file_kwargs(path)
-        except CheckpointError:
-            return {}  # a damaged file: the load that follows names it
-    found = find_checkpoint(path)
-    return run_model_kwargs(Path(found[0]).parent) if found else {}
-
-
-# timm VisionTransformer arguments that only change training (dropout rates), and those whose
-# timm default is the only value our ViT has
-_TIMM_TRAINING_ARGS = (
-    "drop_rate",
-    "pos_drop_rate",
-    "patch_drop_rate",
-    "proj_drop_rate",
-    "attn_drop_rate",
-    "drop_path_rate",
-)
-_TIMM_FIXED_ARGS = {
-    "class_token": True,
-    "reg_tokens": 0,
-    "no_embed_class": False,
-    "pre_norm": False,
-    "qk_norm": False,
-    "init_values": None,
-    "dynamic_img_size": False,
-    "act_layer": None,
-    "norm_layer": None,
-}
-
-
-def timm_model_kwargs(config: dict) -> dict:
-    """A timm hub ``config.json`` (``mpp.hub.export``'s or timm's) -> our model kwargs: the variant from
-    ``architecture`` and its ``model_args``; an argument our ViT cannot follow is an error naming it."""
-    args = dict(config.get("model_args") or {})
-    for key, value in args.items():
-        if key in _TIMM_FIXED_ARGS and value != _TIMM_FIXED_ARGS[key]:
-            raise ValueError(
-                f"timm model_args {key}={value!r}: our ViT supports only {_TIMM_FIXED_ARGS[key]!r}"
-            )
-    if args.pop("fc_norm", None) not in (None, args.get("global_pool") == "avg"):
-        raise ValueError(
-            f"timm model_args fc_norm={config['model_args']['fc_norm']!r} with global_pool="
-            f"{args.get('global_pool')!r}: ours normalises after pooling exactly when it averages"
-        )
-    kwargs = {
-        k: v for k, v in args.items() if k not in _TIMM_FIXED_ARGS and k not in _TIMM_TRAINING_ARGS
-    }
-    name = str(config.get("architecture", "")).split(".")[0]  # "vit_base_patch16_224.augreg_in21k"
-    try:
-        vit_config(name)
-    except ValueError:
-        if not {"img_size", "patch_size"} <= kwargs.keys():
-            return {}
-        side = kwargs["img_size"] if isinstance(kwargs["img_size"], int) else kwargs["img_size"][0]
-        name = f"vit_base_patch{kwargs['patch_size']}_{side}"
-    if not kwargs.get("num_classes"):
-        kwargs.pop("num_classes", None), kwargs.pop("global_pool", None)
-    return {"name": name, **kwargs}
 
 
 def tensor_facts(sd: dict[str, torch.Tensor]) -> dict:
@@ -225,11 +109,6 @@ def tensor_facts(sd: dict[str, torch.Tensor]) -> dict:
         mlp_ratio=mlp_ratio,
         qkv_bias="blocks.0.attn.qkv.bias" in sd,
     )
-
-
-def _same(a: object, b: object) -> bool:
-    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
-    return math.isclose(a, b, rel_tol=1e-9) if numbers else a == b
 
 
 def check_pooling(model: VisionTransformer, sd: dict[str, torch.Tensor], init: str | Path) -> None:
@@ -280,7 +159,7 @@ def check_stated_facts(
     stated = tensor_facts(sd)
     if "name" in model_kwargs and stated:
         meta = {**FACT_DEFAULTS, **full_vit_config(model_kwargs)}
-        if differ := [k for k in SHAPE_FACTS if k in meta and not _same(meta[k], stated[k])]:
+        if differ := [k for k in SHAPE_FACTS if k in meta and differs(meta[k], stated[k])]:
             log.warning(
                 "%s: its metadata does not describe its tensors (%s): num_heads and norm_eps not checked",
                 init,
@@ -290,7 +169,7 @@ def check_stated_facts(
             stated.update({k: meta[k] for k in STATED_FACTS})
     ours = model.architecture()
     for key, theirs in ((k, stated[k]) for k in NAMED_FACTS if k in stated):
-        if not _same(theirs, ours[key]):
+        if differs(theirs, ours[key]):
             raise ValueError(
                 f"init {init}: its weights state {key}={theirs!r}, the config's model has "
                 f"{key}={ours[key]!r} (model.{key}): they must agree"
@@ -313,14 +192,22 @@ def adapt_input_channels(weight: torch.Tensor, chans: int) -> torch.Tensor:
     return tiled.to(weight.dtype)
 
 
+# what the messages call the model's channels and size: a config's keys, or create_model's
+CONFIG_KEYS = {"channels": "data.channels", "img_size": "model.img_size"}
+
+
 def load_into(
-    model: VisionTransformer, init: str | Path, chans_policy: str = "adapt"
+    model: VisionTransformer,
+    init: str | Path,
+    chans_policy: str = "adapt",
+    keys: dict[str, str] = CONFIG_KEYS,
 ) -> dict[str, list[str]]:
     """Load pretrained encoder weights into ``model``: the head is left fresh, the position
     embedding resampled to the model's grid, RGB weights adapted to another channel count
     (``chans_policy`` "adapt": ``adapt_input_channels``, said in one line; "error": refused); an
-    architecture fact or a shape that differs is an error naming it. Returns the keys left at
-    their initialisation (e.g. head, fc_norm)."""
+    architecture fact or a shape that differs is an error naming it (``keys``: what the caller
+    calls the channels and the size). Returns the keys left at their initialisation (e.g. head,
+    fc_norm)."""
     sd, kwargs = load_pretrained(init)
     # first: its fc_norm would read as "not a parameter of the model"
     check_pooling(model, sd, init)
@@ -332,10 +219,17 @@ def load_into(
         )
     proj, chans = sd.get("patch_embed.proj.weight"), model.patch_embed.in_chans
     if proj is not None and proj.shape[1] != chans:
+        theirs, key = proj.shape[1], keys["channels"]
+        if theirs != 3:
+            raise ValueError(
+                f"init {init}: its patch embedding takes {theirs} channel(s), the model {chans} "
+                f"({key}={chans}): only RGB weights are adapted to another count; leave {key} "
+                f"unset to take the init's {theirs} with its statistics"
+            )
         if chans_policy != "adapt":
             raise ValueError(
-                f"init {init}: its patch embedding takes {proj.shape[1]} channels, the model "
-                f"{chans} (data.channels); model.init_chans_policy=adapt adapts RGB weights"
+                f"init {init}: its patch embedding takes {theirs} channels, the model "
+                f"{chans} ({key}); model.init_chans_policy=adapt adapts RGB weights"
             )
         sd["patch_embed.proj.weight"] = adapt_input_channels(proj, chans)
         how = "summed" if chans == 1 else f"tiled and scaled by 3/{chans}"
@@ -349,27 +243,15 @@ def load_into(
     if resampled and os.environ.get("RANK", "0") == "0":
         log.warning(
             "init %s: position embeddings resampled from its %dx%d patches to the model's %dx%d "
-            "(model.img_size %d)",
+            "(%s %d)",
             init,
             resampled,
             resampled,
             *model.grid_size,
+            keys["img_size"],
             model.patch_embed.img_size[0],
         )
     return {"initialised": missing}
-
-
-def _folder_kind(path: Path) -> tuple[str | None, dict]:
-    """("hf", its config) for a ``save_pretrained`` folder of a Hugging Face ViT, ("timm", its
-    config) for a timm hub folder (``config.json`` with ``architecture`` + ``model.safetensors``,
-    as ``mpp export --format timm`` writes), else (None, {}): one of our run directories too."""
-    cfg = path / "config.json"
-    config = json.loads(cfg.read_text()) if cfg.is_file() else {}
-    if config.get("model_type") == "vit":
-        return "hf", config
-    if "architecture" in config and (path / "model.safetensors").is_file():
-        return "timm", config
-    return None, {}
 
 
 def read_release_file(path: str | Path) -> dict[str, torch.Tensor]:

@@ -119,7 +119,7 @@ def pretraining_config(path: str | Path) -> Config:
     sets = ["model.init=null"]  # the weights come from --checkpoint
     if Path(path).name == "config.json":  # a run's: what its init stated, from its model.json
         from mpp.build import FILE_FACTS
-        from mpp.hub.pretrained import run_model_kwargs
+        from mpp.hub.source import run_model_kwargs
 
         built, model = run_model_kwargs(Path(path).parent), raw.get("model") or {}
         if isinstance(built.get("img_size"), list):

@@ -191,13 +191,16 @@ class MetricLog:
     def flush(
         self, state: RunState, plan: Plan, lr: float, skipped: int
     ) -> dict[str, float] | None:
-        """All-reduce the averages (every rank calls this), write one record on rank 0."""
+        """All-reduce the averages (every rank calls this), write one record on rank 0.
+        ``skipped``: the bad samples this rank skipped since the last record; all ranks' are
+        added to ``state.skipped``, the run's count that checkpoints carry, and recorded."""
         keys = sorted(self.sums)
         dev = self.sums[keys[0]].device
         extra = torch.tensor([float(skipped), self.data_wait], device=dev)
         stats = torch.cat([torch.stack([self.sums[k] / self.count for k in keys]), extra])
         dist.all_reduce(stats)
         values = stats.tolist()
+        state.skipped += round(values[-2])
         world = dist.get_world_size()
         elapsed = time.perf_counter() - self.t0
         record = {
@@ -208,7 +211,7 @@ class MetricLog:
             "lr": lr,
             "imgs_per_sec": (state.samples - self.samples0) / max(elapsed, 1e-9),
             "data_wait_frac": values[-1] / world / max(elapsed, 1e-9),
-            "skipped": int(values[-2]),
+            "skipped": state.skipped,
             "missing_shards": plan.missing_shards,
             "bad_steps": state.bad_steps,
             "overflow_steps": state.overflow_steps,

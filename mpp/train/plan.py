@@ -14,13 +14,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mpp.config import ConfigError, FinetuneConfig, RunConfig, source_of
+from mpp.config import ConfigError, FinetuneConfig, Refusals, RunConfig, source_of
 from mpp.data import StreamConfig, device_decode, digits_shards, expand_shards, shard_index
-from mpp.data.census import Census, census
+from mpp.data.census import Census, census, known_counts
 from mpp.data.labels import LabelledSubset, choose, from_key_file, label_index
 from mpp.data.stats import Pixels, first_dtype, pixel_stats
 from mpp.data.transforms import PixelFormat, SampleFormatError
-from mpp.parallel.distributed import device_type
+from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
+from mpp.parallel.distributed import device_type, world_from_env
 
 log = logging.getLogger(__name__)
 
@@ -55,31 +56,32 @@ class Plan:
 def plan_run(
     cfg: RunConfig, world_size: int, dev_type: str, img_size: int, num_classes: int | None = None
 ) -> Plan:
-    """Resolve data, batch and schedule; any problem is a ConfigError naming the key.
-    ``num_classes`` (supervised runs): the stream yields labels, and drops those outside it."""
-    fail = _failer(cfg)
-    try:
-        micro, accum = cfg.micro_batch(world_size)
-    except ValueError as e:
-        raise fail("train.batch_size", str(e)) from None
-    try:
-        ds_config = cfg.deepspeed_config(world_size, dev_type)
-    except ValueError as e:
-        raise fail("train.precision", str(e)) from None
-    shards, missing = train_shards(cfg, img_size)
-    pixels = measure_pixels(cfg, shards)
-    subset = labelled_subset(cfg, shards, num_classes) if num_classes is not None else None
-    if subset is not None:  # few labels: the epoch is the subset, read from the shards holding it
-        counted, shards, sizes = None, subset.shards, subset.sizes
-        samples = subset.total
+    """Resolve data, batch and schedule. Every problem found is a ConfigError naming its key, all
+    of them in one (``Refusals``); with no training shard found nothing of the data is read, so
+    that refusal comes with the layout's alone. ``num_classes`` (supervised runs): the stream
+    yields labels, and drops those outside it."""
+    refused = Refusals()
+    batch = refused(layout, cfg, world_size, dev_type)
+    defer_jpeg = refused(decode_on_device, cfg, dev_type)
+    found = refused(train_shards, cfg, img_size)
+    if found is None:
+        refused.raise_any()
+    shards, missing = found
+    pixels = refused(measure_pixels, cfg, shards)
+    subset = None
+    if num_classes is not None and cfg.data.label_subset_key is not None:
+        # few labels: the epoch is the subset, read from the shards holding it
+        subset = refused(labelled_subset, cfg, shards, num_classes)
+        counted, epoch = None, subset
     else:
-        counted = count_data(cfg, shards)
-        samples, sizes = counted.total, counted.sizes
+        counted = epoch = count_data(cfg, shards)
+        refused(check_num_samples, cfg, counted)
+    if epoch is not None:
+        refused(check_epoch, cfg, epoch.total)
+    refused.raise_any()
+    (micro, accum, ds_config), samples = batch, epoch.total
+    shards, sizes = epoch.shards, epoch.sizes
     steps_per_epoch = samples // cfg.train.batch_size
-    if steps_per_epoch < 1:
-        raise fail(
-            "train.batch_size", f"{cfg.train.batch_size} exceeds the {samples} samples of an epoch"
-        )
     t, o = cfg.train, cfg.optim
     total = t.max_steps if t.max_steps is not None else math.ceil(t.epochs * steps_per_epoch)
     warmup = (
@@ -93,10 +95,6 @@ def plan_run(
             "micro-batch keeps the gradients of its earlier ones in DeepSpeed's buffers",
             accum,
         )
-    try:
-        defer_jpeg = device_decode.resolve(cfg.data.decode, torch.device(dev_type))
-    except ValueError as e:
-        raise fail("data.decode", str(e)) from None
     stream = StreamConfig(
         batch_size=micro,
         img_size=img_size,
@@ -134,49 +132,124 @@ def plan_run(
 
 
 def check_data(cfg: RunConfig, img_size: int) -> None:
-    """What can be checked of the data before the process group exists: the training shards
-    exist (some may be missing: the plan says which), every held-out shard the run reads
-    (``held_out_keys``) exists, and images that need a value range have one. ConfigError names
-    the key."""
-    check_value_range(cfg, train_shards(cfg, img_size, warn=False)[0])
+    """What can be checked before the process group exists, every refusal in one ConfigError
+    (``Refusals``): the batch on this world size and the precision on this device, the training
+    shards (some may be missing: the plan says which), what their images hold
+    (``check_value_range``), every held-out shard the run reads (``held_out_keys``), and the batch
+    against the samples of an epoch when the shards' counts are known without reading the shards
+    (sizes.json, img2dataset's stats, a cache); the plan checks it again on the census. With no
+    training shard found, nothing of the training data is checked."""
+    refused = Refusals()
+    refused(layout, cfg, world_from_env()[1], device_type())
+    found = refused(train_shards, cfg, img_size, warn=False)
+    if found is not None:
+        shards = found[0]
+        refused(check_value_range, cfg, shards)
+        known = known_counts(shards, run_dir_of(cfg))
+        if len(known) == len(shards) and cfg.data.label_subset_key is None:
+            counted = Census(shards, [known[s] for s in shards])
+            refused(check_num_samples, cfg, counted)
+            refused(check_epoch, cfg, counted.total)
     for key in held_out_keys(cfg):
-        val_shards(cfg, key)
+        refused(val_shards, cfg, key)
+    refused.raise_any()
+
+
+def layout(cfg: RunConfig, world_size: int, dev_type: str) -> tuple[int, int, dict]:
+    """(micro batch, accumulation steps, DeepSpeed's config) on ``world_size`` ranks of
+    ``dev_type``; ConfigError naming train.batch_size (the engine's config follows from a batch
+    that splits), else train.precision."""
+    fail = _failer(cfg)
+    try:
+        micro, accum = cfg.micro_batch(world_size)
+    except ValueError as e:
+        raise fail("train.batch_size", str(e)) from None
+    try:
+        return micro, accum, cfg.deepspeed_config(world_size, dev_type)
+    except ValueError as e:
+        raise fail("train.precision", str(e)) from None
+
+
+def decode_on_device(cfg: RunConfig, dev_type: str) -> bool:
+    """``data.decode`` on ``dev_type``: whether the training JPEGs are decoded there
+    (``mpp.data.device_decode.resolve``); ConfigError naming the key."""
+    try:
+        return device_decode.resolve(cfg.data.decode, torch.device(dev_type))
+    except ValueError as e:
+        raise _failer(cfg)("data.decode", str(e)) from None
+
+
+def check_epoch(cfg: RunConfig, samples: int) -> None:
+    """An epoch of ``samples`` holds at least one global batch; ConfigError naming the key."""
+    if samples < cfg.train.batch_size:
+        raise _failer(cfg)(
+            "train.batch_size",
+            f"{cfg.train.batch_size} exceeds the {samples} samples of an epoch: set it to at "
+            f"most {samples}, or give more data",
+        )
 
 
 def check_value_range(cfg: RunConfig, shards: list[str]) -> None:
-    """Only 8-bit images may leave ``data.value_range`` unset, whatever else is "auto": one
-    image of the first shard tells. When none of its first images fits ``data.channels`` /
-    ``layout`` (16-bit grey, or RGB JPEGs under 1 channel), that key is refused, with the value
-    range too when the images are not 8-bit."""
-    d = cfg.data
-    if d.value_range is not None or d.train_shards is None:  # set, "auto", or the digits
+    """What the first images of the first shard hold against the data section, every finding
+    in one ConfigError: when none of them fits ``data.channels`` / ``layout`` (16-bit grey under
+    3 channels, RGB JPEGs under 1), that key, with the channel count that fits and the
+    ``data.mean`` / ``std`` that would not fit it; images that are not 8-bit with
+    ``data.value_range`` unset, whatever else is "auto"."""
+    d, fail = cfg.data, _failer(cfg)
+    if d.train_shards is None:  # the digits
         return
     try:
         dtype = first_dtype(shards, PixelFormat(d.channels, d.layout, None), d.allow_pipe)
         misfit = None
     except SampleFormatError as e:  # no image fits d.channels / d.layout
         dtype, misfit = e.dtype, e
-    needs_range = ""
-    if dtype is not None and dtype != np.uint8:
-        top = np.iinfo(dtype).max if dtype.kind in "ui" else 1
-        needs_range = (
-            f'say what maps to [0, 1] (e.g. [0, {top}]), or "auto" to use the range measured on '
-            "the shards"
-        )
-    if misfit is None:
-        if needs_range:
-            raise _failer(cfg)(
-                "data.value_range", f"unset, but {shards[0]} holds {dtype} images: {needs_range}"
+    found = []
+    if misfit is not None:
+        key = misfit.key
+        held = channels_held(cfg, shards) if key == "data.channels" else None
+        fix = f"set {key}={held}" if held else f"set {key} to what the images hold"
+        found.append(
+            fail(
+                key,
+                f"{getattr(d, key.removeprefix('data.')) or 'unset'}, but the first image of "
+                f"{shards[0]} {str(misfit).removesuffix(f' ({key})')}: {fix}",
             )
-        return
-    key = misfit.key
-    holds = str(misfit).removesuffix(f" ({key})")
-    also = f", and data.value_range (unset): {needs_range}" if needs_range else ""
-    raise _failer(cfg)(
-        key,
-        f"{getattr(d, key.removeprefix('data.')) or 'unset'}, but the first image of {shards[0]} "
-        f"{holds}: set {key} to what the images hold{also}",
-    )
+        )
+        for name in ("mean", "std") if held else ():
+            value = getattr(d, name)
+            if value != "auto" and len(value) != held:
+                values = f"{len(value)} value{'s' * (len(value) != 1)}"
+                hint = " (ImageNet's)" if value in (IMAGENET_MEAN, IMAGENET_STD) else ""
+                found.append(
+                    fail(
+                        f"data.{name}",
+                        f"{values}{hint}, but the images hold {held} channel(s): give {held} or "
+                        '"auto" (measured on the training shards)',
+                    )
+                )
+    if d.value_range is None and dtype is not None and dtype != np.uint8:
+        top = np.iinfo(dtype).max if dtype.kind in "ui" else 1
+        found.append(
+            fail(
+                "data.value_range",
+                f"unset, but {shards[0]} holds {dtype} images: say what maps to [0, 1] (e.g. "
+                f'[0, {top}]), or "auto" to use the range measured on the shards',
+            )
+        )
+    if found:
+        raise ConfigError(*(line for error in found for line in error.findings))
+
+
+def channels_held(cfg: RunConfig, shards: list[str]) -> int | None:
+    """The channel count (1 to 4) the first images of ``shards`` fit, None when none does."""
+    d = cfg.data
+    for channels in sorted({1, 2, 3, 4} - {d.channels}):
+        try:
+            first_dtype(shards, PixelFormat(channels, d.layout, None), d.allow_pipe)
+            return channels
+        except SampleFormatError:
+            continue
+    return None
 
 
 def measure_pixels(cfg: RunConfig, shards: list[str]) -> Pixels:
@@ -250,18 +323,22 @@ def labelled_subset(
 
 def count_data(cfg: RunConfig, shards: list[str]) -> Census:
     """Every training shard's sample count (``mpp.data.census``; a collective under a process
-    group), logged once; ``data.num_samples``, when set, must agree with it."""
-    d, fail = cfg.data, _failer(cfg)
-    counted = census(shards, d.allow_pipe, run_dir=run_dir_of(cfg))
+    group), logged once (``check_num_samples`` holds data.num_samples to it)."""
+    counted = census(shards, cfg.data.allow_pipe, run_dir=run_dir_of(cfg))
     if not dist.is_initialized() or dist.get_rank() == 0:
         log.info("data: %s", counted.summary())
-    if d.num_samples is not None and d.num_samples != counted.total:
-        raise fail(
+    return counted
+
+
+def check_num_samples(cfg: RunConfig, counted: Census) -> None:
+    """``data.num_samples``, when set, agrees with the count; ConfigError naming the key."""
+    n = cfg.data.num_samples
+    if n is not None and n != counted.total:
+        raise _failer(cfg)(
             "data.num_samples",
-            f"{d.num_samples}, but the shards hold {counted.total} samples with an image "
+            f"{n}, but the shards hold {counted.total} samples with an image "
             f"({counted.summary()}): remove the key, or correct it",
         )
-    return counted
 
 
 def run_dir_of(cfg) -> Path:
@@ -277,9 +354,91 @@ def newest_checkpoint(cfg: RunConfig) -> str | None:
     return latest_complete(run_dir_of(cfg) / "checkpoints")
 
 
-def check_resume(cfg: RunConfig, resume: str | None) -> None:
-    """Before anything runs: a resume must keep the global batch (another world size, micro batch
-    or accumulation is fine: ``mpp.checkpoint.manager`` re-partitions the checkpoint). ConfigError otherwise."""
+def finished_run(cfg: RunConfig, plan: Plan) -> tuple[str, int] | None:
+    """(tag, step) of the run directory's newest complete checkpoint when this config would
+    train it no further: the checkpoint at or past the last step (the trainer's: the schedule's
+    end, or train.stop_at_step), the encoder exported after it and no stop signal recorded since
+    (``mpp.hub.pretrained.init_record``'s test); None when there is training left to do."""
+    from mpp.checkpoint.format import MARKER, saved_layout
+
+    run_dir = run_dir_of(cfg)
+    root, tag = run_dir / "checkpoints", newest_checkpoint(cfg)
+    if tag is None:
+        return None
+    step = saved_layout(root, tag).get("step", int(tag.removeprefix("step")))
+    last = min(plan.total_steps, cfg.train.stop_at_step or plan.total_steps)
+    export = run_dir / "encoder.safetensors"
+    if step < last or not export.is_file() or (run_dir / "preempted.json").exists():
+        return None
+    # a copy that kept no mtimes (cp -r) may say no: the run then goes on and exports again
+    return (tag, step) if export.stat().st_mtime >= (root / tag / MARKER).stat().st_mtime else None
+
+
+# What a checkpoint's tensors follow from besides the encoder's architecture (RUN/model.json):
+# another value gives the objective other parameters (MAE's decoder, MPP's head of colour classes,
+# HPM's base) or runs them otherwise (the decoder's heads), or feeds them other images, and no
+# resume can go on from it. The rest of the objective (ratios, weights, schedules) may change.
+# tests/test_resume_refusals.py checks that every objective key that reshapes the weights is here.
+WEIGHT_KEYS = (
+    "objective.name",
+    "objective.base.name",  # HPM's base
+    "objective.decoder_dim",
+    "objective.decoder_depth",
+    "objective.decoder_heads",
+    "objective.mlp_ratio",
+    "objective.target",
+    "objective.bits",
+    "objective.downsample_cells",
+    "objective.base.target",
+    "objective.base.bits",
+    "objective.base.downsample_cells",
+    "data.channels",
+)
+# the encoder's architecture keys a config sets elsewhere than in model: a classifier's head
+HEAD_KEYS = {"num_classes": "finetune.num_classes", "global_pool": "finetune.global_pool"}
+_MISSING = object()
+
+
+def weight_changes(cfg: RunConfig, ckpt_root: str | Path, encoder: Any = None) -> dict[str, str]:
+    """{key: "key old -> new"} for each key that changes what the checkpoints in ``ckpt_root``
+    hold, against the run that wrote them: ``WEIGHT_KEYS`` against its config.json, and with
+    ``encoder`` (this run's, built) its architecture against that run's model.json (the model's
+    name alone is no change). Empty when nothing changed or nothing was recorded."""
+    from mpp.checkpoint.format import written_by
+
+    saved, model = written_by(ckpt_root)
+    now = cfg.model_dump(mode="json")
+    pairs = []
+    for key in WEIGHT_KEYS if saved else ():
+        was, new = _at(saved, key), _at(now, key)
+        if key == "objective.name" or _MISSING not in (was, new):  # a pretraining or not
+            pairs.append((key, None if was is _MISSING else was, None if new is _MISSING else new))
+    if model and encoder is not None:
+        built = encoder.architecture()
+        pairs.append(("model.name", model.get("name", cfg.model.name), cfg.model.name))
+        for name in dict.fromkeys([*built, *HEAD_KEYS]):
+            key = HEAD_KEYS.get(name, f"model.{name}")
+            if name in model or name in HEAD_KEYS:  # other keys: model.json from before them
+                pairs.append((key, model.get(name), built.get(name)))
+    changes = {key: f"{key} {was!r} -> {new!r}" for key, was, new in pairs if was != new}
+    if "data.channels" in changes:
+        changes.pop("model.in_chans", None)  # what data.channels built
+    return {} if list(changes) == ["model.name"] else changes  # another name, the same model
+
+
+def _at(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return _MISSING
+        tree = tree[part]
+    return tree
+
+
+def check_resume(cfg: RunConfig, resume: str | None, encoder: Any = None) -> None:
+    """Before anything runs or is written: a resume must keep the objective and the model
+    (``weight_changes``; ``encoder``, this run's, for its architecture), the precision and the
+    global batch (another world size, micro batch or accumulation is fine:
+    ``mpp.checkpoint.manager`` re-partitions the checkpoint). ConfigError otherwise, one line."""
     from mpp.checkpoint.format import resolve_resume, saved_layout
 
     try:
@@ -289,6 +448,17 @@ def check_resume(cfg: RunConfig, resume: str | None) -> None:
         return  # said by the engine on every rank
     if not found:
         return
+    if changes := weight_changes(cfg, found[0], encoder):
+        fix = (
+            "--restart starts over (the earlier run moved aside), or --output-dir names a new run"
+            if resume == "auto"
+            else "--resume a checkpoint of this objective and model, or leave it out"
+        )
+        raise ConfigError(
+            f"{source_of(cfg, next(iter(changes)))}: {', '.join(changes.values())}: the "
+            f"checkpoint {found[0]}/{found[1]} holds another objective or model, which no resume "
+            f"can load: {fix}"
+        )
     saved = saved_layout(*found)
     try:
         now = cfg.resolved_precision(device_type())

@@ -104,7 +104,9 @@ class Trainer:
         # data.decode=gpu: the workers' JPEGs decoded here, on the device
         self.decode = device_decode.nvjpeg(device) if plan.stream.defer_jpeg else None
         self.ready: Prefetcher | None = None  # the batches made ready ahead of the step
-        self.skipped, self.data_wait = 0, 0.0  # bad samples this rank skipped; the last wait
+        # bad samples in the batches this rank trained since the last metrics record (the run's
+        # count is state.skipped); the last wait for a batch
+        self.skipped, self.data_wait = 0, 0.0
 
     @property
     def done(self) -> bool:
@@ -134,14 +136,14 @@ class Trainer:
     def batches(self) -> Iterator[dict]:
         """This rank's micro-batches from the run's position on, epoch after epoch, made ready
         on the device ``data.prefetch`` batches ahead (``mpp.data.prefetch``); the time the step
-        waited for each (``data_wait``) and the bad samples skipped so far (``skipped``)."""
+        waited for each (``data_wait``) and the bad samples skipped in making it (``skipped``)."""
         state, pixels = self.state, self.plan.pixels
         # the workers go on into the next epochs themselves: no stall at an epoch's start
         self.loader.set_epoch(state.epoch, state.batch_in_epoch, onwards=True)
         prepare = partial(
             to_device, device=self.device, mean=pixels.mean, std=pixels.std, decode=self.decode
         )
-        skipped_before = self.skipped
+        counted = 0  # the pass's count (the loader's, from 0) already added to self.skipped
         if self.ready is not None:  # a pass left by a rollback ends before the next starts
             self.ready.close()
         self.ready = Prefetcher(iter(self.loader), prepare, self.device, self.cfg.data.prefetch)
@@ -149,7 +151,8 @@ class Trainer:
             t_wait = time.perf_counter()
             for batch in ready:
                 self.data_wait = time.perf_counter() - t_wait
-                self.skipped = skipped_before + batch.pop("skipped")
+                skipped = batch.pop("skipped")
+                self.skipped, counted = self.skipped + skipped - counted, skipped
                 if self.loader.key_log is not None:  # logged as trained, not as made ready
                     self.loader.log_keys(batch.pop("key"), state.epoch, state.batch_in_epoch)
                 yield batch
@@ -186,6 +189,7 @@ class Trainer:
                 self.state.step % t.log_every == 0 or self.state.step == self.stop
             ):
                 record = self.metrics.flush(self.state, self.plan, lr_done, self.skipped)
+                self.skipped = 0  # in state.skipped now
                 self.bar.set_postfix(
                     loss=f"{record['loss']:.4f}", ips=f"{record['imgs_per_sec']:.1f}"
                 )
@@ -232,6 +236,7 @@ class Trainer:
         # the batch that failed is behind us
         self.advance(stepped=False)
         roll_back(self.checkpointer, self.state, error, self.cfg.train)
+        self.skipped = 0  # undone with the steps after the checkpoint (state.skipped is its)
         self.lr = self.schedule.apply(self.optimizer, self.state)
         self.metrics.rewind(self.state)
         event = {

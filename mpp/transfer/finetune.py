@@ -14,12 +14,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mpp.build import build_encoder
+from mpp.build import build_encoder, encoder_args
 from mpp.checkpoint.manager import encoder_kwargs
 from mpp.config import ConfigError, FinetuneConfig
 from mpp.data import read_sizes
 from mpp.data.labels import KEY_FILE
-from mpp.models.vit import vit_config
+from mpp.models.vit import full_vit_config, vit_config
 from mpp.objectives.classifier import Classifier
 from mpp.train.plan import Plan, named_shards, train_shards, train_spec
 from mpp.train.trainer import Trainer
@@ -44,7 +44,8 @@ def resolve_classes(cfg: FinetuneConfig, train_shards: list[str]) -> int:
 
 def build_classifier(cfg: FinetuneConfig) -> Classifier:
     """The encoder with a fresh head, initialised from ``cfg.init`` (or from scratch)."""
-    img_size = {**vit_config(cfg.model.name), **cfg.model.vit_kwargs()}["img_size"]
+    # the encoder's side: init's where the config leaves it unset
+    img_size = full_vit_config(encoder_args(cfg, quiet=True))["img_size"]
     if cfg.finetune.num_classes or cfg.data.num_classes:
         # the count given: the shards are not looked for here (a submission's may be visible on
         # the compute nodes only; a run's are checked with its plan), only their class list read

@@ -317,10 +317,12 @@ def _measured(cfg, setup: ProbeSetup) -> ProbeSetup:
     """``setup`` with the data's statistics ("auto" measured) and, with ``data.labels_per_class``
     / ``label_fraction`` / ``label_keys``, the training subset, chosen by every rank together
     (``mpp.train.plan.labelled_subset``); ConfigError names the key."""
+    from mpp.build import with_init_facts
     from mpp.train.plan import labelled_subset, measure_pixels
 
     shards = setup.shards["train"]
-    pixels = measure_pixels(cfg, shards)  # data.mean / std / value_range "auto"
+    # channels and statistics the config leaves unset taken from init; "auto" ones measured
+    pixels = measure_pixels(with_init_facts(cfg), shards)
     subset = None
     if cfg.data.label_subset_key is not None:
         subset = labelled_subset(cfg, shards, setup.num_classes)

@@ -14,6 +14,7 @@ import json
 import logging
 import platform
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -67,10 +68,25 @@ def run_checks(out: Path, config: str, quick: bool) -> tuple[list[Row], dict[str
     return rows, seconds
 
 
-def render(rows: list[Row]) -> str:
-    columns = [(k, k, "") for k in ("section", "check", "verdict", "reason")]
+# the table's width: a terminal's; each reason wraps onto lines of its own (one was 335 wide)
+WIDTH = 100
+
+
+def render(rows: list[Row], width: int = WIDTH) -> str:
+    """The verdict table, at most ``width`` columns wide where no word is longer than its
+    column, a long reason on several lines; then how many rows have each verdict."""
+    keys = ("section", "check", "verdict")
+    fixed = sum(max(len(k), *(len(getattr(r, k)) for r in rows)) for k in keys)
+    room = max(width - fixed - 3 * len(keys) - 4, 20)  # "| " and " | " between, " |" at the end
+    lines = []
+    for r in rows:
+        wrapped = textwrap.wrap(r.reason, room, break_long_words=False, break_on_hyphens=False)
+        first, *more = wrapped or [""]
+        lines.append({**{k: getattr(r, k) for k in keys}, "reason": first})
+        lines += [{**dict.fromkeys(keys, ""), "reason": line} for line in more]
+    columns = [(k, k, "") for k in (*keys, "reason")]
     counts = ", ".join(f"{sum(r.verdict == v for r in rows)} {v}" for v in VERDICTS)
-    return format_table([vars(r) for r in rows], columns) + f"\n\n{counts}"
+    return format_table(lines, columns) + f"\n\n{counts}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -125,8 +125,18 @@ def xformers_fix(info: dict[str, str]) -> str:
     return f'pip install "torch=={version}" --index-url https://download.pytorch.org/whl/{tag}'
 
 
+# xformers' kernels are CUDA's: on a machine without a GPU, PyTorch's SDPA is the path, and
+# the wheel's torch would be the wrong advice (a CUDA torch on a CPU machine)
+NO_GPU = (
+    "no GPU here: attn_backend auto runs PyTorch's SDPA, the right path on a CPU (xformers' "
+    "kernels are CUDA's)"
+)
+
+
 def xformers_row() -> Row:
-    """The wheel's build (torch, Python, CUDA arches) against this machine, from its own report."""
+    """The wheel's build (torch, Python, CUDA arches) against this machine, from its own report;
+    on a machine without a GPU, that SDPA is the path (the build is kept in the row's values)."""
+    gpu = torch.cuda.is_available()
     try:
         r = subprocess.run(
             [sys.executable, "-m", "xformers.info"], capture_output=True, text=True, timeout=120
@@ -138,14 +148,12 @@ def xformers_row() -> Row:
     info = parse_xformers_info(r.stdout)
     if r.returncode != 0 or "pytorch.version" not in info:
         tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        if not gpu:
+            return Row(SECTION, "xformers wheel", PASS, f"{NO_GPU}; not usable here: {tail}")
         return Row(
             SECTION, "xformers wheel", WARN, f"not usable ({tail}): attn_backend auto runs SDPA"
         )
-    cap = (
-        ".".join(map(str, torch.cuda.get_device_capability()))
-        if torch.cuda.is_available()
-        else None
-    )
+    cap = ".".join(map(str, torch.cuda.get_device_capability())) if gpu else None
     problems = xformers_build_problems(
         info, torch.__version__, torch.version.cuda, platform.python_version(), cap
     )
@@ -160,6 +168,13 @@ def xformers_row() -> Row:
         "build": {k: v for k, v in info.items() if k.startswith("build.")},
         "attention_ops_available": usable,
     }
+    if not gpu:  # the wheel's build said, for the GPU node; no command for this machine
+        built = info.get("build.torch_version", "?")
+        reason = (
+            f"{NO_GPU}; the wheel is built for torch {built}, which the gpu extra installs on a "
+            'GPU node (README, "GPU install")'
+        )
+        return Row(SECTION, "xformers wheel", PASS, reason, values)
     if not problems:
         return Row(
             SECTION,
