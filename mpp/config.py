@@ -353,6 +353,7 @@ def _channels_disagree(cfg: Any) -> list[str]:
     data, c = cfg.data, cfg.data.channels
     found = []
     init = getattr(cfg, "init", None) or getattr(getattr(cfg, "model", None), "init", None)
+    init = None if init == "scratch" else init  # fine-tuning's and the probes' "no weights"
     given = data.model_fields_set
     for key in ("mean", "std"):
         value = getattr(data, key)
