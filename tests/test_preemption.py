@@ -96,7 +96,7 @@ def test_sigterm_to_the_launcher_and_sigusr1_to_the_ranks_checkpoint_and_resume_
         for rank in ranks_of(proc):
             rank.send_signal(signal.SIGUSR1)
 
-    code = run_until(launch(path, stopped, ["--resume", "auto"]), stopped, first["step"] + 3, usr1)
+    code = run_until(launch(path, stopped, ["--resume", "auto"]), stopped, first["step"] + 2, usr1)
     second = json.loads((stopped / "preempted.json").read_text())
     assert (
         code == PREEMPTED_EXIT
@@ -107,7 +107,7 @@ def test_sigterm_to_the_launcher_and_sigusr1_to_the_ranks_checkpoint_and_resume_
     # workers). The launcher adds a SIGTERM of its own: the record keeps the first signal
     log = tmp_path / "ctrl-c.log"
     ctrl_c = lambda p: os.killpg(p.pid, signal.SIGINT)  # noqa: E731
-    run_until(launch(path, stopped), stopped, second["step"] + 3, ctrl_c, log)
+    run_until(launch(path, stopped), stopped, second["step"] + 2, ctrl_c, log)
     third = json.loads((stopped / "preempted.json").read_text())
     assert third["signal"] == "SIGINT" and second["step"] < third["step"] < STEPS
     assert complete_tags(stopped / "checkpoints")[-1] == f"step{third['step']:08d}"
