@@ -21,6 +21,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from mpp.quiet import hush_deepspeed_log
+
+# before anything imports DeepSpeed: its chatter stays off stdout unless asked (mpp.quiet)
+hush_deepspeed_log()
+
 __version__ = "0.1.0"
 __all__ = [
     "create_model",

@@ -94,12 +94,15 @@ def pretrain(
     """Pretrain in this process (``mpp.jobs.run_pretrain``, no launcher): a config name or file,
     overrides, and the run directory it returns (``encoder.safetensors``, ``metrics.jsonl``).
     A refused config or data raises ``mpp.config.ConfigError`` naming the key and the file; a run
-    that stops raises its own error (``mpp.jobs`` lists them)."""
+    that stops raises its own error (``mpp.jobs`` lists them). The process group the run makes
+    is gone when it returns; DeepSpeed's chatter stays off stdout unless MPP_VERBOSE=1."""
     from mpp.config import Config
     from mpp.jobs import run_pretrain
+    from mpp.parallel.distributed import process_group_of_this_call
 
     cfg = _config(config, Config, overrides, sections, {"train.output_dir": output_dir})
-    return run_pretrain(cfg, resume, restart).run_dir
+    with process_group_of_this_call():
+        return run_pretrain(cfg, resume, restart).run_dir
 
 
 def finetune(
@@ -117,8 +120,10 @@ def finetune(
     ``max_top1``, ...) with ``run_dir``. Errors as ``pretrain``'s."""
     from mpp.config import FinetuneConfig
     from mpp.jobs import run_finetune
+    from mpp.parallel.distributed import process_group_of_this_call
 
     given = {"init": init, "train.output_dir": output_dir}
     cfg = _config(config, FinetuneConfig, overrides, sections, given)
-    done = run_finetune(cfg, resume, restart)
+    with process_group_of_this_call():
+        done = run_finetune(cfg, resume, restart)
     return {**json.loads((done.run_dir / "results.json").read_text()), "run_dir": str(done.run_dir)}

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from mpp.config import Config, ConfigError, load_config, save_config
 from mpp.hub.encoder_file import MODEL_FILE
+from mpp.quiet import add_verbose_argument
 
 
 def add_set_argument(p: argparse.ArgumentParser) -> None:
@@ -32,8 +33,9 @@ def add_set_argument(p: argparse.ArgumentParser) -> None:
 def run_parser(
     doc: str, configs: str, resume: bool = True, submit: bool = False
 ) -> argparse.ArgumentParser:
-    """--config, --set, --output-dir, the launcher's --local_rank, for training runs --resume, and
-    with ``submit`` the job flags (``add_submit_arguments``) of a CLI that hands them to mpp.submit."""
+    """--config, --set, --output-dir, --verbose (``mpp.quiet``), the launcher's --local_rank, for
+    training runs --resume, and with ``submit`` the job flags (``add_submit_arguments``) of a CLI
+    that hands them to mpp.submit."""
     p = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -42,6 +44,7 @@ def run_parser(
     )
     add_set_argument(p)
     p.add_argument("--output-dir", help="the run directory (default: the config's output_dir)")
+    add_verbose_argument(p)
     if resume:
         g = p.add_mutually_exclusive_group()
         g.add_argument(

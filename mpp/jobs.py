@@ -8,6 +8,7 @@ exist only in the command layer (``mpp.commands.job``)."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from mpp.checkpoint.state import seed_everything
 from mpp.cli import open_run_dir
 from mpp.config import Config, ConfigError, FinetuneConfig
 from mpp.parallel.distributed import device_type, from_rank0, init_distributed, world_from_env
+from mpp.train.hooks import Hook
 from mpp.train.monitor import MonitorHook
 from mpp.train.plan import (
     check_data,
@@ -35,8 +37,11 @@ from mpp.train.plan import (
 from mpp.train.preemption import StopHook
 from mpp.train.preview import PreviewHook
 from mpp.train.runlock import release
+from mpp.train.summary import run_summary
 from mpp.train.trainer import Trainer
 from mpp.transfer.finetune import build_classifier, train_classifier
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,6 +52,31 @@ class Finished:
     result: Any
     seconds: float  # this invocation's, resumed runs' earlier parts not counted
     ran: bool = True
+    own: Progress | None = None  # this invocation's steps and images, and the run's last step
+
+
+class Progress(Hook):
+    """What one invocation trained (a resumed run's earlier parts not counted): optimiser
+    steps and images from where it started, and the run's step it ended at."""
+
+    def __init__(self) -> None:
+        self.first_step = self.step = self.first_samples = self.samples = 0
+
+    def start(self, trainer: Any) -> None:
+        state = trainer.state
+        self.first_step = self.step = state.step
+        self.first_samples = self.samples = state.samples
+
+    def step_end(self, trainer: Any) -> None:
+        self.step, self.samples = trainer.state.step, trainer.state.samples
+
+    @property
+    def steps(self) -> int:
+        return self.step - self.first_step
+
+    @property
+    def images(self) -> int:
+        return self.samples - self.first_samples
 
 
 def start_of(
@@ -105,31 +135,32 @@ def run_pretrain(cfg: Config, resume: str | None = None, restart: bool = False) 
     """Pretrain: the final encoder in ``RUN/encoder.safetensors``; ``result`` the last RunState."""
     objective = initial_model(cfg)
 
-    def train(plan, run_dir, device, resume):
+    def train(plan, run_dir, device, resume, progress):
         # data.mean / std "auto": measured with the plan (mpp.data.stats), known now
         objective.set_pixel_stats(plan.pixels.mean, plan.pixels.std)
         # the preview, then the monitor (the k-NN and the held-out loss), then a stop signal's
         # checkpoint
-        hooks = [PreviewHook(cfg), MonitorHook(cfg, run_dir), StopHook(run_dir)]
+        hooks = [PreviewHook(cfg), MonitorHook(cfg, run_dir), StopHook(run_dir), progress]
         return Trainer(cfg, objective, plan, run_dir, device, resume=resume, hooks=hooks).train()
 
-    return _run(cfg, objective.encoder, train, resume, restart)
+    return _run(cfg, objective, train, resume, restart)
 
 
 def run_finetune(cfg: FinetuneConfig, resume: str | None = None, restart: bool = False) -> Finished:
     """Fine-tune for classification: ``result`` is what ``RUN/results.json`` holds (rank 0)."""
     model = initial_model(cfg)
 
-    def train(plan, run_dir, device, resume):
-        hooks = [StopHook(run_dir)]  # a classifier has no masks to preview, no monitor section
+    def train(plan, run_dir, device, resume, progress):
+        # a classifier has no masks to preview, no monitor section
+        hooks = [StopHook(run_dir), progress]
         return train_classifier(cfg, model, plan, run_dir, device, resume=resume, hooks=hooks)
 
-    return _run(cfg, model.encoder, train, resume, restart, num_classes=model.num_classes)
+    return _run(cfg, model, train, resume, restart, num_classes=model.num_classes)
 
 
 def _run(
     cfg: Any,
-    encoder: nn.Module,
+    model: nn.Module,
     train: Callable[..., Any],
     resume: str | None,
     restart: bool,
@@ -138,8 +169,10 @@ def _run(
     """The steps every training job takes: every check that needs no process group first (the
     config, the resume, the data), then the process group, the plan (rank 0's, on every rank),
     and, unless the run had finished before (``finished_run``: said, nothing written), the run
-    directory held by this job and ``train(plan, run_dir, device, resume)``."""
+    directory held by this job and ``train(plan, run_dir, device, resume, progress)`` (the
+    ``Progress`` hook it registers); ``model``: the objective or the classifier."""
     rank, world = world_from_env()
+    encoder = model.encoder
     img_size = encoder.patch_embed.img_size[0]
     given, resume = resume, start_of(cfg, resume, restart, rank, encoder)
     # the data as read: channels and statistics the config leaves unset taken from its init
@@ -154,14 +187,16 @@ def _run(
             print(said_finished(cfg, *end))
         return Finished(run_dir_of(cfg), None, 0.0, ran=False)
     going_on(cfg, given, resume, rank)
+    if rank == 0:  # what it will do: parameters, batch, lr, schedule, data, the step's settings
+        log.info("%s", run_summary(data_cfg, plan, model, device))
     # a second job on it stops here; its config.json as loaded, data.json what was measured,
     # model.json the encoder built
     run_dir = open_run_dir(
         cfg, rank, restart=restart, pixels=plan.pixels, model=encoder_kwargs(cfg, encoder)
     )
-    start = time.perf_counter()
+    start, progress = time.perf_counter(), Progress()
     try:
-        result = train(plan, run_dir, device, resume)
+        result = train(plan, run_dir, device, resume, progress)
     finally:
         release(run_dir)
-    return Finished(run_dir, result, time.perf_counter() - start)
+    return Finished(run_dir, result, time.perf_counter() - start, own=progress)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, cli_env, free_port, read_metrics
+from conftest import REPO, cli_env, free_port, read_metrics, run_cli
 from PIL import Image
 
 import mpp
@@ -38,16 +38,66 @@ def test_the_public_names_and_their_parameters_stay_put():
         mpp.pretrained  # noqa: B018  an old module path is not a name of the API
 
 
-def test_the_readmes_snippet_runs_as_written(tmp_path, monkeypatch):
+def test_the_readmes_snippet_runs_as_written(tmp_path, monkeypatch, capfd):
+    """... and leaves the notebook as it found it (issue 50, finding 9): no process group, so no
+    ``[rank0]:`` before every line of a later traceback (a group there before is the caller's:
+    kept), and no DeepSpeed chatter on stdout (its zero-to-fp32 converter's "Processing zero
+    checkpoint ..." at the end of each ZeRO run)."""
+    import torch.distributed as dist
+
+    from mpp.parallel.distributed import ONE_PROCESS_VARS
+
+    had_group = dist.is_initialized()  # an earlier test in this worker (dist_group)
     text = (REPO / "README.md").read_text()
     snippet = re.search(r"```python\n(import mpp\n.*?)```", text, re.S)[1]
     monkeypatch.chdir(tmp_path)  # its runs/ lands here
+    monkeypatch.delenv("MPP_VERBOSE", raising=False)
+    hook, env = sys.excepthook, {k: os.environ.get(k) for k in ONE_PROCESS_VARS}
     out: list[str] = []
     exec(compile(snippet, "README.md", "exec"), {"print": lambda *a: out.append(a)})
     ((top1, ratio),) = out
     assert 0 <= top1 <= 100 and ratio == 0.75
+    assert dist.is_initialized() == had_group and sys.excepthook is hook
+    assert {k: os.environ.get(k) for k in ONE_PROCESS_VARS} == env
+    stdout = capfd.readouterr().out
+    assert "Processing zero checkpoint" not in stdout and "[INFO]" not in stdout, stdout
     assert (tmp_path / "runs" / "api-mpp" / "encoder.safetensors").is_file()
     assert json.loads((tmp_path / "runs" / "api-ft" / "results.json").read_text())["top1"] == top1
+
+
+NOTEBOOK = """
+import os, sys
+import torch.distributed as dist
+import mpp
+
+from mpp.parallel.distributed import ONE_PROCESS_VARS
+
+hook, env = sys.excepthook, {k: os.environ.get(k) for k in ONE_PROCESS_VARS}
+mpp.pretrain("mpp_demo", sys.argv[1], train={"max_steps": 1, "monitor_every": 0})
+assert not dist.is_initialized() and sys.excepthook is hook
+assert {k: os.environ.get(k) for k in ONE_PROCESS_VARS} == env
+try:
+    raise ValueError("a later, unrelated error")
+except ValueError:
+    sys.excepthook(*sys.exc_info())
+print("after the run")
+"""
+
+
+def test_an_api_run_leaves_no_process_group_and_no_deepspeed_chatter(tmp_path):
+    """Issue 50, finding 9, in a fresh process as a notebook's: after ``mpp.pretrain`` (ZeRO-2:
+    DeepSpeed's zero-to-fp32 reads its checkpoint at the end) torch.distributed is no longer
+    initialised, a later traceback has no ``[rank0]:`` on every line, and stdout holds none of
+    DeepSpeed's lines. Before: "Processing zero checkpoint ..." and a dozen more on stdout, the
+    group and its excepthook left behind."""
+    script = tmp_path / "notebook.py"
+    script.write_text(NOTEBOOK)
+    r = run_cli(["python", str(script), str(tmp_path / "run")], env={"MPP_VERBOSE": ""})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.endswith("after the run\n"), r.stdout
+    for chatter in ("Processing zero checkpoint", "[INFO]", "[WARNING]", "Reconstructed"):
+        assert chatter not in r.stdout, r.stdout
+    assert "ValueError: a later, unrelated error" in r.stderr and "[rank0]" not in r.stderr
 
 
 def test_a_refused_run_raises_its_whole_message_and_prints_nothing(tmp_path, monkeypatch, capfd):

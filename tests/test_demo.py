@@ -66,3 +66,27 @@ def test_head_init_std_is_the_recipes():
         enc = create_vit("vit_tiny_patch4_16", depth=1, embed_dim=128, num_heads=2, num_classes=64)
         head = Classifier(enc, head_init_std=std).encoder.head
         assert abs(head.weight.std().item() / std - 1) < 0.05 and torch.all(head.bias == 0)
+
+
+def test_min_steps_counts_small_data_in_steps_and_leaves_the_digits_as_they_were(caplog):
+    """Issue 50, finding 8: the walkthrough's fine-tune on 162 images was 10 epochs = 20 steps
+    (57.5 top-1 against 85.0 from a linear probe of the same encoder). train.min_steps puts a
+    floor under its 10 epochs, said in one line; on the digits (23 steps an epoch) nothing
+    changes; train.max_steps still sets the schedule exactly."""
+    import logging
+
+    from mpp.train.plan import schedule
+
+    assert load_config("finetune_demo", cls=FinetuneConfig).train.min_steps is None  # not shipped
+    cfg = load_config("finetune_demo", ["train.min_steps=200"], cls=FinetuneConfig)
+    assert (cfg.train.epochs, cfg.train.min_steps, cfg.optim.warmup_epochs) == (10, 200, 1)
+    assert schedule(cfg, 1497 // 64, 1497) == (230, 23, None)
+    with caplog.at_level(logging.WARNING, logger="mpp.train.plan"):
+        assert schedule(cfg, 162 // 64, 162) == (200, 20, 20)  # warm-up a tenth, as 1 of 10
+    (line,) = caplog.messages
+    assert line.startswith("train.epochs 10 of 162 samples is 20 steps, under train.min_steps 200")
+    assert "training 200 steps (100 epochs), 20 of them warm-up" in line
+    exact = load_config(
+        "finetune_demo", ["train.min_steps=200", "train.max_steps=7"], cls=FinetuneConfig
+    )
+    assert schedule(exact, 2, 162) == (7, 2, None)

@@ -96,6 +96,7 @@ LAYERS = {
     "mpp.data": set(),  # shards, decoding, augmentation: nothing above it
     "mpp.parallel": set(),  # process group, launcher, ZeRO internals, EMA, the DeepSpeed config
     "mpp.sections": set(),  # the typed sections' base and the one pydantic error formatter
+    "mpp.quiet": set(),  # DeepSpeed's chatter off stdout unless --verbose
     "mpp.models": {"mpp.ops"},
     "mpp.masking": {"mpp.ops", "mpp.sections"},
     # frozen-encoder features and the k-NN vote: the probes' and the training monitor's
@@ -129,13 +130,14 @@ LAYERS = {
     },
     # below train, imported one way only: the Trainer owns a Checkpointer; the RunState and the
     # RNG states it saves live here (checkpoint.state)
-    "mpp.checkpoint": {"mpp.config", "mpp.parallel", "mpp.hub.encoder_file"},
+    "mpp.checkpoint": {"mpp.config", "mpp.parallel", "mpp.hub.encoder_file", "mpp.quiet"},
     "mpp.hub": {
         "mpp.models",
         "mpp.data",
         "mpp.ops",
         "mpp.checkpoint.format",
         "mpp.checkpoint.storage",
+        "mpp.quiet",
     },
     # config -> objective and encoder, init weights included: above hub, so not inside objectives/
     "mpp.build": {
@@ -147,7 +149,7 @@ LAYERS = {
         "mpp.checkpoint.storage",
     },
     # the CLIs' front end: below transfer, whose probe CLI core uses it
-    "mpp.cli": {"mpp.config", "mpp.parallel", "mpp.train", "mpp.hub.encoder_file"},
+    "mpp.cli": {"mpp.config", "mpp.parallel", "mpp.train", "mpp.hub.encoder_file", "mpp.quiet"},
     "mpp.submit": {"mpp.cli", "mpp.parallel", "mpp.train"},
     "mpp.transfer": {
         "mpp.build",

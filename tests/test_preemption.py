@@ -122,9 +122,12 @@ def test_sigterm_to_the_launcher_and_sigusr1_to_the_ranks_checkpoint_and_resume_
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"holds a checkpoint (step{third['step']:08d}): going on from it" in r.stderr
     # the line it ends with, and its curves (also `mpp plot` for any run)
+    # this command's own steps and images, not the run's (issue 50 §5)
+    own, at = STEPS - third["step"], third["step"]
     done = [x for x in r.stdout.splitlines() if x.startswith("done: ")]
-    assert len(done) == 1 and done[0].startswith(f"done: {STEPS} steps, {STEPS * BATCH} images in ")
-    assert "img/s; last loss " in done[0] and f"{stopped / 'curves.png'}" in done[0], done
+    assert len(done) == 1 and done[0].startswith(f"done: {own} steps, {own * BATCH} images in ")
+    assert f"img/s (resumed at step {at}: the run is at step {STEPS}); last loss " in done[0], done
+    assert f"{stopped / 'curves.png'}" in done[0], done
     with Image.open(stopped / "curves.png") as pic:
         assert pic.format == "PNG" and pic.width > 400
     plotted = run_cli(

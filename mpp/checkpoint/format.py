@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from mpp.checkpoint import storage
 from mpp.checkpoint.storage import CheckpointError, DiskFullError
 from mpp.parallel.distributed import from_rank0
+from mpp.quiet import hushed_prints
 
 log = logging.getLogger(__name__)
 
@@ -359,7 +360,8 @@ def zero_to_fp32(ckpt_root: str | Path, tag: str | None = None) -> dict[str, tor
         raise CheckpointError(f"{problem}: the checkpoint cannot be read")
     with weights_only_loads():
         if any((root / tag).glob("*optim_states.pt")):
-            return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+            with hushed_prints():  # its dozen "Processing zero checkpoint ..." lines
+                return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
         module = torch.load(
             root / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True
         )["module"]

@@ -11,11 +11,10 @@ The same command run again goes on from the run directory's newest complete chec
 
 from __future__ import annotations
 
-import json
 import sys
 
 from mpp.cli import run_parser
-from mpp.commands.job import train_main
+from mpp.commands.job import own_part, train_main
 from mpp.config import FinetuneConfig
 from mpp.jobs import run_finetune
 from mpp.tools.plot import curves_at_end
@@ -27,8 +26,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(done) -> None:
-    print(f"curves: {curves_at_end(done.run_dir)}", file=sys.stderr)
-    print(json.dumps({k: done.result[k] for k in ("top1", "top5", "epoch", "init")}))
+    """The line a fine-tuning run ends with: this command's part (``own_part``), the last
+    evaluation's top-1 and top-5 (results.json keeps every figure), and where it all is."""
+    res, run_dir = done.result, done.run_dir
+    print(
+        f"done: {own_part(done)}; top-1 {res['top1']:.1f} %, top-5 {res['top5']:.1f} % at epoch "
+        f"{res['epoch']:g} (the last evaluation; best {res['max_top1']:.1f} %) -> {run_dir}: "
+        f"results.json, model_last.safetensors, metrics.jsonl, {curves_at_end(run_dir)}"
+    )
 
 
 if __name__ == "__main__":

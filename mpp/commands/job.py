@@ -71,3 +71,20 @@ def train_main(args: Any, argv: list[str] | None, command: str, cls: type, run, 
     if rank == 0 and done.ran:  # else the line saying it had finished is all
         report(done)
     return 0
+
+
+def own_part(done: Any) -> str:
+    """What this command trained (``mpp.jobs.Finished.own``), for its done line: steps, images,
+    its time, the median img/s of its own last records; after a resume, where it went on from
+    and the run's step now (a resumed run's earlier parts are not this command's)."""
+    from mpp.train.metrics import read_records
+
+    own = done.own
+    records = [r for r in read_records(done.run_dir) if r["step"] > own.first_step]
+    recent = [r["imgs_per_sec"] for r in records[-5:]]
+    rate = f", {sorted(recent)[len(recent) // 2]:.0f} img/s" if recent else ""
+    minutes, secs = divmod(round(done.seconds), 60)
+    line = f"{own.steps} steps, {own.images} images in {minutes}m{secs:02d}s{rate}"
+    if own.first_step:
+        line += f" (resumed at step {own.first_step}: the run is at step {own.step})"
+    return line

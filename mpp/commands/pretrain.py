@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 
 from mpp.cli import run_parser
-from mpp.commands.job import train_main
+from mpp.commands.job import own_part, train_main
 from mpp.config import Config
 from mpp.jobs import run_pretrain
 from mpp.tools.planner.cli import add_plan_arguments, plan_main
@@ -36,18 +36,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(done) -> None:
-    """The line a run ends with: steps, images, the last figures, this invocation's time and the
-    run's recent img/s, and where it all is (its curves drawn: ``mpp plot``)."""
+    """The line a run ends with: this command's steps, images, time and img/s (``own_part``), the
+    last figures, and where it all is (its curves drawn: ``mpp plot``)."""
     from mpp.tools.plot import curves_at_end
-    from mpp.train.metrics import last_figures, read_records
+    from mpp.train.metrics import last_figures
 
-    run_dir, state = done.run_dir, done.result
-    recent = [r["imgs_per_sec"] for r in read_records(run_dir)[-5:]]
-    rate = f", {sorted(recent)[len(recent) // 2]:.0f} img/s" if recent else ""
-    minutes, secs = divmod(round(done.seconds), 60)
+    run_dir = done.run_dir
     figures = last_figures(run_dir)
     print(
-        f"done: {state.step} steps, {state.samples} images in {minutes}m{secs:02d}s{rate}"
+        f"done: {own_part(done)}"
         + (f"; {figures}" if figures else "")
         + f" -> {run_dir}: metrics.jsonl, {curves_at_end(run_dir)}, checkpoints/, "
         "encoder.safetensors"

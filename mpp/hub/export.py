@@ -27,6 +27,7 @@ from mpp.hub.pretrained import load_pretrained
 from mpp.hub.source import weight_source
 from mpp.models.vit import full_vit_config
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD, to_2tuple
+from mpp.quiet import add_verbose_argument
 
 # model kwargs of ours that are timm VisionTransformer constructor arguments
 _TIMM_ARGS = (
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--format", choices=FORMATS, default="safetensors")
     p.add_argument("--out", help="output file (safetensors) or folder (timm, hf)")
+    add_verbose_argument(p)
     args = p.parse_args(argv)
     try:
         path = export(args.source, args.format, args.out)

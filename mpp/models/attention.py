@@ -40,8 +40,8 @@ def _log_once(requested: str, resolved: str, device_type: str, why: str = "") ->
     msg = f"attention backend: {resolved} (requested {requested}, device {device_type})"
     if why:
         log.warning(msg + f"; {why}")
-    else:
-        log.info(msg)
+    else:  # a training run's summary says it (mpp.train.summary); a fallback is warned
+        log.debug(msg)
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from mpp.models.attention import Attention
+from mpp.models.attention import Attention, resolve_backend
 from mpp.ops import to_2tuple
 
 # name: (embed_dim, depth, num_heads); MLP is 4x wide everywhere.
@@ -247,6 +247,10 @@ class VisionTransformer(nn.Module):
         self.fc_norm = nn.LayerNorm(embed_dim, eps=norm_eps) if use_fc_norm else nn.Identity()
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         self.init_weights()
+
+    def attention_backend(self, device: torch.device) -> str:
+        """The kernel this encoder's attention runs on ``device`` (``attn_backend`` resolved)."""
+        return resolve_backend(self.blocks[0].attn.attn_backend, device)
 
     def architecture(self) -> dict:
         """The constructor arguments this model's shapes and computation follow from (what a run's

@@ -4,8 +4,10 @@ make a one-process group for a plain ``python`` run; the device each rank uses."
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -26,6 +28,10 @@ def device_type() -> str:
 
 class PortInUse(RuntimeError):
     """The process group's port is taken: said in one line, with a free one to use."""
+
+
+# what init_distributed sets for a plain ``python`` run (one process, no launcher)
+ONE_PROCESS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def init_distributed() -> torch.device:
@@ -76,8 +82,39 @@ def skip_shm_comm_op() -> None:
 
 
 def leave_process_group() -> None:
-    if dist.is_initialized():
+    """Destroy the process group, through DeepSpeed where it joined it: DeepSpeed keeps its own
+    references to the groups it derived (data parallel, ZeRO), which a later
+    ``deepspeed.initialize`` in this process would otherwise broadcast over, destroyed."""
+    if not dist.is_initialized():
+        return
+    comm = sys.modules.get("deepspeed.comm")
+    if comm is not None and comm.is_initialized():
+        comm.destroy_process_group()
+    else:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def process_group_of_this_call() -> Iterator[None]:
+    """Around an in-process job (``mpp.pretrain()`` in a notebook): the process group it creates
+    (``init_distributed``) left on the way out, with the variables it set in the environment and
+    the hook torch puts in ``sys.excepthook``, which prefixes every later traceback line of the
+    session with ``[rank0]:``. A group that was there before the call is the caller's: kept."""
+    if dist.is_initialized():
+        yield
+        return
+    env = {key: os.environ.get(key) for key in ONE_PROCESS_VARS}
+    hook = sys.excepthook
+    try:
+        yield
+    finally:
+        leave_process_group()
+        sys.excepthook = hook
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def from_rank0(obj: Any) -> Any:

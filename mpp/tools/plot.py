@@ -1,5 +1,6 @@
-"""mpp plot RUN [--out FILE.png]: a run's curves from its metrics.jsonl (loss, lr, the monitor's
-k-NN and masked loss, a fine-tune's validation top-1) in one PNG, by default RUN/curves.png.
+"""mpp plot RUN [--out FILE.png]: a run's curves from its metrics.jsonl, by default RUN/curves.png.
+Loss and lr at every optimiser step, the monitor's k-NN and masked loss, a fine-tune's validation
+top-1; a dashed line where the run was resumed.
 A run writes the same picture when it ends (with matplotlib installed: pip install 'mpp[plot]')."""
 
 from __future__ import annotations
@@ -23,16 +24,39 @@ PANELS = [
 ]
 
 
+# an interval record's every optimiser step (metrics.jsonl, log_every > 1), the last at its step
+PER_STEP = {"loss": "step_losses", "lr": "step_lrs"}
+
+
 def series(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
-    """Each panel's (steps, values) from the run's records, the last record of a step kept."""
+    """Each panel's (steps, values) from the run's records, loss and lr at every optimiser step
+    (``PER_STEP``), the last record of a step kept."""
     records = read_records(run_dir, kind="all")
     out = {}
     for title, key in PANELS:
-        points = {r["step"]: r[key] for r in records if isinstance(r.get(key), (int, float))}
+        points = {}
+        for r in records:
+            if isinstance(r.get(key), (int, float)):
+                points.update(every_step(r, key))
         if points:
             steps = sorted(points)
             out[title] = (steps, [points[s] for s in steps])
     return out
+
+
+def every_step(record: dict, key: str) -> dict[int, float]:
+    """{step: value} of ``key`` in one record: each step of its interval where it holds them."""
+    per_step = record.get(PER_STEP.get(key, ""))
+    if isinstance(per_step, list) and per_step:
+        first = record["step"] - len(per_step) + 1
+        return {first + i: v for i, v in enumerate(per_step)}
+    return {record["step"]: record[key]}
+
+
+def resumes(run_dir: Path) -> list[int]:
+    """The steps the run was resumed at (a record's ``resumed_at``: the first after a resume)."""
+    records = read_records(run_dir, kind="all")
+    return sorted({r["resumed_at"] for r in records if isinstance(r.get("resumed_at"), int)})
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -48,8 +72,14 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig = Figure(figsize=(3.6 * len(curves), 3.0))
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(curves), squeeze=False)
+    resumed = resumes(run_dir)
     for ax, (title, (steps, values)) in zip(axes[0], curves.items(), strict=True):
         ax.plot(steps, values, marker="." if len(steps) < 30 else None)
+        for i, step in enumerate(resumed):  # where a command went on from a checkpoint
+            label = "resumed" if i == 0 else None
+            ax.axvline(step, color="grey", linestyle="--", linewidth=0.8, label=label)
+        if resumed:
+            ax.legend(fontsize=7)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

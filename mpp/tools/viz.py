@@ -30,6 +30,7 @@ from mpp.hub.encoder_file import load_encoder_file
 from mpp.objectives import create_objective
 from mpp.objectives.base import Objective
 from mpp.objectives.hpm import HardPatchesMining
+from mpp.quiet import add_verbose_argument
 from mpp.train.panels import objective_panels, save_picture
 
 # ---- command line ---------------------------------------------------------------------------
@@ -226,6 +227,7 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--scale", type=int, help="enlarge each panel by this factor")
     ap.add_argument("--seed", type=int, default=0)
+    add_verbose_argument(ap)
     return ap
 
 

@@ -44,9 +44,10 @@ def last_figures(run_dir: Path) -> str:
     if loss := [r["loss"] for r in records if "loss" in r and "imgs_per_sec" in r]:
         parts.append(f"last loss {loss[-1]:.4g}")
     if knn := [r for r in records if "monitor/knn_top1" in r]:
-        parts.append(
-            f"monitor k-NN top-1 {knn[-1]['monitor/knn_top1']:.1f} % (step {knn[-1]['step']})"
-        )
+        # the first too: at step 0 it is the random encoder's, what pretraining has to beat
+        ends = [knn[0], knn[-1]] if len(knn) > 1 else knn
+        said = " -> ".join(f"{r['monitor/knn_top1']:.1f} % at step {r['step']}" for r in ends)
+        parts.append(f"monitor k-NN top-1 {said}")
     if val := [r for r in records if "val_top1" in r]:
         parts.append(f"val top-1 {val[-1]['val_top1']:.2f} %")
     return ", ".join(parts)
@@ -155,9 +156,11 @@ class MetricLog:
         config: dict | None = None,
     ) -> None:
         """Continues at ``state``: after a resume, records past its step (written before the run
-        stopped, and about to be replayed) are dropped, so each step is in the file once."""
+        stopped, and about to be replayed) are dropped, so each step is in the file once, and
+        the next record says where the resume started (``resumed_at``: curves mark it)."""
         self.rank = rank
         self.restart(state)
+        self.resumed_at = state.step or None
         self.file = None
         self.reporters: list = []
         self.path = run_dir / "metrics.jsonl"
@@ -180,28 +183,50 @@ class MetricLog:
         self.sums: dict[str, torch.Tensor] = {}
         self.count, self.data_wait = 0, 0.0
         self.t0, self.samples0 = time.perf_counter(), state.samples
+        # each optimiser step's mean loss and its lr since the last record: the curves draw
+        # every step at any log_every (the losses stay on the device until the record)
+        self.step_losses: list[torch.Tensor] = []
+        self.step_lrs: list[float] = []
+        self.step_sum, self.step_micro = None, 0
 
     def add(self, metrics: dict[str, torch.Tensor], data_wait: float) -> None:
         for k, v in metrics.items():
             v = v.detach().float()
             self.sums[k] = self.sums[k] + v if k in self.sums else v.clone()
+        loss = metrics["loss"].detach().float()
+        self.step_sum = loss.clone() if self.step_sum is None else self.step_sum + loss
         self.count += 1
+        self.step_micro += 1
         self.data_wait += data_wait
+
+    def step_done(self, lr: float) -> None:
+        """An optimiser step taken at ``lr``: its micro-batches' mean loss kept for the record."""
+        if self.step_sum is not None:
+            self.step_losses.append(self.step_sum / self.step_micro)
+            self.step_lrs.append(lr)
+        self.step_sum, self.step_micro = None, 0
 
     def flush(
         self, state: RunState, plan: Plan, lr: float, skipped: int
     ) -> dict[str, float] | None:
         """All-reduce the averages (every rank calls this), write one record on rank 0.
         ``skipped``: the bad samples this rank skipped since the last record; all ranks' are
-        added to ``state.skipped``, the run's count that checkpoints carry, and recorded."""
+        added to ``state.skipped``, the run's count that checkpoints carry, and recorded. An
+        interval of several optimiser steps also records each one's loss and lr (``step_losses``,
+        ``step_lrs``, the last at ``step``)."""
         keys = sorted(self.sums)
         dev = self.sums[keys[0]].device
         extra = torch.tensor([float(skipped), self.data_wait], device=dev)
-        stats = torch.cat([torch.stack([self.sums[k] / self.count for k in keys]), extra])
+        parts = [torch.stack([self.sums[k] / self.count for k in keys]), extra]
+        if len(self.step_losses) > 1:  # same on every rank: they step together
+            parts.append(torch.stack(self.step_losses))
+        stats = torch.cat(parts)
         dist.all_reduce(stats)
         values = stats.tolist()
-        state.skipped += round(values[-2])
         world = dist.get_world_size()
+        step_losses = [v / world for v in values[len(keys) + 2 :]]
+        skipped_all, data_wait = values[len(keys) : len(keys) + 2]
+        state.skipped += round(skipped_all)
         elapsed = time.perf_counter() - self.t0
         record = {
             "step": state.step,
@@ -210,12 +235,16 @@ class MetricLog:
             **{k: values[i] / world for i, k in enumerate(keys)},
             "lr": lr,
             "imgs_per_sec": (state.samples - self.samples0) / max(elapsed, 1e-9),
-            "data_wait_frac": values[-1] / world / max(elapsed, 1e-9),
+            "data_wait_frac": data_wait / world / max(elapsed, 1e-9),
             "skipped": state.skipped,
             "missing_shards": plan.missing_shards,
             "bad_steps": state.bad_steps,
             "overflow_steps": state.overflow_steps,
         }
+        if step_losses:
+            record.update(step_losses=step_losses, step_lrs=list(self.step_lrs))
+        if self.resumed_at is not None:  # the first record of a resumed run
+            record["resumed_at"], self.resumed_at = self.resumed_at, None
         self.restart(state)
         if self.rank == 0:
             self._emit(record, "train")

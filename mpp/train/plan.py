@@ -43,6 +43,8 @@ class Plan:
     missing_shards: int = 0
     census: Census | None = None  # every shard's sample count and where it came from
     subset: LabelledSubset | None = None  # few labels: the samples trained on (data.labels_*)
+    # train.epochs' own steps where train.min_steps lifted the schedule above them, else None
+    epochs_steps: int | None = None
 
     @property
     def micro_per_epoch(self) -> int:  # micro-batches per rank per epoch
@@ -82,13 +84,8 @@ def plan_run(
     (micro, accum, ds_config), samples = batch, epoch.total
     shards, sizes = epoch.shards, epoch.sizes
     steps_per_epoch = samples // cfg.train.batch_size
-    t, o = cfg.train, cfg.optim
-    total = t.max_steps if t.max_steps is not None else math.ceil(t.epochs * steps_per_epoch)
-    warmup = (
-        o.warmup_steps
-        if o.warmup_steps is not None
-        else round((o.warmup_epochs or 0.0) * steps_per_epoch)
-    )
+    t = cfg.train
+    total, warmup, epochs_steps = schedule(cfg, steps_per_epoch, samples)
     if t.on_nonfinite == "rollback" and accum > 1:
         log.warning(
             "train.on_nonfinite=rollback with %d micro-batches per step: a rollback at a step's later "
@@ -118,6 +115,7 @@ def plan_run(
         steps_per_epoch=steps_per_epoch,
         total_steps=total,
         warmup_steps=warmup,
+        epochs_steps=epochs_steps,
         micro_batch=micro,
         grad_accum=accum,
         world_size=world_size,
@@ -129,6 +127,40 @@ def plan_run(
         census=counted,
         subset=subset,
     )
+
+
+def schedule(cfg: RunConfig, steps_per_epoch: int, samples: int) -> tuple[int, int, int | None]:
+    """(total steps, warm-up steps, train.epochs' own steps where train.min_steps lifted them).
+    ``train.max_steps`` sets the schedule; else ``train.epochs`` does, stretched to
+    ``train.min_steps`` where it is shorter (an epoch of small data is a step or two), its
+    ``optim.warmup_epochs`` stretched alike, said in one line (rank 0)."""
+    t, o = cfg.train, cfg.optim
+    if t.max_steps is not None:
+        total, stretch = t.max_steps, 1.0
+    else:
+        total = math.ceil(t.epochs * steps_per_epoch)
+        stretch = max(1.0, (t.min_steps or 0) / total)
+    warmup = (
+        o.warmup_steps
+        if o.warmup_steps is not None
+        else round((o.warmup_epochs or 0.0) * steps_per_epoch * stretch)
+    )
+    if stretch == 1.0:
+        return total, warmup, None
+    if world_from_env()[0] == 0:
+        log.warning(
+            "train.epochs %g of %s samples is %d steps, under train.min_steps %d (%s): training "
+            "%d steps (%.4g epochs), %d of them warm-up; train.max_steps sets the schedule exactly",
+            t.epochs,
+            f"{samples:,}",
+            total,
+            t.min_steps,
+            source_of(cfg, "train.min_steps"),
+            t.min_steps,
+            t.min_steps / steps_per_epoch,
+            warmup,
+        )
+    return t.min_steps, warmup, total
 
 
 def check_data(cfg: RunConfig, img_size: int) -> None:
@@ -323,11 +355,9 @@ def labelled_subset(
 
 def count_data(cfg: RunConfig, shards: list[str]) -> Census:
     """Every training shard's sample count (``mpp.data.census``; a collective under a process
-    group), logged once (``check_num_samples`` holds data.num_samples to it)."""
-    counted = census(shards, cfg.data.allow_pipe, run_dir=run_dir_of(cfg))
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        log.info("data: %s", counted.summary())
-    return counted
+    group); the run's summary says it (``mpp.train.summary``), ``check_num_samples`` holds
+    data.num_samples to it."""
+    return census(shards, cfg.data.allow_pipe, run_dir=run_dir_of(cfg))
 
 
 def check_num_samples(cfg: RunConfig, counted: Census) -> None:

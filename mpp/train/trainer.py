@@ -184,6 +184,7 @@ class Trainer:
         if stepped:
             after_optimizer_step(self.engine)
             lr_done, self.lr = self.lr, self.schedule.apply(self.optimizer, self.state)
+            self.metrics.step_done(lr_done)
             self.bar.update(1)
             if self.metrics.count and (
                 self.state.step % t.log_every == 0 or self.state.step == self.stop
@@ -280,9 +281,7 @@ def start_engine(
         model=objective, optimizer=optimizer, config=ds_config
     )
     stage0.use_multi_tensor_path(engine)
-    compiled, why = resolve_compile(cfg.model.compile, device, steps)
-    if cfg.model.compile == "auto" and steps is not None and dist.get_rank() == 0:
-        log.info("model.compile=auto: %s", why)
+    compiled, _ = resolve_compile(cfg.model.compile, device, steps)  # why: the run's summary
     if compiled:  # the training forward has no graph break (tests/test_compile.py)
         engine.compile()
     return engine, optimizer

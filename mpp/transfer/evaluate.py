@@ -115,6 +115,8 @@ class Evaluator:
         return {f"val_{k}" if not k.startswith("val_") else k: v for k, v in res.items()}
 
     def write(self, weights: dict[str, torch.Tensor], res: dict) -> None:
+        from tqdm import tqdm
+
         meta = {"model": self.model_kwargs}
         enc = {k.removeprefix("encoder."): v for k, v in weights.items()}
         save_weights(enc, self.run_dir / "model_last.safetensors", meta)
@@ -134,6 +136,8 @@ class Evaluator:
             "best": best,
         }
         self.results_path.write_text(json.dumps(out, indent=2) + "\n")
-        print(
-            f"epoch {res['epoch']:.2f}: top1 {res['top1']:.2f}  top5 {res['top5']:.2f}  (best {best['top1']:.2f})"
+        # through the progress bar's writer: a plain print lands glued to the bar's line
+        tqdm.write(
+            f"epoch {res['epoch']:.2f}: top-1 {res['top1']:.2f} %, top-5 {res['top5']:.2f} % "
+            f"(best top-1 {best['top1']:.2f} %)"
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -88,7 +89,7 @@ def run_probe(kind: str, argv: list[str] | None = None) -> int:
         for key in ("protocol", "layers")
         if (value := getattr(args, key, None))
     ]
-    rank, world = world_from_env()
+    rank, world, start = *world_from_env(), time.perf_counter()
     try:
         cfg = config_from_args(args, ProbeConfig)
         setup = _probe_setup(cfg, kind, submit=bool(args.submit))
@@ -127,8 +128,21 @@ def run_probe(kind: str, argv: list[str] | None = None) -> int:
         )
     (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     release(run_dir)
-    print(json.dumps({k: v for k, v in results.items() if k not in ("grid", "per_block")}))
+    print(done_line(kind, results, time.perf_counter() - start, run_dir))
     return 0
+
+
+def done_line(kind: str, results: dict, seconds: float, run_dir: Path) -> str:
+    """The line a probe ends with: its top-1 (and top-5), on how many images, its time, and
+    where results.json is (every figure kept there)."""
+    name = {"linear": f"linear probe ({results.get('protocol', 'fast')})", "knn": "k-NN"}[kind]
+    top5 = f", top-5 {results['top5']:.1f} %" if "top5" in results else ""
+    images = f"{results['num_train']:,} train, " if "num_train" in results else ""
+    minutes, secs = divmod(round(seconds), 60)
+    return (
+        f"done: {name} top-1 {results['top1']:.1f} %{top5} ({images}{results['num_val']:,} val "
+        f"images) in {minutes}m{secs:02d}s -> {run_dir}: results.json"
+    )
 
 
 def _evaluate(kind: str, cfg, setup: ProbeSetup, rank: int, world: int) -> dict:
