@@ -237,12 +237,13 @@ def test_the_layering_rule_catches_an_import_going_up():
     }
     assert layer_violations(graph) == [
         "mpp.checkpoint.manager imports mpp.tools.planner.report (mpp.checkpoint may import "
-        "['mpp.config', 'mpp.hub.encoder_file', 'mpp.parallel'])",
+        "['mpp.config', 'mpp.hub.encoder_file', 'mpp.parallel', 'mpp.quiet'])",
         "mpp.checkpoint.manager imports mpp.train.plan (mpp.checkpoint may import "
-        "['mpp.config', 'mpp.hub.encoder_file', 'mpp.parallel'])",
+        "['mpp.config', 'mpp.hub.encoder_file', 'mpp.parallel', 'mpp.quiet'])",
         "mpp.data.loader imports mpp.objectives.mae (mpp.data may import nothing of ours)",
         "mpp.hub.pretrained imports mpp.checkpoint.manager (mpp.hub may import "
-        "['mpp.checkpoint.format', 'mpp.checkpoint.storage', 'mpp.data', 'mpp.models', 'mpp.ops'])",
+        "['mpp.checkpoint.format', 'mpp.checkpoint.storage', 'mpp.data', 'mpp.models', 'mpp.ops', "
+        "'mpp.quiet'])",
         "mpp.models.vit imports mpp.train.engine (mpp.models may import ['mpp.ops'])",
         "mpp.train.engine imports mpp.tools.ablation (mpp.train may import ['mpp.checkpoint', "
         "'mpp.config', 'mpp.data', 'mpp.features', 'mpp.masking', 'mpp.objectives', 'mpp.ops', "
