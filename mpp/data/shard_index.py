@@ -1,5 +1,5 @@
 """The member index: where each sample of a shard starts, so that a reader starts anywhere in a
-shard and stops at the end of its range (DESIGN.md §6, "Start anywhere in a shard").
+shard and stops at the end of its range (docs/data.md, "Your own data": the member index).
 
 Every training stream of the global order (``mpp.data.order``) starts inside some shard and
 ends inside another. With the shard's index it reads only its own samples' bytes: a seek on a
