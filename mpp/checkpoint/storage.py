@@ -17,7 +17,8 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+
+from mpp.parallel.distributed import from_rank0, rank_world, split_scan
 
 log = logging.getLogger(__name__)
 CHUNK = 8 << 20
@@ -47,31 +48,18 @@ def manifest(tag_dir: Path) -> dict[str, dict]:
     """{relative path: {"bytes", "sha256"}} of every file under ``tag_dir``. A collective under a
     process group: rank 0 lists the files, each rank hashes its share, every rank gets the whole."""
     tag_dir = Path(tag_dir)
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    names = (
-        sorted(str(p.relative_to(tag_dir)) for p in tag_dir.rglob("*") if p.is_file())
-        if rank == 0
-        else None
-    )
-    if distributed:
-        box = [names]
-        dist.broadcast_object_list(box, src=0)
-        names = box[0]
-    mine = {}
-    for name in names[rank::world]:
-        try:
-            mine[name] = {
-                "bytes": (tag_dir / name).stat().st_size,
-                "sha256": sha256(tag_dir / name),
-            }
-        except OSError as e:  # said by rank 0 with the rest; raising here would strand the gather
-            mine[name] = {"error": str(e)}
-    if not distributed:
-        return mine
-    parts: list = [None] * world
-    dist.all_gather_object(parts, mine)
-    return {name: record for part in parts for name, record in sorted(part.items())}
+    names = None
+    if rank_world()[0] == 0:
+        names = sorted(str(p.relative_to(tag_dir)) for p in tag_dir.rglob("*") if p.is_file())
+    names = from_rank0(names)
+    return dict(zip(names, split_scan(names, lambda name: _record(tag_dir / name)), strict=True))
+
+
+def _record(path: Path) -> dict:
+    try:
+        return {"bytes": path.stat().st_size, "sha256": sha256(path)}
+    except OSError as e:  # said by rank 0 with the rest; raising here would strand the gather
+        return {"error": str(e)}
 
 
 def damage(tag_dir: Path, recorded: dict | None) -> str | None:

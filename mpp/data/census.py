@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch.distributed as dist
+from mpp.parallel.distributed import from_rank0, rank_world, split_scan
 
 from . import shard_index
 from .shard_index import MemberIndex
@@ -111,9 +111,7 @@ class Census:
         for url, index in self.index_to_run.items():
             shard_index.save(url, index, shard_index.run_index_dir(run_dir))
         if self.to_run_cache:
-            path = Path(run_dir) / RUN_CACHE_FILE
-            old = (_read_json(str(path)) or {}).get("shards", {})
-            _write_json(path, {"shards": {**old, **self.to_run_cache}})
+            write_cache(Path(run_dir) / RUN_CACHE_FILE, self.to_run_cache)
 
 
 def scan_shard(url: str, allow_pipe: bool = False) -> ShardCount:
@@ -154,17 +152,13 @@ def census(
     """Every shard's count (module docstring). A collective when a process group is up: every rank
     calls it with the same ``shards``, rank 0's list and files decide. ``index``: every shard
     indexed that can be (``mpp shards --index``), the ones counted from the files too."""
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    rank = rank_world()[0]
     known, indexed = None, None
     if rank == 0:  # the remote shards' indexes (their absence costs)
         known = known_counts(shards, run_dir)
         wanted = [s for s in shards if shard_index.indexable(s) and shard_index.remote(s)]
         indexed = shard_index.present(wanted, shard_index.run_index_dir(run_dir))
-    if distributed:
-        box = [(shards, known, indexed)]
-        dist.broadcast_object_list(box, src=0)
-        shards, known, indexed = box[0]
+    shards, known, indexed = from_rank0((shards, known, indexed))
     # asked to index: every local shard again (a seek pass), the remote ones without an index
     todo = [
         s
@@ -178,11 +172,7 @@ def census(
             "counting the samples of %d shard(s) from their tar headers (once: the counts are cached)",
             len(todo),
         )
-    scanned = {s: scan_shard(s, allow_pipe) for s in todo[rank::world]}
-    if distributed:
-        parts: list = [None] * world
-        dist.all_gather_object(parts, scanned)
-        scanned = {k: v for part in parts for k, v in part.items()}
+    scanned = dict(zip(todo, split_scan(todo, lambda s: scan_shard(s, allow_pipe)), strict=True))
     result = Census(
         shards,
         [known.get(s) or scanned[s] for s in shards],
@@ -224,17 +214,14 @@ def known_counts(shards: list[str], run_dir: Path | None = None) -> dict[str, Sh
         url: (_read_json(url) or {}).get("shards", {})
         for url in dict.fromkeys(map(_sizes_url, shards))
     }
-    run_cache = (
-        (_read_json(str(Path(run_dir) / RUN_CACHE_FILE)) or {}).get("shards", {}) if run_dir else {}
-    )
-    caches: dict[str, dict] = {}
+    caches: dict[Path, dict] = {}
     for url in shards:
         name = url.rsplit("/", 1)[-1]
         if (n := listed[_sizes_url(url)].get(name)) is not None:
             known[url] = ShardCount(int(n), "sizes.json")
         elif (stats := _stats(url)) is not None:
             known[url] = ShardCount(stats, "img2dataset stats")
-        elif (hit := _cached(url, caches) or _valid(run_cache.get(url), url)) is not None:
+        elif (hit := _cached(url, run_dir, caches)) is not None:
             known[url] = ShardCount(**hit, source="cache")
     return known
 
@@ -257,14 +244,16 @@ def _stat(url: str) -> dict | None:
     return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def _cached(url: str, caches: dict[str, dict]) -> dict | None:
-    stat = _stat(url)
-    if stat is None:
-        return None
-    folder = os.path.dirname(_local_path(url)) or "."
-    if folder not in caches:
-        caches[folder] = (_read_json(os.path.join(folder, CACHE_FILE)) or {}).get("shards", {})
-    return _valid(caches[folder].get(os.path.basename(url)), url)
+def _cached(url: str, run_dir: Path | None, caches: dict[Path, dict]) -> dict | None:
+    """The first valid count of ``url`` in its count caches (keyed by name beside the shard, by
+    URL in the run directory); ``caches``: the files read so far."""
+    for path in cache_places(url, CACHE_FILE, run_dir, RUN_CACHE_FILE):
+        if path not in caches:
+            caches[path] = read_cache(path)
+        key = os.path.basename(url) if path.name == CACHE_FILE else url
+        if (hit := _valid(caches[path].get(key), url)) is not None:
+            return hit
+    return None
 
 
 def _valid(hit: dict | None, url: str) -> dict | None:
@@ -278,25 +267,40 @@ def _valid(hit: dict | None, url: str) -> dict | None:
 def _save_beside_shards(scanned: dict[str, ShardCount]) -> dict:
     """Cache the scanned counts in each shard folder that can be written; the rest are returned
     (url -> record) for the run directory's cache."""
-    by_folder: dict[str, dict[str, dict]] = {}
+    by_file: dict[Path, dict[str, dict]] = {}
     rest = {}
     for url, count in scanned.items():
         record = {**count.record(), **(_stat(url) or {})}
-        folder = os.path.dirname(_local_path(url)) or "." if "bytes" in record else None
-        if folder is not None and os.access(folder, os.W_OK):
-            by_folder.setdefault(folder, {})[url] = record
-        else:
-            rest[url] = record
-    for folder, records in by_folder.items():
-        path = Path(folder) / CACHE_FILE
-        try:
-            old = (_read_json(str(path)) or {}).get("shards", {})
-            _write_json(
-                path, {"shards": {**old, **{os.path.basename(u): r for u, r in records.items()}}}
-            )
-        except OSError:  # a full or read-only filesystem: the run directory keeps them
-            rest.update(records)
+        beside = cache_places(url, CACHE_FILE)
+        (by_file.setdefault(beside[0], {}) if beside else rest)[url] = record
+    for path, records in by_file.items():
+        if not write_cache(path, {os.path.basename(u): r for u, r in records.items()}):
+            rest.update(records)  # a read-only or full folder: the run directory keeps them
     return rest
+
+
+def cache_places(
+    url: str, name: str, run_dir: Path | None = None, run_name: str = ""
+) -> list[Path]:
+    """Where a cache of facts about the shard ``url`` lives, in the order read and written:
+    ``name`` in its folder (a local shard), then ``run_name`` in the run directory. The shard
+    counts' and the pixel statistics' (``mpp.data.stats``)."""
+    beside = [Path(os.path.dirname(_local_path(url)) or ".") / name] if _stat(url) else []
+    return beside + ([Path(run_dir) / run_name] if run_dir else [])
+
+
+def read_cache(path: Path) -> dict:
+    """A cache's entries ({} when it is not there or not JSON)."""
+    return (_read_json(str(path)) or {}).get("shards", {})
+
+
+def write_cache(path: Path, entries: dict) -> bool:
+    """``entries`` merged into the cache ``path``; False where its folder cannot take them."""
+    try:
+        _write_json(path, {"shards": {**read_cache(path), **entries}})
+    except OSError:  # a full or read-only filesystem
+        return False
+    return True
 
 
 def _save_indexes(scanned: dict[str, ShardCount], into_buckets: bool = False) -> dict:

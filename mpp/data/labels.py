@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
+from mpp.parallel.distributed import split_scan
 
 from .sources import _write_text, open_shard
 from .tario import split_name, tar_samples
@@ -81,14 +81,8 @@ def shard_labels(url: str, allow_pipe: bool = False) -> list[tuple[str, int]]:
 def label_index(shards: list[str], allow_pipe: bool = False) -> LabelIndex:
     """Every shard's labelled samples; a collective under a process group (the shards read split
     across the ranks, the result gathered on every rank)."""
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    mine = {s: shard_labels(s, allow_pipe) for s in shards[rank::world]}
-    if distributed:
-        parts: list = [None] * world
-        dist.all_gather_object(parts, mine)
-        mine = {k: v for part in parts for k, v in part.items()}
-    return LabelIndex(list(shards), [mine[s] for s in shards])
+    shards = list(shards)
+    return LabelIndex(shards, split_scan(shards, lambda s: shard_labels(s, allow_pipe)))
 
 
 @dataclass(frozen=True)

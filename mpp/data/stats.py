@@ -4,7 +4,7 @@
 
 A seeded sample of ``samples`` training images (the shards in a seeded order, read from the start
 until the sample is full), split across the ranks by shard, each image whole (decoded, no crop):
-per channel the count, sum, sum of squares, minimum and maximum of the raw values, all-reduced.
+per channel the count, sum, sum of squares, minimum and maximum of the raw values, gathered.
 The range is the observed minimum and maximum when "auto" (else the stated one, or [0, 255] for
 8-bit data); the mean and std are of the values mapped to [0, 1] by it. Cached like the shard
 counts (``mpp.data.census``): ``.mpp_stats.json`` beside the shards when that folder can be
@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
-from .census import _stat
+from mpp.parallel.distributed import rank_world, split_scan
+
+from .census import _stat, cache_places, read_cache, write_cache
 from .errors import SkipCounter
-from .sources import _local_path, _read_json, _write_json
+from .sources import _write_json
 from .tario import shard_samples
 from .transforms import IMAGE_KEYS, PixelFormat, SampleFormatError, raw_array
 
@@ -85,12 +84,33 @@ def measure(
     shards: list[str], fmt: PixelFormat, samples: int, seed: int = 0, allow_pipe: bool = False
 ) -> PixelStats:
     """The statistics of a seeded sample of ``samples`` images; a collective under a process
-    group (each rank reads its share of the shards, the sums all-reduced)."""
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    group (each rank reads its share of the shards and of the sample, the sums gathered)."""
     order = list(shards)
     random.Random(f"stats/{seed}").shuffle(order)
-    mine, quota = order[rank::world], samples // world + (rank < samples % world)
+    world = rank_world()[1]
+    shares = [(order[r::world], samples // world + (r < samples % world)) for r in range(world)]
+    parts = split_scan(shares, lambda share: _tally(*share, fmt, allow_pipe))
+    sums, read = sum(p[0] for p in parts), sum(p[3] for p in parts)
+    if read == 0:
+        c, n = fmt.channels, len(shards)
+        raise ValueError(f"no image of {c} channel(s) could be read from {n} shard(s)")
+    if fmt.value_range is not None:
+        span = tuple(float(v) for v in fmt.value_range)
+    elif all(p[4] for p in parts):  # every image 8-bit: 0..255, as the stream maps it
+        span = (0.0, 255.0)
+    else:
+        span = (float(min(p[1].min() for p in parts)), float(max(p[2].max() for p in parts)))
+    n, s1, s2 = sums
+    mean_raw, var_raw = s1 / n, np.maximum(s2 / n - (s1 / n) ** 2, 0.0)
+    width = span[1] - span[0] or 1.0
+    mean = tuple(float(v) for v in (mean_raw - span[0]) / width)
+    std = tuple(float(max(v, 1e-12)) for v in np.sqrt(var_raw) / width)
+    return PixelStats(mean, std, span, read)
+
+
+def _tally(mine: list[str], quota: int, fmt: PixelFormat, allow_pipe: bool) -> tuple:
+    """One rank's share of ``measure``: per channel (count, sum, sum of squares), minimum and
+    maximum over the first ``quota`` images of its shards; how many; whether all were 8-bit."""
     c = fmt.channels
     sums = np.zeros((3, c))  # count, sum, sum of squares
     lo, hi = np.full(c, np.inf), np.full(c, -np.inf)
@@ -109,27 +129,7 @@ def measure(
         sums += [np.full(c, len(a)), a.sum(0), np.square(a).sum(0)]
         lo, hi = np.minimum(lo, a.min(0)), np.maximum(hi, a.max(0))
         read += 1
-    total = torch.tensor(np.concatenate([sums.ravel(), [read]]), dtype=torch.float64)
-    lows, highs = torch.tensor(np.append(lo, -eight_bit)), torch.tensor(hi)
-    if distributed:
-        dist.all_reduce(total)
-        dist.all_reduce(lows, op=dist.ReduceOp.MIN)
-        dist.all_reduce(highs, op=dist.ReduceOp.MAX)
-    sums, images = total[:-1].numpy().reshape(3, c), int(total[-1])
-    if images == 0:
-        raise ValueError(f"no image of {c} channel(s) could be read from {len(shards)} shard(s)")
-    if fmt.value_range is not None:
-        span = tuple(float(v) for v in fmt.value_range)
-    elif lows[-1] == -1.0:  # every image 8-bit: 0..255, as the stream maps it
-        span = (0.0, 255.0)
-    else:
-        span = (float(lows[:-1].min()), float(highs.max()))
-    n, s1, s2 = sums
-    mean_raw, var_raw = s1 / n, np.maximum(s2 / n - (s1 / n) ** 2, 0.0)
-    width = span[1] - span[0] or 1.0
-    mean = tuple(float(v) for v in (mean_raw - span[0]) / width)
-    std = tuple(float(max(v, 1e-12)) for v in np.sqrt(var_raw) / width)
-    return PixelStats(mean, std, span, images)
+    return sums, lo, hi, read, eight_bit == 1.0
 
 
 def first_dtype(
@@ -168,29 +168,15 @@ def pixel_stats(
     """The statistics from the cache, else measured (a collective) and cached by rank 0: (the
     statistics, where they came from)."""
     sig = signature(shards, fmt, samples, 0)
-    folder = os.path.dirname(_local_path(shards[0])) if _stat(shards[0]) else None
-    places = [Path(folder) / CACHE_FILE] if folder else []
-    places += [Path(run_dir) / RUN_CACHE_FILE] if run_dir else []
+    places = cache_places(shards[0], CACHE_FILE, run_dir, RUN_CACHE_FILE)
     for path in places:
-        hit = (_read_json(str(path)) or {}).get(sig)
-        if hit:
+        if hit := read_cache(path).get(sig):
             stats = PixelStats(
                 **{k: tuple(v) if isinstance(v, list) else v for k, v in hit.items()}
             )
             return stats, f"cached in {path}"
     stats = measure(shards, fmt, samples, allow_pipe=allow_pipe)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        _save(places, sig, stats)
+    if rank_world()[0] == 0:  # into the first place that takes it
+        record = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(stats).items()}
+        any(write_cache(path, {sig: record}) for path in places)
     return stats, f"measured on {stats.images} images"
-
-
-def _save(places: list[Path], sig: str, stats: PixelStats) -> None:
-    record = {sig: {k: list(v) if isinstance(v, tuple) else v for k, v in vars(stats).items()}}
-    for path in places:
-        try:
-            if not os.access(path.parent, os.W_OK):
-                continue
-            _write_json(path, {**(_read_json(str(path)) or {}), **record})
-            return
-        except OSError:  # a full or read-only filesystem: the next place
-            continue

@@ -60,16 +60,11 @@ def encoder_file_metadata(path: str | Path) -> dict:
     return out
 
 
-def encoder_file_kwargs(path: str | Path) -> dict:
-    """The model kwargs an exported ``encoder.safetensors`` states in its metadata ({}: none)."""
-    return encoder_file_metadata(path)["model"]
-
-
 def load_encoder_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(state dict, model kwargs) from an exported ``encoder.safetensors`` (no unpickling)."""
     from safetensors import SafetensorError
 
-    kwargs = encoder_file_kwargs(path)
+    kwargs = encoder_file_metadata(path)["model"]
     try:
         return load_file(str(path)), kwargs
     except (SafetensorError, OSError, ValueError) as e:

@@ -18,7 +18,7 @@ from mpp.checkpoint.format import MARKER, complete_tags, zero_to_fp32
 from mpp.checkpoint.storage import CheckpointError
 from mpp.hub.encoder_file import load_encoder_file
 from mpp.hub.hf import read_hf_folder
-from mpp.hub.source import RELEASE_SUFFIXES, differs, folder_kind, weight_source
+from mpp.hub.source import differs, weight_source
 from mpp.models.vit import VisionTransformer, full_vit_config, resample_abs_pos_embed
 
 log = logging.getLogger(__name__)
@@ -72,10 +72,9 @@ def init_record(init: str | Path) -> dict:
     (its encoder exported, no stop recorded)."""
     if init == "scratch":
         return {}
-    path = Path(init)
-    if not path.is_dir() or folder_kind(path)[0]:
+    path, source = Path(init), weight_source(init)
+    if source.kind not in ("encoder", "checkpoint") or not path.is_dir():  # a file, a hub folder
         return {"init_read": str(path)}
-    source = weight_source(path)
     root = source.path if source.kind == "checkpoint" else path / "checkpoints"
     tags = complete_tags(root)
     if source.kind == "encoder":  # the checkpoints written before it
@@ -313,10 +312,10 @@ def init_objective(
     naming the key; what stays at its initialisation is returned."""
     load_into(objective.encoder, init, chans_policy)
     loaded = ["encoder"]
-    path = Path(init)
     mae = getattr(objective, "base", objective)  # hpm wraps its base objective
-    if path.is_file() and path.suffix in RELEASE_SUFFIXES and hasattr(mae, "decoder_embed"):
-        decoder = mae_decoder_weights(read_release_file(path))
+    source = weight_source(init)
+    if source.kind == "release" and hasattr(mae, "decoder_embed"):
+        decoder = mae_decoder_weights(read_release_file(source.path))
         own = mae.state_dict()
         pred = "decoder.pred.weight"
         if pred in decoder and pred in own and decoder[pred].shape != own[pred].shape:

@@ -8,7 +8,7 @@ import contextlib
 import itertools
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +20,29 @@ from mpp.parallel.launch import free_port
 def world_from_env() -> tuple[int, int]:
     """(rank, world size) as the launcher set them; a plain ``python`` run is rank 0 of 1."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def rank_world() -> tuple[int, int]:
+    """(rank, world size) of the process group; (0, 1) without one."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def split_scan(items: Sequence[Any], fn: Callable[[Any], Any]) -> list[Any]:
+    """``[fn(x) for x in items]``, rank r doing ``items[r::world]``, gathered on every rank in the
+    items' order: the census, the label index, the pixel statistics, a checkpoint's checksums. A
+    collective under a process group of more than one: every rank passes the same ``items``."""
+    rank, world = rank_world()
+    mine = [fn(x) for x in items[rank::world]]
+    if world == 1:
+        return mine
+    parts: list = [None] * world
+    dist.all_gather_object(parts, mine)
+    out: list = [None] * len(items)
+    for r, part in enumerate(parts):
+        out[r::world] = part
+    return out
 
 
 def device_type() -> str:
@@ -121,7 +144,7 @@ def from_rank0(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank: what must be decided once (the resume tag, the shard
     list, the epoch length) is decided by rank 0, not by each rank from its own view of shared
     storage (NFS attribute caching can show ranks different listings). A collective."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if rank_world()[1] == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
@@ -134,7 +157,7 @@ def in_step(batches: Iterable[Any], device: torch.device) -> Iterator[Any | None
     every forward is a collective (its parameter all-gather): a rank with one batch more would
     wait there forever while the others sat in the next collective. One small all-reduce per
     batch; evaluation only."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = rank_world()[1]
     for batch in itertools.chain(batches, itertools.repeat(None)):
         more = batch is not None
         if world > 1:
