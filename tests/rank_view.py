@@ -37,7 +37,7 @@ init_distributed()
 plan = from_rank0(
     plan_module.plan_run(cfg, world, "cpu", 16)
 )  # as pretrain/run.py and downstream/finetune.py do
-found = from_rank0(resolve_on_rank0("auto", ckpt_root))  # as the engine's resume does
+found = resolve_on_rank0("auto", ckpt_root)  # as the engine's resume does
 decided = {"rank": rank, "own": own, "steps_per_epoch": plan.steps_per_epoch, "tag": found[1]}
 Path(ckpt_root).parent.joinpath(f"rank{rank}.json").write_text(
     json.dumps(decided)

@@ -3,7 +3,7 @@ rank, so rank 0 converts it into DeepSpeed's universal checkpoint (``ds_to_unive
 ``RUN/checkpoints/universal/TAG``, removed once loaded) and every rank loads that with
 ``load_universal_checkpoint``, which re-partitions the fp32 masters and Adam moments; then what
 that load gets wrong in DeepSpeed 0.19.8 is put right (docs/ARCHITECTURE.md §5.2). A stage-0
-checkpoint holds everything whole and loads directly (``mpp.checkpoint.manager.EngineEntry``)."""
+checkpoint holds everything whole and loads directly (``Checkpointer.restore``)."""
 
 from __future__ import annotations
 

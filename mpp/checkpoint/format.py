@@ -100,27 +100,6 @@ def remove_incomplete(ckpt_root: str | Path) -> list[str]:
     return removed
 
 
-def newest_intact(ckpt_root: str | Path) -> str | None:
-    """The newest complete tag whose files match its marker (a warning names each damaged newer
-    one); None when there is no complete tag, CheckpointError when none of them is intact."""
-    damaged = []
-    for tag in reversed(complete_tags(ckpt_root)):
-        problem = verify(ckpt_root, tag)
-        if problem is None:
-            if damaged:
-                log.warning(
-                    "checkpoint %s is damaged (%s): using %s", damaged[0][0], damaged[0][1], tag
-                )
-            return tag
-        damaged.append((tag, problem))
-    if damaged:
-        raise CheckpointError(
-            f"no intact checkpoint in {ckpt_root}: {damaged[0][1]}"
-            + (f" (and {len(damaged) - 1} older damaged)" if len(damaged) > 1 else "")
-        )
-    return None
-
-
 def verify(ckpt_root: str | Path, tag: str) -> str | None:
     """Why ``ckpt_root/tag`` is not what its marker recorded, or None (also for markers from before
     the manifest, which cannot be checked)."""
@@ -295,25 +274,41 @@ def find_checkpoint(
 
 
 def resolve_resume(
-    resume: str | None, ckpt_root: Path, verified: bool = True
+    resume: str | None, ckpt_root: str | Path, verified: bool = True
 ) -> tuple[str, str] | None:
-    """``auto`` -> the newest complete tag in this run (None on a fresh run); a path -> its
-    newest complete checkpoint (``find_checkpoint``). ``verified``: only an intact one (its files
-    checked against its marker: ``newest_intact``), CheckpointError naming the file otherwise."""
+    """The run to resume from, the one answer (the engine's resume and rollback ask it verified,
+    on rank 0: ``mpp.checkpoint.manager.resolve_on_rank0``; the checks before a run do not:
+    ``mpp.train.plan``). ``auto`` -> the newest complete tag in ``ckpt_root`` (None on a fresh
+    run); a path -> that checkpoint, or its newest complete one (``find_checkpoint``).
+    ``verified``: only an intact one (its files checked against its marker; a warning names each
+    damaged newer one), CheckpointError naming the file otherwise."""
     if resume is None:
         return None
-    if resume == "auto":
-        tag = newest_intact(ckpt_root) if verified else latest_complete(ckpt_root)
-        return (str(ckpt_root), tag) if tag else None
-    found = find_checkpoint(resume, complete_only=True)
-    if found is None:
-        raise FileNotFoundError(f"--resume {resume}: no complete checkpoint there")
-    if verified and (Path(resume) / MARKER).is_file():  # this very checkpoint was asked for
-        if problem := verify(*found):
-            raise CheckpointError(f"--resume {resume}: {problem}")
-    elif verified:
-        return str(found[0]), newest_intact(found[0])
-    return str(found[0]), found[1]
+    root = ckpt_root
+    if resume != "auto":
+        found = find_checkpoint(resume, complete_only=True)
+        if found is None:
+            raise FileNotFoundError(f"--resume {resume}: no complete checkpoint there")
+        if (Path(resume) / MARKER).is_file():  # this very checkpoint was asked for
+            if verified and (problem := verify(*found)):
+                raise CheckpointError(f"--resume {resume}: {problem}")
+            return str(found[0]), found[1]
+        root = found[0]
+    damaged = []
+    for tag in reversed(complete_tags(root)):
+        if not verified or (problem := verify(root, tag)) is None:
+            if damaged:
+                log.warning(
+                    "checkpoint %s is damaged (%s): using %s", damaged[0][0], damaged[0][1], tag
+                )
+            return str(root), tag
+        damaged.append((tag, problem))
+    if damaged:
+        raise CheckpointError(
+            f"no intact checkpoint in {root}: {damaged[0][1]}"
+            + (f" (and {len(damaged) - 1} older damaged)" if len(damaged) > 1 else "")
+        )
+    return None
 
 
 # ---- reading checkpoints without unpickling arbitrary objects ---------------------------------
