@@ -59,16 +59,23 @@ class Progress(Hook):
     """What one invocation trained (a resumed run's earlier parts not counted): optimiser
     steps and images from where it started, and the run's step it ended at."""
 
+    every = 0  # read from the run's state: nothing to do at a step
+
     def __init__(self) -> None:
-        self.first_step = self.step = self.first_samples = self.samples = 0
+        self.first_step = self.first_samples = 0
+        self.state: Any = None
 
     def start(self, trainer: Any) -> None:
-        state = trainer.state
-        self.first_step = self.step = state.step
-        self.first_samples = self.samples = state.samples
+        self.state = trainer.state
+        self.first_step, self.first_samples = self.state.step, self.state.samples
 
-    def step_end(self, trainer: Any) -> None:
-        self.step, self.samples = trainer.state.step, trainer.state.samples
+    @property
+    def step(self) -> int:
+        return self.state.step if self.state is not None else self.first_step
+
+    @property
+    def samples(self) -> int:
+        return self.state.samples if self.state is not None else self.first_samples
 
     @property
     def steps(self) -> int:

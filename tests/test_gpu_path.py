@@ -288,8 +288,8 @@ def test_gloo_side_group_only_where_gloo_can_connect_the_nodes(monkeypatch):
 
 def test_zero3_gather_stream_is_where_the_ema_ordering_looks(digits16, dist_group):
     """HPM's EMA writes ZeRO-3 shards on the default stream; the next gather runs on DeepSpeed's
-    own stream (overlap_comm) and does not wait for it. ``order_gathers_after_writes`` makes it
-    wait: pin the private attribute it reads, so a DeepSpeed upgrade that renames it fails here."""
+    own stream (overlap_comm) and does not wait for it. ``gather_stream`` finds it to wait on:
+    pin the private attribute it reads, so a DeepSpeed upgrade that renames it fails here."""
     import deepspeed
     from conftest import tiny_config, zero
 
@@ -314,7 +314,7 @@ def test_zero3_gather_stream_is_where_the_ema_ordering_looks(digits16, dist_grou
     assert hasattr(
         coordinator, "_PartitionedParameterCoordinator__allgather_stream"
     )  # None on the CPU
-    zero_internals.order_gathers_after_writes(optimizer)  # a no-op here, and no error
+    assert zero_internals.gather_stream(optimizer) is None  # no CUDA here, and no error
 
 
 def test_fine_tune_evaluation_reads_with_the_configured_workers(

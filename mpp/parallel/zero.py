@@ -1,5 +1,5 @@
-"""What the library needs to know about ZeRO-3's partitioned parameters, in one place: which
-tensors a rank holds of a parameter, and gathering whole parameters for a moment. Nothing
+"""What the library needs to know about ZeRO-3's partitioned parameters: which tensors a rank holds
+of a parameter, and gathering whole ones for a moment (docs/ARCHITECTURE.md §2.3). Nothing
 outside this file (and the engine's checkpoint code) names a DeepSpeed parameter attribute."""
 
 from __future__ import annotations
@@ -44,17 +44,16 @@ def gathered(params: Iterable[nn.Parameter]) -> Iterator[None]:
         yield
 
 
-def order_gathers_after_writes(optimizer: object) -> None:
-    """ZeRO-3 gathers parameters on its own CUDA stream (with ``overlap_comm``) and does not wait
-    for the default stream first; a shard written outside DeepSpeed's step (HPM's EMA teacher)
-    must be ordered before the next gather. A stream wait, no host sync; nothing off CUDA."""
+def gather_stream(optimizer: object) -> object | None:
+    """The CUDA stream ZeRO-3 gathers parameters on (with ``overlap_comm``), which does not wait
+    for the default stream: a shard written outside DeepSpeed's step (HPM's EMA teacher) must be
+    ordered before the next gather (``stream.wait_stream``: no host sync). None off CUDA, below
+    stage 3, or with no such stream; looked up once (DeepSpeed keeps one coordinator)."""
     import torch
 
     offload = getattr(optimizer, "parameter_offload", None)
     if offload is None or not torch.cuda.is_available():
-        return
-    stream = getattr(
+        return None
+    return getattr(
         offload.get_param_coordinator(), "_PartitionedParameterCoordinator__allgather_stream", None
     )
-    if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream())

@@ -11,7 +11,10 @@ class Hook:
     method, in registration order. ``start``: before the first batch, the run resumed;
     ``step_end``: after an optimiser step (before the evaluation and the checkpoint); ``saved``:
     after the step's checkpoint (written or not due); ``close``: once, however the loop ended.
-    Raising stops the run."""
+    Raising stops the run. ``every``: the steps (and the last) at which ``step_end`` and
+    ``saved`` are called, 0 never; a step where no hook is due calls into none."""
+
+    every = 1
 
     def start(self, trainer: Any) -> None:
         pass

@@ -10,32 +10,20 @@ is ``mpp.checkpoint.manager.Checkpointer.restore_intact``).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from mpp.checkpoint.state import RunState
 
 log = logging.getLogger(__name__)
-# a fault-injection hook (docs/pretraining.md, NaN recovery): MPP_INJECT_NONFINITE_AT_STEP=k makes the check
-# report a non-finite loss when optimiser step k is first attempted, to try train.on_nonfinite
+# a fault-injection hook (docs/pretraining.md, NaN recovery): MPP_INJECT_NONFINITE_AT_STEP=k makes the
+# trainer's check (mpp.train.trainer.all_finite) report a non-finite loss at optimiser step k's first try
 INJECT_ENV = "MPP_INJECT_NONFINITE_AT_STEP"
 
 
 class NonFiniteLossError(RuntimeError):
     """Too many steps with a NaN/Inf loss: the run stops, its last checkpoint untouched."""
-
-
-def all_finite(loss: torch.Tensor, state: RunState) -> bool:
-    """True when the loss is finite on every rank. One small all-reduce and host sync per
-    micro-step: the price of never applying a NaN update (``train.skip_nonfinite``)."""
-    bad = (~torch.isfinite(loss.detach())).float().reshape(1)
-    if state.step + 1 == int(os.environ.get(INJECT_ENV, 0)) and not state.rollback_steps:
-        bad.fill_(1.0)
-    dist.all_reduce(bad)
-    return bad.item() == 0.0
 
 
 def skip_bad_step(state: RunState, t: Any, rank: int) -> bool:

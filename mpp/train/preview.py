@@ -128,6 +128,7 @@ class PreviewHook(Hook):
 
     def __init__(self, cfg: Any) -> None:
         self.cfg, self.preview = cfg, None
+        self.every = cfg.train.preview_every
 
     def start(self, trainer: Any) -> None:
         self.preview = build_preview(

@@ -1,5 +1,5 @@
 """The trainer: DeepSpeed's engine and the step loop over it. ``Trainer.train`` reads on one
-screen: a batch, ``train_step``, ``on_step_end`` (which ends in ``checkpointer.maybe_save``).
+screen: a batch, ``train_step``, ``on_step_end`` (which ends in a checkpoint when one is due).
 What the job around it wants at those points (previews, the monitor, a stop signal's
 checkpoint) comes in as ``Hook`` objects that ``mpp.jobs`` registers; this module imports none.
 
@@ -13,6 +13,7 @@ encoder), the ``MetricLog`` (metrics.jsonl, TensorBoard, W&B) and the loader. On
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -32,7 +33,7 @@ from mpp.parallel import stage0, zero
 from mpp.parallel.distributed import skip_shm_comm_op
 from mpp.train.hooks import Hook
 from mpp.train.metrics import MetricLog
-from mpp.train.nonfinite import NonFiniteLossError, all_finite, roll_back, skip_bad_step
+from mpp.train.nonfinite import INJECT_ENV, NonFiniteLossError, roll_back, skip_bad_step
 from mpp.train.optim import Schedule, build_optimizer
 from mpp.train.plan import Plan
 
@@ -70,10 +71,11 @@ class Trainer:
             cfg, objective, plan.ds_config, device, self.stop
         )
         self.objective = self.engine.module
+        self.gathers = zero.gather_stream(self.optimizer)  # ZeRO-3's on CUDA, else None
+        # the plan's per-epoch figures, read every micro-step
+        self.micro_per_epoch, self.total_epochs = plan.micro_per_epoch, plan.total_epochs
         t = cfg.train
-        self.checkpointer = Checkpointer(
-            self.engine, run_dir, plan, t.keep_last, t.ckpt_every, t.seed
-        )
+        self.checkpointer = Checkpointer(self.engine, run_dir, plan, t.keep_last, t.seed)
         self.state = self.checkpointer.resume(resume)
         self.schedule = Schedule.of(cfg, plan)
         self.lr = self.schedule.apply(self.optimizer, self.state)
@@ -162,8 +164,8 @@ class Trainer:
         """One micro-batch (on the device, normalised): forward, backward and DeepSpeed's step, which takes an optimiser step
         at the accumulation boundary. True when an optimiser step was taken and applied."""
         self.objective.set_progress(
-            self.state.epoch + self.state.batch_in_epoch / self.plan.micro_per_epoch,
-            self.plan.total_epochs,
+            self.state.epoch + self.state.batch_in_epoch / self.micro_per_epoch,
+            self.total_epochs,
         )
         out = micro_step(self.engine, batch, self.state, self.cfg.train.skip_nonfinite)
         if out is None:  # a non-finite loss on some rank: every rank skips it
@@ -180,9 +182,11 @@ class Trainer:
     def on_step_end(self, stepped: bool, epoch_done: bool) -> None:
         """After an optimiser step: HPM's teacher, the next lr, the bar, a metrics record at log
         steps, the hooks; the evaluation when due; a checkpoint when due, then the hooks again."""
-        t = self.cfg.train
+        t, step = self.cfg.train, self.state.step
+        # the hooks due at this step (``Hook.every``): the others are not called
+        due = [h for h in self.hooks if h.every and (step % h.every == 0 or step == self.stop)]
         if stepped:
-            after_optimizer_step(self.engine)
+            after_optimizer_step(self.engine, self.gathers)
             lr_done, self.lr = self.lr, self.schedule.apply(self.optimizer, self.state)
             self.metrics.step_done(lr_done)
             self.bar.update(1)
@@ -194,22 +198,25 @@ class Trainer:
                 self.bar.set_postfix(
                     loss=f"{record['loss']:.4f}", ips=f"{record['imgs_per_sec']:.1f}"
                 )
-            for hook in self.hooks:
-                hook.step_end(self)
+            for hook in due:
+                if type(hook).step_end is not Hook.step_end:  # Hook's own does nothing
+                    hook.step_end(self)
         if self.evaluate is not None and self.evaluation_due(stepped, epoch_done):
             with self.autocast():
                 values = self.evaluate(self.engine, self.state)
             self.metrics.write(self.state, self.plan, values)
         if stepped:
-            saved = self.checkpointer.maybe_save(self.state, self.stop)
-            for hook in self.hooks:
+            saved = step % t.ckpt_every == 0 or step == self.stop
+            if saved:
+                self.checkpointer.save(self.state)
+            for hook in due:
                 hook.saved(self, saved)
 
     def advance(self, stepped: bool) -> bool:
         """One micro-batch consumed (and an optimiser step taken when ``stepped``); True at an epoch's end."""
         state = self.state
         state.batch_in_epoch += 1
-        epoch_done = state.batch_in_epoch >= self.plan.micro_per_epoch
+        epoch_done = state.batch_in_epoch >= self.micro_per_epoch
         if epoch_done:
             state.epoch, state.batch_in_epoch = state.epoch + 1, 0
         if stepped:
@@ -324,11 +331,23 @@ def micro_step(
     return loss, metrics, boundary
 
 
-def after_optimizer_step(engine: Any) -> None:
-    """The objective's hook (HPM's EMA teacher), then ZeRO-3's gathers ordered after its writes."""
+def after_optimizer_step(engine: Any, gathers: Any = None) -> None:
+    """The objective's hook (HPM's EMA teacher), then ZeRO-3's ``gathers`` stream
+    (``mpp.parallel.zero.gather_stream``) ordered after its writes of the shards."""
     engine.module.after_optimizer_step()
-    # HPM's EMA wrote ZeRO-3 shards outside DeepSpeed
-    zero.order_gathers_after_writes(engine.optimizer)
+    if gathers is not None:
+        gathers.wait_stream(torch.cuda.current_stream())
+
+
+def all_finite(loss: torch.Tensor, state: RunState) -> bool:
+    """True when the loss is finite on every rank. One small all-reduce and host sync per
+    micro-step: the price of never applying a NaN update (``train.skip_nonfinite``). The fault
+    injection MPP_INJECT_NONFINITE_AT_STEP=k reports one at optimiser step k's first try."""
+    bad = (~torch.isfinite(loss.detach())).float().reshape(1)
+    if state.step + 1 == int(os.environ.get(INJECT_ENV, 0)) and not state.rollback_steps:
+        bad.fill_(1.0)
+    dist.all_reduce(bad)
+    return bad.item() == 0.0
 
 
 def to_device(

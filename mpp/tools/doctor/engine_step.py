@@ -1,14 +1,8 @@
-"""The training step as a run takes it, timed in this process: an objective built from a config
-(one rank), ``deepspeed.initialize`` with that config's own DeepSpeed dict, and one micro-step
-exactly as ``mpp.train.trainer.Trainer`` takes it. Shared by ``python -m mpp.tools.doctor`` and
-the clone's gpu-step and host suites (``benchmarks/gpu_step.py`` builds their configs).
-
-What "as a run takes it" means here, and what the old autocast benchmark got wrong:
-- bf16 is DeepSpeed's bf16 mode (the module cast to bf16, fp32 master weights in the ZeRO
-  optimiser, fp32 gradient reduction: ``RunConfig.deepspeed_config``), not autocast over fp32 weights;
-- TF32 stays as training leaves it: nothing in mpp sets ``torch.backends.cuda.matmul.allow_tf32``;
-- the loss's finite check (``train.skip_nonfinite``, one host sync) and HPM's EMA step are in the step.
-"""
+"""The training step as a run takes it, timed in this process: an objective built from a config, the
+engine from that config's own DeepSpeed dict (bf16 is DeepSpeed's bf16 mode, not autocast; TF32
+as training leaves it), one micro-step as ``mpp.train.trainer.Trainer`` takes it, the finite
+check and HPM's EMA included (docs/ARCHITECTURE.md §5.1, §6.1). Shared by the doctor and the
+clone's suites."""
 
 from __future__ import annotations
 
@@ -26,6 +20,7 @@ import mpp
 from mpp.build import build_objective, pixel_stats
 from mpp.checkpoint.state import RunState
 from mpp.config import Config
+from mpp.parallel import zero
 from mpp.tools.flops import step_flops
 from mpp.tools.measure import interleaved_times
 from mpp.train.trainer import after_optimizer_step, micro_step, start_engine, to_device
@@ -43,6 +38,7 @@ class EngineStep:
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"compile": compile})})
         self.engine, self.optimizer = start_engine(cfg, objective, ds_config)
         self.cfg, self.device, self.model = cfg, device, self.engine.module
+        self.gathers = zero.gather_stream(self.optimizer)  # ZeRO-3's, on CUDA
         self.precision = cfg.resolved_precision(device.type)
         self.zero_stage = ds_config["zero_optimization"].get("stage", 0)
         # half-way through the schedule: HPM's teacher runs (k > 0), as in all but its first steps
@@ -63,7 +59,7 @@ class EngineStep:
         batch = to_device({"image": self.images}, self.device, *self.pixels)
         if micro_step(self.engine, batch, self.state, self.check_finite) is None:
             return  # the trainer skips the step too (mpp.train.nonfinite.skip_bad_step)
-        after_optimizer_step(self.engine)
+        after_optimizer_step(self.engine, self.gathers)
 
     def close(self) -> None:
         from deepspeed.runtime import torch_autocast
