@@ -1,19 +1,6 @@
-"""Mask generators: one interface, batched on the device, exact counts.
-
-A mask is a bool tensor (B, N), True = masked/corrupted, with exactly
-``num_masked(N, ratio)`` True per sample (docs/ARCHITECTURE.md §3.1), so visible tokens gather
-into a dense (B, N_vis, D) without padding or host syncs.
-
-Strategies (docs/ARCHITECTURE.md §4.5), by registry name: ``random`` (MAE), ``block`` (BEiT, made
-exact), ``grid`` (MAE's 2×2 grid), ``center`` (a central block), ``units`` (SimMIM's coarse
-mask units); HPM's mask, chosen by its teacher, is HPM's own (mpp.objectives.hpm_mask). Every one
-draws its randomness from ``torch.rand(..., generator=generator)`` on the target device,
-so a seeded generator reproduces its masks. Bad settings raise ``ValueError`` at
-construction, before any run starts. ``python -m mpp.tools.masking_viz`` draws them.
-
-A config's ``masking`` section is typed here (``MaskingConfig``: one model per strategy keyed
-on ``strategy``, each with its generator's parameters), so a bad key is named when it loads.
-"""
+"""Mask generators (one interface, batched on the device, exact counts) and the typed ``masking``
+config section (docs/ARCHITECTURE.md §3.1, §4.5). Bad settings raise ``ValueError`` at
+construction; ``python -m mpp.tools.masking_viz`` draws the masks."""
 
 from __future__ import annotations
 
@@ -37,11 +24,8 @@ def num_masked(num_patches: int, ratio: float) -> int:
 
 
 def mask_indices(mask: Tensor, num_masked: int) -> tuple[Tensor, Tensor]:
-    """Split an exact-count mask into (visible_idx (B, N_vis), masked_idx (B, N_mask)).
-
-    A stable argsort of the 0/1 mask lists visible positions first, in ascending order,
-    then masked ones; the caller's exact count makes the split a static slice (no host sync).
-    """
+    """Split an exact-count mask into (visible_idx (B, N_vis), masked_idx (B, N_mask)), each in
+    ascending order: a stable argsort and a static slice, no host sync (docs/ARCHITECTURE.md §3.1)."""
     n_vis = mask.shape[1] - num_masked
     order = torch.argsort(mask.to(torch.int8), dim=1, stable=True)
     return order[:, :n_vis], order[:, n_vis:]
@@ -113,15 +97,10 @@ class Blocks(NamedTuple):
 
 
 class BlockMask(MaskGenerator):
-    """BEiT's blockwise masking (Bao et al. 2021, Alg. 1), made exact-count by ranking.
-
-    Rounds of block proposals run for the whole batch at once (the ``max_tries`` tries of
-    a round are drawn together; the first acceptable one wins, as in BEiT's sequential
-    loop). BEiT stops when a round adds nothing, so its count falls short of the target
-    (74.5 of 75 on average on 14×14, nothing at all on small grids); here the block patches
-    then rank above all others and uniform noise breaks ties, so top-k tops the mask up
-    with random patches to exactly ``num_masked``.
-    """
+    """BEiT's blockwise masking (Bao et al. 2021, Alg. 1), made exact-count by ranking
+    (docs/ARCHITECTURE.md §4.5). Rounds of block proposals run for the whole batch at once (the
+    ``max_tries`` tries of a round are drawn together; the first acceptable one wins, as in
+    BEiT's sequential loop)."""
 
     def __init__(
         self,
@@ -254,14 +233,10 @@ class GridMask(MaskGenerator):
 
 
 class CenterMask(MaskGenerator):
-    """A central block: the ``num_masked`` patches nearest the grid centre.
-
-    Nearness is the Chebyshev distance in grid-relative units (a rectangle with the grid's
-    aspect), ties broken by Euclidean distance, then by patch index, so the mask is
-    deterministic: a central rectangle trimmed or extended at its border to the exact
-    count. ``jitter`` > 0 moves each sample's centre by U[-jitter, jitter] patches per axis
-    (the block is cut at the image border and grows inward, keeping the count).
-    """
+    """A central block: the ``num_masked`` patches nearest the grid centre, by Chebyshev distance
+    in grid-relative units, then Euclidean, then index (docs/ARCHITECTURE.md §4.5). ``jitter`` > 0
+    moves each sample's centre by U[-jitter, jitter] patches per axis (the block is cut at the
+    image border and grows inward, keeping the count)."""
 
     def __init__(self, grid_size: tuple[int, int], mask_ratio: float, *, jitter: float) -> None:
         super().__init__(grid_size, mask_ratio)

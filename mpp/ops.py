@@ -1,6 +1,6 @@
-"""Small tensor helpers shared by the data path, the objectives and the pictures: the
-ImageNet statistics, (un)normalising pixels, patchify and its inverse, per-sample gathers.
-One home for each, so the objectives never import each other for a helper."""
+"""Small tensor helpers shared by the data path, the objectives and the pictures: ImageNet
+statistics, (un)normalising, patchify and its inverse, per-sample gathers (docs/ARCHITECTURE.md
+§2.1, §7)."""
 
 from __future__ import annotations
 
@@ -50,13 +50,9 @@ def _pixel_stats(
 
 
 def unnormalize(images: Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> Tensor:
-    """Normalised (B, C, H, W) -> raw pixels in [0, 1], snapped back to the uint8 grid.
-
-    The inputs come from uint8 images; snapping to k/255 makes the normalise round trip
-    exact, so it cannot flip a colour bin at a boundary (a patch mean of exactly 2/8 is
-    reachable with 256-pixel patches). A public implementation skipped this step entirely
-    and put every normalised patch into one class.
-    """
+    """Normalised (B, C, H, W) -> raw pixels in [0, 1], snapped back to the uint8 grid: the inputs
+    come from uint8 images, so snapping to k/255 makes the round trip exact and it cannot flip a
+    colour bin at a boundary (a patch mean of exactly 2/8 is reachable with 256-pixel patches)."""
     m, s = _pixel_stats(tuple(mean), tuple(std), images.device, images.dtype)
     return ((images * s + m).clamp(0.0, 1.0) * 255.0).round() / 255.0
 

@@ -1,10 +1,6 @@
-"""Other libraries' chatter kept off stdout, where a run's own lines go: DeepSpeed's log lines
-below a warning (and its note that a CPU machine runs on the CPU), and the prints of its
-zero-to-fp32 converter ("Processing zero checkpoint ...", a dozen lines at the end of every ZeRO
-run, in ``mpp viz`` and in every API call that reads a checkpoint). ``--verbose`` on a command, or
-``MPP_VERBOSE=1`` in the environment (a launcher's ranks inherit it; the API reads it), lets them
-through. Cheap to import: ``mpp/__init__.py`` installs the log filter before DeepSpeed is imported.
-"""
+"""Other libraries' chatter kept off stdout, unless ``--verbose`` or ``MPP_VERBOSE=1``
+(docs/pretraining.md). Cheap to import: ``mpp/__init__.py`` installs the log filter before
+DeepSpeed is imported."""
 
 from __future__ import annotations
 

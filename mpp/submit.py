@@ -1,15 +1,8 @@
-"""A CLI run as a job through submitit (``--submit slurm|local``): one task per GPU, the process
-group from the job's environment, submitit's logs in ``RUN/submitit/``. ``local`` is the same
-path through submitit's local executor on this machine (what the tests use).
-
-Requeue on preemption, with no wrapper script: SLURM sends SIGUSR2 ``signal_delay_s`` (90 s)
-before the time limit (submitit's sbatch asks for ``--signal=USR2@90``; the local executor
-sends it the same way). Every rank takes the project's stop path (mpp.train.preemption: the step
-finished, one complete checkpoint, ``preempted.json``, exit status 75); then rank 0 hands over
-to the handler submitit installed for SIGUSR2, which calls ``SubmittedRun.checkpoint`` (this
-command with ``--resume auto``), saves it as the job's pickle and requeues the job (``scontrol
-requeue``; the local executor restarts every task). The next start resumes where it stopped.
-"""
+"""A CLI run as a job through submitit (``--submit slurm|local``; ``local``, submitit's local
+executor, is what the tests use): one task per GPU, logs in ``RUN/submitit/``, and requeue on
+preemption with no wrapper script (docs/ARCHITECTURE.md §5.3): after every rank's stop path
+(``mpp.train.preemption``), rank 0 hands SIGUSR2 to submitit's handler, which requeues this
+command with ``--resume auto``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""WebDataset shards in, uint8 batches out (docs/ARCHITECTURE.md §3, §5.4).
-
-Write shards with `write_shards` (or `python -m mpp.data.shards`), stream them with
-`make_train_loader` / `make_eval_loader`; batches are normalised on the device (`mpp.ops.normalize`).
-"""
+"""WebDataset shards in, uint8 batches out: ``write_shards`` writes them, ``make_train_loader`` /
+``make_eval_loader`` stream them (docs/ARCHITECTURE.md §3, §5.4)."""
 
 from .digits import digits_shards, held_out_shards
 from .errors import DataError, SkipCounter

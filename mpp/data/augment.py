@@ -1,6 +1,5 @@
-"""Fine-tuning's batch augmentations on the device (timm's recipe, docs/ARCHITECTURE.md §4.6): label
-smoothing, mixup / cutmix on the batch, random erasing. RandAugment runs on the CPU in the
-data workers (``mpp.data.randaug``)."""
+"""Fine-tuning's batch augmentations on the device, timm's recipe: label smoothing, mixup / cutmix,
+random erasing (docs/ARCHITECTURE.md §4.6)."""
 
 from __future__ import annotations
 

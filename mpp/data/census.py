@@ -1,25 +1,6 @@
-"""How many samples each training shard holds: counted before training, never assumed.
-
-The training order (``mpp.data.order``) lays the shards end to end and gives each stream a range
-of positions, so every shard's count must be exact: with shards assumed equal, two shards of 200
-and 120 samples trained 280 distinct samples an epoch (40 never, 40 twice). Per shard, the first
-source that knows wins:
-
-1. ``sizes.json`` beside the shards (our writer);
-2. img2dataset's ``NNNNN_stats.json`` beside ``NNNNN.tar`` (its ``successes``);
-3. the count cache: ``.mpp_counts.json`` beside the shards (valid while a shard's size and mtime
-   are unchanged), else the run directory's ``shard_counts.json``;
-4. one pass over the tar headers (seeks, no decode) through the reader's own grouping
-   (``mpp.data.tario.tar_samples``), so the samples counted are exactly the samples read. The
-   same pass indexes the shard (``mpp.data.shard_index``): beside it as the counts are, else
-   ``RUN/shard_index/``. Asked to (``index=True``: ``mpp shards --index``), it also indexes the
-   shards counted from the files, and writes into a bucket that takes it.
-
-A count is the samples that have an image: those are the positions of the order (samples
-without one are left out of it, and named). Under a process group the shards to scan are split
-across the ranks and the counts gathered; what the files say is read by rank 0 alone, so every
-rank plans with the same numbers.
-"""
+"""How many samples each training shard holds, counted before training, never assumed; the header
+pass also writes each shard's member index (docs/ARCHITECTURE.md §3.2). What the files say is
+read by rank 0 alone, so every rank plans with the same numbers."""
 
 from __future__ import annotations
 
@@ -149,9 +130,9 @@ def scan_shard(url: str, allow_pipe: bool = False) -> ShardCount:
 def census(
     shards: list[str], allow_pipe: bool = False, run_dir: Path | None = None, index: bool = False
 ) -> Census:
-    """Every shard's count (module docstring). A collective when a process group is up: every rank
-    calls it with the same ``shards``, rank 0's list and files decide. ``index``: every shard
-    indexed that can be (``mpp shards --index``), the ones counted from the files too."""
+    """Every shard's count (docs/ARCHITECTURE.md §3.2). A collective when a process group is up:
+    every rank calls it with the same ``shards``, rank 0's list and files decide. ``index``: every
+    shard indexed that can be (``mpp shards --index``), the ones counted from the files too."""
     rank = rank_world()[0]
     known, indexed = None, None
     if rank == 0:  # the remote shards' indexes (their absence costs)
@@ -208,7 +189,8 @@ def _unindexed(shards: list[str], counted: Census) -> str:
 
 
 def known_counts(shards: list[str], run_dir: Path | None = None) -> dict[str, ShardCount]:
-    """The counts the files already hold (sources 1-3 of the module docstring)."""
+    """The counts the files already hold: sizes.json, img2dataset's stats, the count caches
+    (docs/ARCHITECTURE.md §3.2)."""
     known: dict[str, ShardCount] = {}
     listed = {
         url: (_read_json(url) or {}).get("shards", {})

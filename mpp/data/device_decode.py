@@ -1,14 +1,6 @@
-"""JPEGs decoded on the GPU (``data.decode``): the loader's workers still read the tar members, keep
-the global order and draw each sample's crop box and flip (``mpp.data.transforms.Deferred``), so
-every-sample-once, elastic and exact resume hold unchanged; the training process decodes the
-batch's JPEGs in one batched nvJPEG call (``torchvision.io.decode_jpeg(..., device="cuda")``) and
-crops, resizes (bicubic, antialiased, as PIL's) and flips them all at once on the device
-(``mpp.data.resize.crop_resize_flip``). Anything else (PNG, TIFF, arrays, CMYK JPEGs, RandAugment)
-is decoded by the workers as before.
-
-    decode = nvjpeg(device)
-    images = fill_deferred(image_on_device_or_None, batch["deferred"], decode, device)
-"""
+"""JPEGs decoded on the GPU (``data.decode``): one batched nvJPEG call per batch, then one
+crop-resize-flip on the device (``mpp.data.resize.crop_resize_flip``) with the crop boxes and
+flips the workers drew (``mpp.data.transforms.Deferred``) (docs/ARCHITECTURE.md §3.4)."""
 
 from __future__ import annotations
 

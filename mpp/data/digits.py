@@ -1,10 +1,6 @@
-"""A real, tiny, offline dataset for the demo and tests: scikit-learn's handwritten digits as shards.
-
-1,797 8x8 grey images of 10 classes ship inside scikit-learn. They are upscaled to `img_size`,
-made 3-channel, PNG-encoded and split once with a fixed seed into 1,497 train / 300 val,
-8 train and 4 val shards (enough for 2 ranks x 2 workers), cached under
-`$MPP_CACHE/digits-<size>` (default `~/.cache/mpp`).
-"""
+"""A real, tiny, offline dataset for the demo and tests: scikit-learn's 1,797 8x8 handwritten digits
+upscaled to ``img_size``, 3-channel PNG shards split once with a fixed seed into 1,497 train /
+300 val (8 and 4 shards), cached under ``$MPP_CACHE/digits-<size>`` (docs/ARCHITECTURE.md §8.5)."""
 
 from __future__ import annotations
 

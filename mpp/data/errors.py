@@ -1,7 +1,5 @@
-"""Bad data: count it, name it without flooding, and stop when nothing is readable at all.
-
-webdataset's `warn_and_continue` sleeps 0.5 s per bad sample; this handler only counts.
-"""
+"""Bad data: count it, name it without flooding, and stop when nothing is readable at all
+(docs/ARCHITECTURE.md §5.4)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,5 @@
-"""Few labels: a labelled subset of the training shards, the regime self-supervised pretraining is
-for (SimCLR, BYOL and iBOT fine-tune on 1 % and 10 % of ImageNet's labels; MSN probes with 1 to 5
-images per class; docs/ARCHITECTURE.md, "Few labels").
-
-The subset is chosen from the shards' label index (every sample's key and ``.cls``, read in one
-pass over the tar headers and the small ``.cls`` members, split across the ranks like the census):
-``per_class`` K samples of every class, or a ``fraction`` p of the samples as K = round(p N / C)
-per class; each class's samples sorted by (shard, key), shuffled with ``seed``, the first K taken.
-The choice depends on the shards and the seed only, so it is the same on every rank and for any
-world size. A key file (``data.label_keys``) names the samples instead: one key per line, as the
-shards store it (``000123``), with its shard's file name where the key alone is ambiguous
-(``train-000003.tar#000123``); ``RUN/label_keys.txt`` is such a file.
-
-The training stream and the feature extraction then read only the subset's samples
-(``StreamConfig.shard_keys``): the other members' bytes are passed over, the epoch is the subset.
-"""
+"""Few labels: a labelled subset of the training shards, chosen from their label index by the shards
+and the seed alone, or named by a key file (docs/ARCHITECTURE.md §3.7, §4.7)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
-"""The training data's global order: what each step of an epoch trains on is fixed by
-(seed, epoch, step) alone, not by the world size, micro batch, accumulation or worker count,
-so a run can resume on another number of GPUs without a sample seen twice or skipped.
-
-Epoch ``e``: the shards in a seeded order, their samples end to end (``N`` positions: every
-shard's samples with an image, counted before training by ``mpp.data.census``). The global batch ``B`` is made of ``B`` streams; stream ``c`` owns positions
-``[c*T, (c+1)*T)`` (``T = N // B`` steps per epoch), shuffled within a window of
-``shuffle_buffer`` samples, and gives one sample to each step. Rank ``r`` of ``W`` takes streams
-``[r*B/W, (r+1)*B/W)``: a contiguous stretch of the shards, read by that rank only; its
-micro-batch ``j`` of a step is the ``j``-th run of ``m`` of them, each split across the
-DataLoader workers (each worker builds its part, the main process joins the parts).
-
-A stream short of ``T`` good samples (bad data) goes on past its range: those samples repeat
-another stream's, and the skipped ones are counted.
-"""
+"""The training data's global order: what each step of an epoch trains on is fixed by (seed, epoch,
+step) alone, whatever the world size, micro batch or workers (docs/ARCHITECTURE.md §3.3)."""
 
 from __future__ import annotations
 

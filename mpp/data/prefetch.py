@@ -1,17 +1,7 @@
-"""The next batches made ready while the step runs: a background thread takes the loader's batches
-and ``prepare``s them (the copy to the device, the GPU's JPEG decode and crop, normalisation) on a
-stream of its own, ``ahead`` batches in advance; the training thread gets each with an event to
-wait on, so its stream waits for exactly that work and the step never waits on what could overlap.
-timm's and NVIDIA's ``PrefetchLoader`` do the copy and normalisation this way; here the decode
-goes with them, and the host's launches of it leave the training thread too.
-
-    with Prefetcher(loader_batches, prepare, device) as ready:
-        for batch in ready:          # batch: prepare(next item), on ``device``
-            ...
-
-An error in the loader or in ``prepare`` is raised in the training thread at the batch it
-stopped; leaving the ``with`` (a break, an exception, the end of training) stops the thread.
-"""
+"""The next batches made ready while the step runs: a thread ``prepare``s them (the copy to the
+device, the GPU's decode, normalisation) on a stream of its own and hands each over with an
+event, as timm's ``PrefetchLoader`` does the copy (docs/ARCHITECTURE.md §3.5). An error in the
+loader or in ``prepare`` is raised in the training thread; leaving the ``with`` stops the thread."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""RandAugment on PIL images (Cubuk et al. 2019; timm's ``rand-m9-mstd0.5`` op set), for
-fine-tuning. No torchvision: every op is PIL's ImageOps / ImageEnhance / affine transform."""
+"""RandAugment on PIL images for fine-tuning (Cubuk et al. 2019; timm's ``rand-m9-mstd0.5`` op set),
+no torchvision (docs/ARCHITECTURE.md §3.4)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
-"""One crop-resize-flip for a whole batch on the device (issue 49 §2). Decoded images of any
-sizes, each with its own whole-pixel crop box and flip, resized to S x S as
-``F.interpolate(mode="bicubic", antialias=True, align_corners=False)`` resizes each crop (PIL's
-filter: Keys' cubic, a = -0.5, its support widened by the downscale factor), in a number of
-kernels that does not grow with the batch: a loop of F.interpolate per image launched ~10 kernels
-each, 28-38 ms per batch of 256 on an H200, mostly fixed per-image costs.
-
-    packed   one torch.cat of the images' flattened views
-    weights  each crop's row and column resampling weights, on the host (numpy), the flip folded
-             into the columns'; to the device in two copies
-    groups   a few groups of similar crop size, each cropped by one gather into a padded
-             (n, 3H, W) block and resized by two batched matmuls: columns, then rows
-    out      one round / clamp / cast into (n, 3, S, S) uint8
-"""
+"""One crop-resize-flip for a whole batch on the device (docs/ARCHITECTURE.md §3.4): each crop to
+S x S as ``F.interpolate(mode="bicubic", antialias=True)`` resizes it (PIL's filter: Keys' cubic,
+a = -0.5, its support widened by the downscale factor), in a number of kernels that does not grow
+with the batch: a few groups of similar crop size, each one gather and two batched matmuls."""
 
 from __future__ import annotations
 

@@ -1,29 +1,7 @@
-"""The member index: where each sample of a shard starts, so that a reader starts anywhere in a
-shard and stops at the end of its range (docs/data.md, "Your own data": the member index).
-
-Every training stream of the global order (``mpp.data.order``) starts inside some shard and
-ends inside another. With the shard's index it reads only its own samples' bytes: a seek on a
-local file, a ranged read of an object or an http(s) URL (``mpp.data.sources.open_shard``).
-Without one, an object or URL is read from its start: about ``B x S / 2`` samples more an epoch
-for ``B`` streams and ``S``-sample shards (a local file seeks past the members, reading their
-headers).
-
-Per sample with an image (a position of the order, its members grouped as the reader groups
-them): the offset of its first header block (a pax or GNU long-name header before it
-included) and its key; then the shard's size (where the last sample's bytes end) and a local
-shard's mtime. The offsets come from the census's header pass (``mpp.data.census.scan_shard``).
-
-``NAME.tar.idx`` beside ``NAME.tar`` (``mpp shards`` writes it; the census writes it for the
-shards it counts from their headers when their folder can be written; ``mpp shards --index``
-into a bucket), else in ``RUN/shard_index/``. One small JSON file per shard, like sizes.json and
-the counts cache: ~20 bytes a sample (19 measured on 600-sample shards; an ImageNet shard of
-1,281 samples and ~140 MB: ~28 kB, 0.02 %), read only for the shards a stream opens, never the
-data set's 1,000 at once (as one file for all shards would be).
-
-An index is used only while it matches its shard: a local shard's size and mtime are the
-recorded ones; an object or URL has the recorded size and the sample at an offset has the
-recorded key (``mpp.data.tario.shard_samples`` checks, else reads the shard as without one).
-"""
+"""The member index ``NAME.tar.idx``: where each sample of a shard starts, so that a stream reads
+only its own samples' bytes (docs/ARCHITECTURE.md §3.2; docs/data.md, "Starting anywhere in a
+shard"). Per sample with an image: the offset of its first header block (a pax or GNU long-name
+header before it included) and its key; then the shard's size and a local shard's mtime."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Shard lists: brace expansion, URL checks, sizes.json, opening a shard as a byte stream.
-
-Shards may be local paths, ``http(s)://`` URLs, object storage (``s3://``, ``gs://``, ``az://``,
-through fsspec: s3fs, gcsfs or adlfs installed, credentials from their usual environment and
-files, never from our config) or, when allowed, ``pipe:`` commands. Object storage takes glob
-patterns and folders (``s3://bucket/train/``) as well as brace patterns; opening an object is
-retried with backoff on a transient error (each retry counted and logged); one still unreadable
-is skipped and named like any other bad shard.
-"""
+"""Shard lists (brace patterns, folders, object-storage globs; local, http(s), s3/gs/az through
+fsspec), sizes.json, and opening a shard as a byte stream (docs/ARCHITECTURE.md §3.2)."""
 
 from __future__ import annotations
 

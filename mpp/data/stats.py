@@ -1,15 +1,8 @@
 """Pixel statistics measured on the data (``data.mean`` / ``data.std`` / ``data.value_range``
-"auto"): ImageNet's mean and std are wrong for grey scans, satellite bands or microscopy (mae
-#179: grey reconstructions come back blue), and 16-bit data has no implicit range.
-
-A seeded sample of ``samples`` training images (the shards in a seeded order, read from the start
-until the sample is full), split across the ranks by shard, each image whole (decoded, no crop):
-per channel the count, sum, sum of squares, minimum and maximum of the raw values, gathered.
-The range is the observed minimum and maximum when "auto" (else the stated one, or [0, 255] for
-8-bit data); the mean and std are of the values mapped to [0, 1] by it. Cached like the shard
-counts (``mpp.data.census``): ``.mpp_stats.json`` beside the shards when that folder can be
-written (valid while every shard's size and mtime stay), else ``RUN/pixel_stats.json``.
-"""
+"auto"), from a seeded sample of whole images split across the ranks, cached like the shard
+counts (docs/ARCHITECTURE.md §4.8). The range is the observed minimum and maximum when "auto"
+(else the stated one, or [0, 255] for 8-bit data); the mean and std are of the values mapped to
+[0, 1] by it."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Reading tar shards into samples, with exact accounting of truncation.
-
-Not `tarfile`: in stream mode it ends silently when a shard is cut inside a header, so a
-truncated tar would lose samples without a trace. Here a shard must end with the all-zero
-end-of-archive block; anything short of it is one counted error, and the sample being read
-at the cut is dropped (it may be missing members).
-"""
+"""Reading tar shards into samples, with exact accounting of truncation; not ``tarfile``, which ends
+silently at a cut inside a header (docs/ARCHITECTURE.md §3.2)."""
 
 from __future__ import annotations
 

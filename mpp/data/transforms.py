@@ -1,16 +1,6 @@
-"""CPU image transforms in PIL (no torchvision): decode, RandomResizedCrop, flip, eval resize +
-center crop, collation. Normalised on the device (``mpp.ops.normalize``).
-
-What a sample may hold (``PixelFormat``, the data section's ``channels`` / ``layout`` /
-``value_range``): 8-bit JPEG, PNG or WebP (RGB through the JPEG draft fast path, or grey); 16-bit
-and 1-channel PNG; numpy's ``.npy`` (H x W x C or C x H x W; uint8, uint16 or float32); TIFF
-(multi-page and multi-band, through tifffile). The format is read from the bytes. 8-bit data
-stays uint8 ([0, 255]); anything else becomes float32 in [0, 1] through the stated
-``value_range`` (never an implicit 255). Arrays of any channel count are cropped and resized a
-channel at a time with the same boxes as the RGB path (bicubic; PIL's mode "F" for floats). A
-sample that holds another channel count or a dtype without a stated range raises, and the
-loader counts and skips it, naming the key and what it holds.
-"""
+"""CPU image transforms in PIL and numpy (no torchvision): decode of any pixel format
+(``PixelFormat``), RandomResizedCrop, flip, eval resize + centre crop, collation
+(docs/ARCHITECTURE.md §3.4, §4.8)."""
 
 from __future__ import annotations
 

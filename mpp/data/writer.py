@@ -1,5 +1,5 @@
 """Write WebDataset tar shards (`key.jpg|png|webp` + `key.cls`), a sizes.json beside them and each
-shard's member index (`NAME.tar.idx`, ``mpp.data.shard_index``)."""
+shard's member index (`NAME.tar.idx`, ``mpp.data.shard_index``) (docs/ARCHITECTURE.md §3.2)."""
 
 from __future__ import annotations
 

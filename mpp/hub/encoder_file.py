@@ -1,7 +1,6 @@
-"""The exported encoder file, ``encoder.safetensors``: the fp32 encoder weights (timm names) with
-the architecture in its metadata, written at the end of pretraining (``mpp.checkpoint.manager``)
-and read by everything downstream (``mpp.hub.pretrained``); and the atomic safetensors writer the
-other weight files share."""
+"""The exported encoder file, ``encoder.safetensors`` (fp32, timm names, the architecture in its
+metadata), and the atomic safetensors writer the other weight files share (docs/ARCHITECTURE.md
+§4.9)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
 """Hugging Face ``transformers`` ViT <-> our encoder: the config and the state dict, both ways,
-exactly (docs/ARCHITECTURE.md §4.9: MAE -> HF conversions keep coming up in users' trackers).
-
-HF's ViT is timm's pre-norm ViT with the fused ``qkv`` split into query / key / value, a
-learned position embedding (a sin-cos table is exported as its values: exact), a final
-LayerNorm and a classifier on the cls token. What it cannot express is refused with the
-reason: average pooling with ``fc_norm`` (MAE's fine-tuning recipe) has no HF counterpart.
-"""
+exactly; what HF's ViT cannot express is refused with the reason (docs/ARCHITECTURE.md §4.9)."""
 
 from __future__ import annotations
 

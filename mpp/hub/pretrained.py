@@ -1,9 +1,7 @@
-"""Pretrained weights in: an encoder (timm names) from an exported ``encoder.safetensors``,
-a pretraining run directory or a DeepSpeed checkpoint of any ZeRO stage, a timm or Hugging Face
-folder, loaded into a ViT with its position embedding resampled to the new grid. What the file
-states about the computation (patch size, width, depth, heads, MLP, qkv bias, LayerNorm eps,
-pooling) must agree with the model: a difference is an error naming both values, never silent.
-Never unpickles arbitrary objects."""
+"""Pretrained weights in, from any source ``mpp.hub.source.weight_source`` names, into a ViT with
+its position embedding resampled to the new grid; what the file states about the computation must
+agree with the model, never silently (docs/ARCHITECTURE.md §4.9). Never unpickles arbitrary
+objects."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""What an ``init`` is and what its encoder was trained on, in one place: ``weight_source``.
-
-Loading the weights (``mpp.hub.pretrained``), the record of what a run read, the exports and every
-command and API call that starts from weights take their answer here: the kind of source, where
-its weights are, the run that wrote them, the architecture it states (image and patch size,
-channels, width, pooling of a classifier) and the pixels it was trained on (mean, std, value
-range), as timm's ``pretrained_cfg`` carries them. Read without the tensors."""
+"""What an ``init`` is and what its encoder was trained on, in one place: ``weight_source`` (the
+kind of source, its weights, the run that wrote them, the architecture and the pixels it states),
+read without the tensors (docs/ARCHITECTURE.md §4.9)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Models: the ViT encoder, its attention backends and the MAE-style decoder."""
+"""Models: the ViT encoder, its attention backends and the MAE-style decoder (docs/ARCHITECTURE.md
+§4.1, §4.3)."""
 
 from mpp.models.attention import ATTN_BACKENDS, Attention, attention, resolve_backend
 from mpp.models.vit import (

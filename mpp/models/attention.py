@@ -1,14 +1,5 @@
-"""Multi-head self-attention with switchable kernels (docs/ARCHITECTURE.md §4.1).
-
-``attn_backend``:
-  auto      xformers memory-efficient attention on CUDA when importable, else SDPA
-  xformers  ``xformers.ops.memory_efficient_attention``; CUDA only, an error elsewhere
-  sdpa      ``torch.nn.functional.scaled_dot_product_attention`` (CPU and GPU)
-  math      explicit softmax(QK^T / sqrt(d)) V, the reference for parity tests
-
-Tensors stay in (B, N, H, hd): the layout ``qkv.reshape(B, N, 3, H, hd).unbind(2)`` gives
-and the one xformers takes, so that path needs no transpose.
-"""
+"""Multi-head self-attention with switchable kernels (``attn_backend``: auto, xformers, sdpa, math),
+the tensors kept in (B, N, H, hd) (docs/ARCHITECTURE.md §4.1)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""MAE's light decoder (docs/ARCHITECTURE.md §4.3), split at the point HPM's loss predictor branches off.
-
-``DecoderEmbed`` builds the decoder's input: encoder tokens of the visible patches projected
-D -> decoder_dim, one learnable mask token at every masked position, a fixed 2-D sin-cos
-position embedding. ``Decoder`` is the stack on top: blocks, LayerNorm, a Linear head. MAE
-uses one ``Decoder`` (head -> P*P*C pixels); HPM adds a second one (head -> 1 score) fed
-the same input tokens, so its loss reaches the shared input and the encoder but never the
-pixel decoder's stack (docs/ARCHITECTURE.md §4.4).
-"""
+"""MAE's light decoder, split at the point HPM's loss predictor branches off: ``DecoderEmbed``, its
+input tokens, and ``Decoder``, the stack (docs/ARCHITECTURE.md §4.3, §4.4)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The one ViT encoder (docs/ARCHITECTURE.md §4.1), with timm's parameter names and shapes.
-
-Its state dict loads into ``timm.models.VisionTransformer`` with ``strict=True``, so an
-exported encoder works with the ecosystem's tools. Beyond timm it can run on a subset of
-patch tokens (MAE/HPM's visible tokens) and on patch embeddings the caller has edited
-(MPP's corruption happens between patch embedding and position embedding).
-"""
+"""The one ViT encoder, with timm's parameter names and shapes; it also runs on a subset of patch
+tokens and on patch embeddings the caller edited (docs/ARCHITECTURE.md §4.1)."""
 
 from __future__ import annotations
 

@@ -1,3 +1,2 @@
-"""The only code that knows the process group and DeepSpeed's ZeRO internals: the process group
-(distributed), the launcher (launch), ZeRO-3 partitioned parameters (zero), an EMA over them
-(ema) and the DeepSpeed config derived from ours (ds_config)."""
+"""The only code that knows the process group and DeepSpeed's ZeRO internals: distributed, launch,
+zero, ema and ds_config (docs/ARCHITECTURE.md §2.3, §5)."""

@@ -1,5 +1,6 @@
-"""The process group: join the one the launcher (deepspeed, torchrun, slurm) describes, or
-make a one-process group for a plain ``python`` run; the device each rank uses."""
+"""The process group: join the one the launcher (deepspeed, torchrun, slurm) describes, or make a
+one-process group for a plain ``python`` run; the device each rank uses (docs/ARCHITECTURE.md
+§5.3)."""
 
 from __future__ import annotations
 
@@ -152,11 +153,9 @@ def from_rank0(obj: Any) -> Any:
 
 
 def in_step(batches: Iterable[Any], device: torch.device) -> Iterator[Any | None]:
-    """The batches, then None until every rank's are done: every rank runs the same number of
-    forwards. Ranks get unequal shares of held-out shards (13 shards on 8 ranks), and under ZeRO-3
-    every forward is a collective (its parameter all-gather): a rank with one batch more would
-    wait there forever while the others sat in the next collective. One small all-reduce per
-    batch; evaluation only."""
+    """The batches, then None until every rank's are done, so every rank runs the same number of
+    forwards: under ZeRO-3 each is a collective, and ranks get unequal shares of held-out shards
+    (docs/ARCHITECTURE.md §3.3). Every rank must call it; one small all-reduce per batch."""
     world = rank_world()[1]
     for batch in itertools.chain(batches, itertools.repeat(None)):
         more = batch is not None

@@ -1,8 +1,7 @@
-"""DeepSpeed's config, derived from ours: the batch split, clipping and precision, and the
-settings the GPU path needs that DeepSpeed does not default to (issue 22 §5), or defaults to
-per-tensor host work that mpp does not need (issue 36, ``python -m benchmarks host``). A key the user set
-in the ``deepspeed`` section wins over every default here (``bf16``/``fp16`` too, but for
-``enabled``, which ``train.precision`` decides)."""
+"""DeepSpeed's config, derived from ours: the batch split, clipping, precision and the defaults the
+GPU path needs (docs/ARCHITECTURE.md §5.1). A key set in the ``deepspeed`` section wins over
+every default here (``bf16``/``fp16`` too, but for ``enabled``, which ``train.precision``
+decides)."""
 
 from __future__ import annotations
 
@@ -76,12 +75,8 @@ def derive(
 
 
 def bf16_reduction_dtypes(stage: int) -> dict[str, Any]:
-    """fp32 gradient reduction, and accumulation where DeepSpeed 0.19.8 allows it, under bf16:
-    ``bf16.enabled`` alone all-reduces 64 ranks' gradients in bf16 (8 bits of mantissa).
-    Stages 2/3 accumulate micro-batches in an fp32 partition (``data_types.grad_accum_dtype``).
-    Stages 0/1 keep bf16 ``.grad`` across micro-batches: stage 0 refuses an fp32 accumulator
-    (NotImplementedError), and at stage 1 it swaps ZeRO for DeepSpeed's BF16_Optimizer, whose
-    checkpoints its own zero_to_fp32 cannot read (no export, no resharding)."""
+    """fp32 gradient reduction under bf16, and fp32 accumulation at stages 2/3, where DeepSpeed
+    0.19.8 allows it (docs/ARCHITECTURE.md §5.1: why not at stages 0/1)."""
     dtypes: dict[str, Any] = {"communication_data_type": "fp32"}
     if stage >= 2:
         dtypes["data_types"] = {"grad_accum_dtype": "fp32"}

@@ -1,10 +1,6 @@
-"""An exponential moving average of one set of parameters into another (HPM's teacher,
-docs/ARCHITECTURE.md §4.4), over modules the engine may have ZeRO-partitioned: each rank updates the
-part it holds (``mpp.parallel.zero.local_tensors``), never gathering a whole parameter.
-
-    ema = EMA(module, [("teacher.w", "w"), ...])   # (target, source) names in ``module``
-    ema.update(momentum)                          # theta_t <- m theta_t + (1 - m) theta_s
-"""
+"""An exponential moving average of one set of parameters into another (HPM's teacher) over modules
+ZeRO may have partitioned: each rank updates the part it holds, never gathering a whole parameter
+(docs/ARCHITECTURE.md §4.4)."""
 
 from __future__ import annotations
 
@@ -19,11 +15,10 @@ log = logging.getLogger(__name__)
 
 
 class EMA:
-    """theta_t <- m theta_t + (1 - m) theta_s, one batched lerp over this rank's tensors.
-
-    In bf16/fp16 a step of (1 - m) = 1e-4 of the difference is below the rounding unit
-    (2^-8 for bf16): a low-precision EMA never moves. Then the average is kept in fp32
-    beside the parameters and copied into them; ``rank_state`` hands it to a checkpoint."""
+    """theta_t <- m theta_t + (1 - m) theta_s, one batched lerp over this rank's tensors; ``pairs``:
+    (target, source) names in ``module``. In bf16/fp16 the average is kept in fp32 beside the
+    parameters (docs/ARCHITECTURE.md §4.4) and copied into them; ``rank_state`` hands it to a
+    checkpoint."""
 
     def __init__(self, module: nn.Module, pairs: list[tuple[str, str]]) -> None:
         self.module, self.pairs = module, pairs

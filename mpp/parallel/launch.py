@@ -1,5 +1,5 @@
 """Starting our own CLIs as child jobs (the demo, the ablation runner): the DeepSpeed launcher
-command, a clean environment, a log per job."""
+command, a clean environment, a log per job (docs/ARCHITECTURE.md §5.3)."""
 
 from __future__ import annotations
 

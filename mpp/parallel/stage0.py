@@ -1,15 +1,6 @@
-"""ZeRO stage 0 (plain data parallelism) with fp32 weights, in multi-tensor ops: DeepSpeed's
-engine all-reduces the gradients bucket by bucket with a copy back per tensor, and clips with a
-norm and a multiply per tensor (``deepspeed/runtime/engine.py`` ``allreduce_and_copy``,
-``runtime/utils.py`` ``clip_grad_norm_``): about five host ops per parameter tensor, a kernel
-launch each on a GPU. Here the same two steps cost a handful of ops whatever the tensor count
-(``python -m benchmarks host``): one flat buffer, one all-reduce, one multi-tensor copy back; torch's
-``clip_grad_norm_(foreach=True)``, which needs no host sync.
-
-The engine still decides when: its backward calls ``allreduce_gradients`` at the accumulation
-boundary (not inside ``no_sync``), its step calls ``clip_fp32_gradients`` when
-``gradient_clipping`` > 0. Only the two methods of this engine are replaced.
-"""
+"""ZeRO stage 0 (plain data parallelism) with fp32 weights, its gradient all-reduce and clipping in
+a handful of multi-tensor ops (docs/ARCHITECTURE.md §6.3). The engine still decides when; only
+its ``allreduce_gradients`` and ``clip_fp32_gradients`` are replaced."""
 
 from __future__ import annotations
 

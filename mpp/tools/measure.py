@@ -1,4 +1,5 @@
-"""Timing and tables that the doctor, the planner and the suites in benchmarks/ share."""
+"""Timing and tables that the doctor, the planner and the suites in benchmarks/ share
+(docs/ARCHITECTURE.md §6)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The training log: metrics.jsonl and TensorBoard on rank 0, averaged over ranks at log
-steps only, so the step itself never waits for the host."""
+"""The training log: metrics.jsonl and TensorBoard on rank 0, averaged over ranks at log steps only,
+so the step itself never waits for the host (docs/ARCHITECTURE.md §3.6, §6.3)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The optimiser and its schedule: parameter groups (weight decay, layer-wise lr decay),
-torch's fused Adam/AdamW, and warm-up + cosine computed per iteration (docs/ARCHITECTURE.md §5.1:
-DeepSpeed's schedulers would flatten the per-group lr scales)."""
+"""The optimiser and its schedule: parameter groups (weight decay, layer-wise lr decay), torch's
+fused Adam/AdamW, warm-up + cosine per iteration (docs/ARCHITECTURE.md §4.6, §5.1)."""
 
 from __future__ import annotations
 
@@ -58,9 +57,8 @@ def adam(
 ) -> torch.optim.Optimizer:
     """torch's Adam ("adam": L2-style decay, as the ViT paper's Adam with weight decay) or
     AdamW, betas by default the paper's: (0.9, 0.999) for Adam, (0.9, 0.95) for AdamW (MAE).
-
-    Fused kernels on CPU and CUDA: one pass over each group instead of ~8 foreach ops; a
-    ViT-S Adam step takes 15 ms instead of 75 ms on one CPU core (BENCHMARKS.md, cpu-step)."""
+    Fused kernels on CPU and CUDA: one pass over each group instead of ~8 foreach ops
+    (docs/ARCHITECTURE.md §6.3)."""
     betas = betas or ((0.9, 0.999) if name == "adam" else (0.9, 0.95))
     cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
     return cls(groups, lr=lr, betas=betas, eps=eps, fused=True)

@@ -1,13 +1,6 @@
-"""A run directory is held by one job at a time: ``RUN/job.lock`` names the host, the pid of the
-rank that holds it and since when. A second job on a held directory (a requeue beside orphaned
-ranks, the same command typed twice) would append to the same metrics and overwrite the same
-checkpoints; it stops before writing anything, with one line naming the holder.
-
-A lock left by a job that died does not block: on the same host its pid is gone (or is another
-process now: the lock keeps the process's start time); from another host (a lost node), its
-heartbeat, the file's mtime touched every ``HEARTBEAT_S``, has stopped. Only then is that wait
-paid, and only when the lock's host is not this one.
-"""
+"""A run directory is held by one job at a time (``RUN/job.lock``: host, pid, start time); a second
+job stops before writing anything, and a lock left by a dead job does not block
+(docs/pretraining.md, "One job per run directory"; docs/ARCHITECTURE.md §7)."""
 
 from __future__ import annotations
 

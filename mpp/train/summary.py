@@ -1,6 +1,6 @@
-"""The lines a training run starts with (rank 0): what it will do, as MAE's ``main_pretrain`` and
-timm's ``train.py`` print it: parameters, the effective batch, the lr and where it comes from, the
-schedule in steps, the data, and how the step runs (precision, ZeRO, attention, decode, compile)."""
+"""The lines a training run starts with (rank 0), as MAE's ``main_pretrain`` and timm's ``train.py``
+print them: parameters, the effective batch, the lr and its source, the schedule in steps, the
+data, how the step runs (docs/ARCHITECTURE.md §3.6)."""
 
 from __future__ import annotations
 

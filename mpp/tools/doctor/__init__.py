@@ -1,12 +1,7 @@
-"""``mpp doctor``: the first GPU run checks itself (issue 22, item 3).
-
-Three sections, each a list of rows with a verdict and its reason:
-  environment   torch / CUDA / NCCL, the xformers wheel, bf16, DeepSpeed's JIT-built ops
-  attention     every kernel against the project's ``math`` backend, and which one is fastest
-  engine        a short ``deepspeed pretrain/run.py`` run, and the step measured in this process
-On a machine without a GPU the GPU rows say "needs a GPU" and the rest runs (the test suite
-runs it that way). Results: a table on stdout and ``doctor.json``.
-"""
+"""``mpp doctor``: the first GPU run checks itself: the environment, every attention kernel against
+``math``, and the engine (a short launcher run, the step measured in this process), each row with
+a verdict and its reason in a table and ``doctor.json`` (docs/ARCHITECTURE.md §4.1, §6). Without
+a GPU the GPU rows say "needs a GPU" and the rest runs (the test suite runs it that way)."""
 
 from __future__ import annotations
 

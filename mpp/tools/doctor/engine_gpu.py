@@ -1,6 +1,6 @@
-"""The doctor's GPU-only engine rows: the launcher run's MFU and the in-process step's peak
-memory against the planner (``python -m mpp.tools.planner``), host syncs per step, torch.compile on/off.
-Without the planner the comparisons say "plan unavailable" and the measurements still stand."""
+"""The doctor's GPU-only engine rows: the launcher run's MFU and the in-process step's peak memory
+against the planner, host syncs per step, torch.compile on/off (docs/ARCHITECTURE.md §6). Without
+the planner the comparisons say "plan unavailable" and the measurements still stand."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""The doctor's engine rows: a short run of the real CLI under the real launcher
-(``deepspeed --num_gpus 1 pretrain/run.py``, on shards our writer makes) read back from its
-metrics.jsonl, then, on a GPU, the same config's step measured in this process
-(``mpp.tools.doctor.engine_step``) against the planner's prediction (``python -m mpp.tools.planner``).
-
-On a CPU the run is one gloo rank on a tiny model: it checks the launcher, the data path and
-the log end to end; the figures a GPU gives (MFU, memory, host syncs, compile) say "needs a GPU".
-"""
+"""The doctor's engine rows: a short run of the real CLI under the real launcher, read back from its
+metrics.jsonl, then on a GPU the same config's step measured in this process against the planner
+(docs/ARCHITECTURE.md §6). On a CPU the run is one gloo rank on a tiny model."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The doctor's environment rows: torch, CUDA / NCCL, bf16, the xformers wheel against this
-torch and GPU, and the DeepSpeed ops a run here JIT-builds."""
+"""The doctor's environment rows: torch, CUDA / NCCL, bf16, the xformers wheel against this torch
+and GPU, and the DeepSpeed ops a run here JIT-builds (docs/ARCHITECTURE.md §4.1)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""The doctor's attention rows: every kernel against the project's ``math`` backend
-(docs/ARCHITECTURE.md §4.1), fp32 and bf16, forward and backward, at N = 50, 197, 257, with and without a key mask;
-then which backend ``auto`` picks and which one is fastest.
-
-Inputs are what the model hands the kernel: the strided views of
-``qkv.reshape(B, N, 3, H, hd).unbind(2)``, in (B, N, H, hd). The reference is the same
-computation in float64 from the same (rounded) inputs, so only the kernel's own error counts.
-"""
+"""The doctor's attention rows: every kernel against ``math`` (fp32 and bf16, forward and backward,
+N = 50, 197, 257, with and without a key mask), the backend ``auto`` picks and the fastest
+(docs/ARCHITECTURE.md §4.1). The reference is the same computation in float64 from the same
+(rounded) inputs, so only the kernel's own error counts."""
 
 from __future__ import annotations
 
