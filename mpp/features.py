@@ -88,15 +88,39 @@ def extract_features(
     encoder.eval()
     device = next(encoder.parameters()).device
     feats, labels, keys = [], [], []
-    for batch in loader:
-        feats.append(features.pool(encoder, batch["image"]).cpu())
-        labels.append(batch["label"])
-        keys += batch["key"]
+    try:
+        for batch in loader:
+            feats.append(features.pool(encoder, batch["image"]).cpu())
+            labels.append(batch["label"])
+            keys += batch["key"]
+    except Exception as e:  # a DataError on this rank: every rank ends, none left in the gather
+        end_every_rank(e, world_size)
+        raise
+    end_every_rank(None, world_size)
     num_slots = len(features.slots)
     feats_cpu = torch.cat(feats) if feats else torch.empty(0, num_slots, encoder.embed_dim)
     labels_cpu = torch.cat(labels) if labels else torch.empty(0, dtype=torch.int64)
     feats_cpu, labels_cpu, _ = gather_in_key_order(feats_cpu, labels_cpu, keys, world_size)
     return place(feats_cpu, device), labels_cpu.to(device)
+
+
+def end_every_rank(failed: Exception | None, world_size: int) -> None:
+    """Whether any of the ``world_size`` ranks failed, agreed (a collective): every rank but the
+    failing one (which re-raises its own) raises its error's class (``mpp.data.DataError``, say)
+    with its message's last line, none left waiting in the next collective for a rank gone."""
+    if world_size == 1:
+        return
+    import sys
+
+    import torch.distributed as dist
+
+    kind, every = type(failed), [None] * world_size
+    line = str(failed).strip().splitlines()[-1:]  # a worker's error: a traceback's last line
+    dist.all_gather_object(every, failed and (kind.__module__, kind.__qualname__, line))
+    for r, said in enumerate(every):
+        if said and failed is None:
+            kind = getattr(sys.modules.get(said[0]), said[1], RuntimeError)
+            raise kind(f"rank {r}: {''.join(said[2])}")
 
 
 def gather_in_key_order(

@@ -17,13 +17,13 @@ from conftest import launcher, read_metrics, run_cli
 from PIL import Image
 from safetensors.torch import load_file
 
+from mpp.commands.job import probe_main as run_probe
 from mpp.hub import export
 from mpp.hub.pretrained import load_pretrained
 from mpp.models import create_vit
 from mpp.models.vit import VisionTransformer
 from mpp.tools import viz
 from mpp.train.panels import picture_size
-from mpp.transfer.probe_cli import run_probe
 
 transformers = pytest.importorskip("transformers")
 

@@ -317,8 +317,42 @@ def test_the_probes_skip_and_count_labels_outside_the_classes(tmp_path):
         assert main(["--config", str(path), "--output-dir", str(out), *extra]) == 0
         res = json.loads((out / "results.json").read_text())
         assert res["num_val"] == 7 and res["skipped"] == 3 and 0 <= res["top1"] <= 100, res
-        # mae: the stream's size (its pass of 3 steps of 4 reads the 12 and skips the 2)
-        assert res["num_train"] == (12 if name == "mae" else 10), res
+        # the samples kept, every protocol (mae: its pass of 3 steps of 4 reads 12, skips 2)
+        assert res["num_train"] == 10, res
+
+
+def test_a_data_error_on_one_rank_ends_every_rank(tmp_path):
+    """Rank 1's validation shard holds 120 labels outside the classes in a row: its k-NN stops with
+    a DataError, and rank 0, which was left waiting in the feature gather (a hang), ends with it.
+    The ranks are started as a scheduler's tasks are (no launcher to end the others): each exits
+    1 within the time limit, with the one-line error of the job driver."""
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import random_shards
+
+    from mpp.parallel.launch import free_port
+
+    train = random_shards(tmp_path / "t", [8], "t")
+    val = random_shards(tmp_path / "v", [4, 120], "v", lambda i: i % 10 if i < 4 else 99)
+    cfg = {
+        "model": {"name": "vit_tiny_patch4_16", "depth": 1, "embed_dim": 16, "num_heads": 1},
+        "data": {"train_shards": train, "val_shards": val, "num_workers": 0, "num_classes": 10},
+    }
+    path = write_config(tmp_path / "p.json", cfg)
+    cmd = [sys.executable, "-m", "mpp.commands.knn", "--config", str(path), "--output-dir"]
+    world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    rank_of = lambda r: {"RANK": str(r), "LOCAL_RANK": str(r)}  # noqa: E731
+    with ThreadPoolExecutor(2) as pool:  # a rank each, neither watching the other
+        ranks = [
+            pool.submit(run_cli, [*cmd, str(tmp_path / "out")], 120, {**world, **rank_of(r)})
+            for r in range(2)
+        ]
+        ended = [rank.result() for rank in ranks]
+    for r, done in enumerate(ended):  # a hang: subprocess.TimeoutExpired
+        errors = [x for x in done.stderr.splitlines() if x.startswith("error:")]
+        assert done.returncode == 1 and len(errors) == 1, (r, done.returncode, done.stderr[-3000:])
+        assert "consecutive" in errors[0] and ("rank 1: " in errors[0]) == (r == 0), errors
 
 
 def test_a_fresh_head_is_initialised_as_in_maes_fine_tuning():

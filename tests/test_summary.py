@@ -103,12 +103,12 @@ def test_the_monitor_and_the_probes_end_lines_say_their_figures(tmp_path):
     figures = last_figures(tmp_path)
     assert "monitor k-NN top-1 65.0 % at step 0 -> 47.5 % at step 60" in figures, figures
 
-    knn = {"top1": 84.99999, "top5": 99.0, "num_train": 1497, "num_val": 300}
+    knn = {"top1": 84.99999, "top5": 99.0, "num_train": 1497, "num_val": 300, "skipped": 3}
     assert done_line("knn", knn, 65.2, tmp_path) == (
-        f"done: k-NN top-1 85.0 %, top-5 99.0 % (1,497 train, 300 val images) in 1m05s -> "
+        f"done: k-NN top-1 85.0 %, top-5 99.0 % (1,497 train, 300 val images kept, 3 skipped) in 1m05s -> "
         f"{tmp_path}: results.json"
     )
     linear = {"top1": 85.0, "num_val": 300, "protocol": "mae"}
     assert done_line("linear", linear, 3, tmp_path).startswith(
-        "done: linear probe (mae) top-1 85.0 % (300 val images) in 0m03s"
+        "done: linear probe (mae) top-1 85.0 % (300 val images kept) in 0m03s"
     )

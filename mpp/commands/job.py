@@ -1,5 +1,5 @@
-"""What ``mpp pretrain`` and ``mpp finetune`` share once parsed (``train_main``), down to how a
-training job's command ends: the exit status that the launchers, ``mpp.submit`` and a requeue
+"""What ``mpp pretrain``, ``mpp finetune`` and the probes share once parsed (``job_main``), down
+to how a job's command ends: the exit status that the launchers, ``mpp.submit`` and a requeue
 wrapper read."""
 
 from __future__ import annotations
@@ -33,12 +33,30 @@ EXIT_STATUS: tuple[tuple[type[BaseException], int], ...] = (
 
 
 def train_main(args: Any, argv: list[str] | None, command: str, cls: type, run, report) -> int:
-    """A training command once parsed. With --submit: what a submission checks of the run before
-    the job exists (its initial weights, ``mpp.jobs.initial_model``, and where it starts; not the
-    data: the shards may be visible on the compute nodes only), then the job, whose every task
-    runs ``command`` (a module, ``mpp.commands.pretrain``) without --submit. Else ``run(cfg,
-    resume, restart)`` in this process and rank 0's ``report`` of what it returns
-    (``mpp.jobs.Finished``).
+    """A training command once parsed (``job_main``): with --submit, what a submission checks
+    before the job exists (its initial weights, ``mpp.jobs.initial_model``, and where it starts;
+    not the data: the shards may be visible on the compute nodes only); else ``run(cfg, resume,
+    restart)`` and rank 0's ``report`` of its ``mpp.jobs.Finished`` when it trained."""
+    rank = world_from_env()[0]
+
+    def check(cfg: Any) -> None:
+        resume = start_of(cfg, args.resume, args.restart, rank, initial_model(cfg).encoder)
+        going_on(cfg, args.resume, resume, rank)
+
+    def ran(cfg: Any) -> Any:  # one that had finished: the line saying so is all
+        done = run(cfg, args.resume, args.restart)
+        return done if done.ran else None
+
+    return job_main(args, argv, command, cls, check, ran, report)
+
+
+def job_main(
+    args: Any, argv: list[str] | None, command: str, cls: type, check, run, report, **submitted
+) -> int:
+    """Every job's command once parsed (pretrain, finetune, the probes): its config (``cls``);
+    with --submit, ``check(cfg)``, then the job, whose every task runs ``command`` (a module,
+    ``mpp.commands.pretrain``) without --submit (``submitted``: ``mpp.submit.submit``'s keywords);
+    else ``run(cfg)`` here and rank 0's ``report`` of what it returns (None: nothing to report).
 
     0, or the exit status of how it stopped (``EXIT_STATUS``), said in one line: by rank 0
     where every rank stops alike (a stop signal, a refusal once the process group exists), else
@@ -48,11 +66,9 @@ def train_main(args: Any, argv: list[str] | None, command: str, cls: type, run, 
     try:
         cfg = config_from_args(args, cls)
         if args.submit:  # checked here, run there
-            model = initial_model(cfg)
-            resume = start_of(cfg, args.resume, args.restart, rank, model.encoder)
-            going_on(cfg, args.resume, resume, rank)
+            check(cfg)
         else:
-            done = run(cfg, args.resume, args.restart)
+            done = run(cfg)
     except tuple(kind for kind, _ in EXIT_STATUS) as e:
         if isinstance(e, Preempted):
             line = f"stopped: {e}"
@@ -67,10 +83,26 @@ def train_main(args: Any, argv: list[str] | None, command: str, cls: type, run, 
             print(line, file=sys.stderr)
         return next(status for kind, status in EXIT_STATUS if isinstance(e, kind))
     if args.submit:
-        return submit(command, argv, cfg)
-    if rank == 0 and done.ran:  # else the line saying it had finished is all
+        return submit(command, argv, cfg, **submitted)
+    if rank == 0 and done is not None:
         report(done)
     return 0
+
+
+def probe_main(kind: str, argv: list[str] | None = None) -> int:
+    """``mpp probe`` (``kind`` "linear") and ``mpp knn`` ("knn"): ``job_main`` with the probe's
+    config, checks and run (``mpp.transfer.probe_cli``); a submitted job runs the kind's CLI."""
+    from functools import partial
+
+    from mpp.config import ProbeConfig
+    from mpp.transfer.probe_cli import probe_parser, probe_setup, run_probe
+
+    args = probe_parser(kind).parse_args(argv)
+    args.set += [f"probe.{k}={v}" for k in ("protocol", "layers") if (v := getattr(args, k, None))]
+    command = {"linear": "mpp.commands.probe", "knn": "mpp.commands.knn"}[kind]
+    check = partial(probe_setup, kind=kind, submit=True)
+    run = partial(run_probe, kind)
+    return job_main(args, argv, command, ProbeConfig, check, run, print, resumable=False)
 
 
 def own_part(done: Any) -> str:

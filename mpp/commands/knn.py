@@ -3,11 +3,11 @@
 
 import sys
 
-from mpp.transfer.probe_cli import run_probe
+from mpp.commands.job import probe_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_probe("knn", argv)
+    return probe_main("knn", argv)
 
 
 if __name__ == "__main__":

@@ -128,6 +128,16 @@ class StreamConfig:
     # training only: JPEGs left for the device to decode (data.decode=gpu, mpp.data.device_decode)
     defer_jpeg: bool = False
 
+    @classmethod
+    def from_data(cls, data, epoch=None, **settings) -> StreamConfig:
+        """A training stream from a config's data section (its crop, flip, shuffle and pipes) over
+        an ``epoch``'s samples (a ``Census``, a labelled subset's keys), ``settings`` the rest."""
+        keys = ("crop_scale", "crop_ratio", "hflip", "shuffle_buffer", "allow_pipe")
+        own = {k: getattr(data, k) for k in keys}
+        if epoch is not None:
+            own |= {"shard_sizes": tuple(epoch.sizes), "shard_keys": getattr(epoch, "keys", None)}
+        return cls(**{**own, **settings})
+
 
 class _Stream(IterableDataset):
     """Shards + settings; each DataLoader worker iterates its own part (``batches``), each batch

@@ -166,7 +166,7 @@ def build_monitor(
     """The run's monitor (a collective: every rank builds it); one that never measures when
     ``train.monitor_every`` is 0, the config has no monitor section (fine-tuning) or there are
     no held-out images. Without labels on both sides the k-NN is left out, with a warning."""
-    from mpp.train.plan import monitor_on
+    from mpp.train.plan import monitor_on, shards
 
     every = cfg.train.monitor_every
     settings = getattr(cfg, "monitor", None)
@@ -175,12 +175,11 @@ def build_monitor(
     off = Monitor(0, None, None, settings, px.mean, px.std, device)
     if not monitor_on(cfg) or not hasattr(objective, "held_out_metrics"):
         return off
-    from mpp.data import expand_shards, held_out_shards
     from mpp.data.labels import choose, label_index, shard_labels
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    val_shards = settings.val_shards or held_out_shards(d, plan.img_size)
+    val_shards = shards(cfg, "monitor", plan.img_size, look=False)  # looked for by check_data
     if val_shards is None:
         if rank == 0:
             log.warning("monitor: no held-out images (set monitor.val_shards or data.val_shards)")
@@ -188,7 +187,7 @@ def build_monitor(
     load = dict(rank=rank, world_size=world, num_workers=d.num_workers, with_keys=True)
     load.update(allow_pipe=d.allow_pipe, pixels=px.format)
     index = label_index(plan.train_shards, d.allow_pipe)
-    labelled_val = bool(shard_labels(expand_shards(val_shards)[0], d.allow_pipe))
+    labelled_val = bool(shard_labels(val_shards[0], d.allow_pipe))
     bank, what = None, "no k-NN: the training or the held-out shards carry no labels (.cls)"
     if index.total and labelled_val:
         subset, _ = choose(
@@ -200,7 +199,7 @@ def build_monitor(
         what = f"the k-NN of a bank of {subset.summary()}"
     val = load_images(val_shards, plan.img_size, {**load, "with_labels": bank is not None})
     if rank == 0:
-        log.info("monitor every %d steps on %s: %s", every, val_shards, what)
+        log.info("monitor every %d steps on %s...: %s", every, val_shards[0], what)
     return Monitor(every, bank, val, settings, px.mean, px.std, device)
 
 
@@ -211,6 +210,7 @@ class MonitorHook(Hook):
 
     def __init__(self, cfg: Any, run_dir: Path) -> None:
         self.cfg, self.run_dir, self.monitor = cfg, run_dir, None
+        self.every = cfg.train.monitor_every
 
     def start(self, trainer: Any) -> None:
         self.monitor = build_monitor(

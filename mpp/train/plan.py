@@ -65,7 +65,7 @@ def plan_run(
     refused = Refusals()
     batch = refused(layout, cfg, world_size, dev_type)
     defer_jpeg = refused(decode_on_device, cfg, dev_type)
-    found = refused(train_shards, cfg, img_size)
+    found = refused(_there, cfg, *_spec(cfg, "train", img_size), warn=True)
     if found is None:
         refused.raise_any()
     shards, missing = found
@@ -76,13 +76,14 @@ def plan_run(
         subset = refused(labelled_subset, cfg, shards, num_classes)
         counted, epoch = None, subset
     else:
-        counted = epoch = count_data(cfg, shards)
+        # every shard's sample count (a collective); the run's summary says it (mpp.train.summary)
+        counted = epoch = census(shards, cfg.data.allow_pipe, run_dir=run_dir_of(cfg))
         refused(check_num_samples, cfg, counted)
     if epoch is not None:
         refused(check_epoch, cfg, epoch.total)
     refused.raise_any()
     (micro, accum, ds_config), samples = batch, epoch.total
-    shards, sizes = epoch.shards, epoch.sizes
+    shards = epoch.shards
     steps_per_epoch = samples // cfg.train.batch_size
     t = cfg.train
     total, warmup, epochs_steps = schedule(cfg, steps_per_epoch, samples)
@@ -92,7 +93,9 @@ def plan_run(
             "micro-batch keeps the gradients of its earlier ones in DeepSpeed's buffers",
             accum,
         )
-    stream = StreamConfig(
+    stream = StreamConfig.from_data(
+        cfg.data,
+        epoch,
         batch_size=micro,
         img_size=img_size,
         world_size=world_size,
@@ -101,13 +104,11 @@ def plan_run(
         num_classes=num_classes,
         seed=t.seed,
         global_batch=t.batch_size,
-        shard_sizes=tuple(sizes),
-        shard_keys=subset.keys if subset is not None else None,
         pixels=pixels.format,
         defer_jpeg=defer_jpeg,
+        randaug=cfg.stream_settings().get("randaug"),  # fine-tuning's
         # the member indexes the census kept in the run (shards in a folder it cannot write)
         index_dir=shard_index.run_index_dir(run_dir_of(cfg)),
-        **cfg.stream_settings(),
     )
     return Plan(
         train_shards=shards,
@@ -167,23 +168,25 @@ def check_data(cfg: RunConfig, img_size: int) -> None:
     """What can be checked before the process group exists, every refusal in one ConfigError
     (``Refusals``): the batch on this world size and the precision on this device, the training
     shards (some may be missing: the plan says which), what their images hold
-    (``check_value_range``), every held-out shard the run reads (``held_out_keys``), and the batch
+    (``check_value_range``), every held-out shard the run reads, and the batch
     against the samples of an epoch when the shards' counts are known without reading the shards
     (sizes.json, img2dataset's stats, a cache); the plan checks it again on the census. With no
     training shard found, nothing of the training data is checked."""
     refused = Refusals()
     refused(layout, cfg, world_from_env()[1], device_type())
-    found = refused(train_shards, cfg, img_size, warn=False)
-    if found is not None:
-        shards = found[0]
-        refused(check_value_range, cfg, shards)
-        known = known_counts(shards, run_dir_of(cfg))
-        if len(known) == len(shards) and cfg.data.label_subset_key is None:
-            counted = Census(shards, [known[s] for s in shards])
+    train = refused(shards, cfg, "train", img_size)
+    if train is not None:
+        refused(check_value_range, cfg, train)
+        known = known_counts(train, run_dir_of(cfg))
+        if len(known) == len(train) and cfg.data.label_subset_key is None:
+            counted = Census(train, [known[s] for s in train])
             refused(check_num_samples, cfg, counted)
             refused(check_epoch, cfg, counted.total)
-    for key in held_out_keys(cfg):
-        refused(val_shards, cfg, key)
+    # the held-out shards read: fine-tuning's score; pretraining's monitor when on and previews
+    # when drawn (a key nothing reads is not looked for: it may be a later fine-tune's val set)
+    held = [("monitor", monitor_on(cfg)), ("val", previews_on(cfg))]
+    for role in ["val"] if isinstance(cfg, FinetuneConfig) else [r for r, on in held if on]:
+        refused(shards, cfg, role, img_size)
     refused.raise_any()
 
 
@@ -353,13 +356,6 @@ def labelled_subset(
     return subset
 
 
-def count_data(cfg: RunConfig, shards: list[str]) -> Census:
-    """Every training shard's sample count (``mpp.data.census``; a collective under a process
-    group); the run's summary says it (``mpp.train.summary``), ``check_num_samples`` holds
-    data.num_samples to it."""
-    return census(shards, cfg.data.allow_pipe, run_dir=run_dir_of(cfg))
-
-
 def check_num_samples(cfg: RunConfig, counted: Census) -> None:
     """``data.num_samples``, when set, agrees with the count; ConfigError naming the key."""
     n = cfg.data.num_samples
@@ -378,10 +374,11 @@ def run_dir_of(cfg) -> Path:
 
 
 def newest_checkpoint(cfg: RunConfig) -> str | None:
-    """The run directory's newest complete checkpoint (its tag), None for a fresh run."""
-    from mpp.checkpoint.format import latest_complete
+    """The run directory's newest complete tag (``resolve_resume("auto")``); None: a fresh run."""
+    from mpp.checkpoint.format import resolve_resume
 
-    return latest_complete(run_dir_of(cfg) / "checkpoints")
+    found = resolve_resume("auto", run_dir_of(cfg) / "checkpoints", verified=False)
+    return found and found[1]
 
 
 def finished_run(cfg: RunConfig, plan: Plan) -> tuple[str, int] | None:
@@ -513,33 +510,52 @@ def check_resume(cfg: RunConfig, resume: str | None, encoder: Any = None) -> Non
         )
 
 
-def train_shards(cfg: RunConfig, img_size: int, warn: bool = True) -> tuple[list[str], list[str]]:
-    """(the training shards that exist, the local ones that do not); ConfigError when none is left.
-    The one resolution of the training shards: pretraining, fine-tuning and the probes read what
-    it returns. ``warn``: name the missing ones in a warning (once per run: the plan's)."""
-    fail = _failer(cfg)
-    spec, key = train_spec(cfg, img_size)
-    shards, missing = _listed(cfg, spec, key)
-    if len(missing) == len(shards):
+def shards(
+    cfg: Any, role: str, img_size: int, *, look: bool = True, warn: bool = False
+) -> list[str] | None:
+    """The shards a job reads as ``role``, the one answer every reader takes: "train"
+    (data.train_shards, else the built-in digits' training split), "val" (data.val_shards, else
+    the digits' validation split when training on them: fine-tuning's score, the probes', the
+    previews') or "monitor" (monitor.val_shards, else "val"'s); None when the config names none.
+    ``look``: the ones there, a missing training shard left out (``warn``: named in a warning,
+    once per run: the plan's), none left or any missing held-out one refused (a score on part of
+    a validation set is another number); else the ones named, not looked for (a submission's:
+    they may be visible on the compute nodes only). ConfigError names the key."""
+    spec, key = _spec(cfg, role, img_size)
+    if spec is None:
+        return None
+    return _there(cfg, spec, key, warn)[0] if look else _named(cfg, spec, key)
+
+
+def _spec(cfg: Any, role: str, img_size: int) -> tuple[Any, str]:
+    """(the spec ``role``'s shards are named by, the key that names it)."""
+    d = cfg.data
+    if role == "monitor" and cfg.monitor.val_shards:
+        return cfg.monitor.val_shards, "monitor.val_shards"
+    if role == "train" and d.train_shards is not None:
+        return d.train_shards, "data.train_shards"
+    if role != "train" and (d.val_shards or d.train_shards is not None):
+        return d.val_shards or None, "data.val_shards"
+    return digits_shards(img_size)[role if role == "train" else "val"], "data.builtin"
+
+
+def _there(cfg: Any, spec: Any, key: str, warn: bool = False) -> tuple[list[str], list[str]]:
+    """(the shards ``spec`` names that are there, those not found): see ``shards``."""
+    fail, named = _failer(cfg), _named(cfg, spec, key)
+    try:
+        missing = [s for s in named if not _exists(s)]
+    except Exception as e:  # noqa: BLE001  a bad bucket, credential or endpoint: one line
+        raise fail(key, f"cannot list {named[0]}: {type(e).__name__}: {e}") from None
+    if missing and key not in ("data.train_shards", "data.builtin"):
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        lost = f"{len(missing)} of {len(named)} shard(s) not found: {', '.join(missing[:3])}{more}"
+        raise fail(key, f"{lost} (a validation set is scored whole)")
+    if len(missing) == len(named):
         raise fail(key, f"{len(missing)} shard(s) not found, first: {missing[0]}")
-    if missing:  # a lost shard costs its samples, not the run; named once, counted in metrics
-        if warn:
-            log.warning(
-                "%d of %d shards not found, training without them: %s",
-                len(missing),
-                len(shards),
-                ", ".join(missing[:10]),
-            )
-        shards = [s for s in shards if s not in set(missing)]
-    return shards, missing
-
-
-def train_spec(cfg: Any, img_size: int) -> tuple[Any, str]:
-    """(the training shards' spec, the key that names it): data.train_shards, else the built-in
-    digits' training split."""
-    if cfg.data.train_shards is None:
-        return digits_shards(img_size)["train"], "data.builtin"
-    return cfg.data.train_shards, "data.train_shards"
+    if missing and warn:  # a lost shard costs its samples, not the run; counted in metrics
+        lost = f"{len(missing)} of {len(named)} shards not found"
+        log.warning("%s, training without them: %s", lost, ", ".join(missing[:10]))
+    return [s for s in named if s not in set(missing)], missing
 
 
 def monitor_on(cfg: Any) -> bool:
@@ -554,65 +570,20 @@ def previews_on(cfg: Any) -> bool:
     return bool(cfg.train.preview_every and cfg.train.report_to)
 
 
-def held_out_keys(cfg: Any) -> list[str]:
-    """The keys naming held-out shards the run reads: fine-tuning's score (data.val_shards);
-    pretraining's monitor when on (monitor.val_shards, else data.val_shards) and previews when
-    drawn (data.val_shards). A key nothing reads is not looked for: a pretraining config may keep
-    the val set of a later fine-tune."""
-    if isinstance(cfg, FinetuneConfig):
-        return ["data.val_shards"]
-    keys = []
-    if monitor_on(cfg):
-        keys.append("monitor.val_shards" if cfg.monitor.val_shards else "data.val_shards")
-    if previews_on(cfg):
-        keys.append("data.val_shards")
-    return list(dict.fromkeys(keys))
-
-
-def val_shards(cfg: Any, key: str = "data.val_shards") -> list[str] | None:
-    """The held-out shards ``key`` names, every one of them there; None when the key is unset.
-    Unlike the training shards, any missing one is refused: a score on part of the validation
-    set is another number under the same name. ConfigError names the key and the missing files."""
-    section, name = key.split(".")
-    spec = getattr(getattr(cfg, section, None), name, None)
-    if spec is None:
-        return None
-    shards, missing = _listed(cfg, spec, key)
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise _failer(cfg)(
-            key,
-            f"{len(missing)} of {len(shards)} shard(s) not found: {', '.join(missing[:3])}{more} "
-            "(a validation set is scored whole)",
-        )
-    return shards
-
-
-def named_shards(cfg: Any, spec: Any, key: str) -> list[str]:
-    """The shards ``spec`` expands to, not looked for (a submission's: they may be visible on the
-    compute nodes only); ConfigError naming ``key`` for a bad pattern or pipes not allowed."""
+def _named(cfg: Any, spec: Any, key: str) -> list[str]:
+    """The shards ``spec`` expands to, not looked for; ConfigError naming ``key`` for a bad
+    pattern or pipes not allowed."""
     fail = _failer(cfg)
     try:
-        shards = expand_shards(spec)
+        named = expand_shards(spec)
     except ValueError as e:
         raise fail(key, str(e)) from None
-    if any(s.startswith("pipe:") for s in shards) and not cfg.data.allow_pipe:
+    if any(s.startswith("pipe:") for s in named) and not cfg.data.allow_pipe:
         raise fail(key, "pipe: shards run shell commands; set data.allow_pipe=true to allow them")
-    return shards
+    return named
 
 
-def _listed(cfg: Any, spec: Any, key: str) -> tuple[list[str], list[str]]:
-    """(the shards ``spec`` expands to, those of them not found); ConfigError naming ``key`` for
-    a bad pattern, storage that cannot be listed, or pipes not allowed."""
-    shards = named_shards(cfg, spec, key)
-    try:
-        missing = [s for s in shards if not shard_exists(s)]
-    except Exception as e:  # noqa: BLE001  a bad bucket, credential or endpoint: one line
-        raise _failer(cfg)(key, f"cannot list {shards[0]}: {type(e).__name__}: {e}") from None
-    return shards, missing
-
-
-def shard_exists(url: str) -> bool:
+def _exists(url: str) -> bool:
     """A local shard's file, an object in storage (asked through fsspec); URLs and pipes are
     taken as given (their reader names them if they fail)."""
     from mpp.data.sources import OBJECT_SCHEMES, _scheme, object_exists

@@ -114,12 +114,12 @@ def preview_shards(cfg: Any, img_size: int, train: list[str] | None = None) -> A
     the first training shard there: of ``train`` (the plan's, the missing ones left out), else
     of the shards resolved as the plan does (none there: ConfigError naming the key)."""
     from mpp.data import held_out_shards
-    from mpp.train.plan import train_shards
+    from mpp.train.plan import shards
 
     held = held_out_shards(cfg.data, img_size)
     if held:
         return held
-    return (train if train is not None else train_shards(cfg, img_size, warn=False)[0])[:1]
+    return (train if train is not None else shards(cfg, "train", img_size))[:1]
 
 
 class PreviewHook(Hook):

@@ -18,7 +18,7 @@ from mpp.hub.encoder_file import save_weights
 from mpp.hub.pretrained import init_record
 from mpp.ops import normalize
 from mpp.parallel.distributed import in_step
-from mpp.train.plan import Plan
+from mpp.train.plan import Plan, shards
 
 
 @torch.no_grad()
@@ -72,8 +72,6 @@ class Evaluator:
         model_kwargs: dict,
         resume: str | None = None,
     ) -> None:
-        from mpp.data import digits_shards
-
         self.cfg, self.plan, self.run_dir, self.device, self.model_kwargs = (
             cfg,
             plan,
@@ -82,7 +80,7 @@ class Evaluator:
             model_kwargs,
         )
         self.init_read = init_record(cfg.init)  # what it started from, for results.json
-        self.val_shards = cfg.data.val_shards or digits_shards(plan.img_size)["val"]
+        self.val_shards = shards(cfg, "val", plan.img_size, look=False)  # the plan looked
         self.batch_size = cfg.finetune.eval_batch_size or plan.micro_batch
         self.results_path = run_dir / "results.json"
         self.best: dict = {"top1": -1.0}

@@ -21,7 +21,7 @@ from mpp.data import read_sizes
 from mpp.data.labels import KEY_FILE
 from mpp.models.vit import full_vit_config, vit_config
 from mpp.objectives.classifier import Classifier
-from mpp.train.plan import Plan, named_shards, train_shards, train_spec
+from mpp.train.plan import Plan, shards
 from mpp.train.trainer import Trainer
 from mpp.transfer.evaluate import Evaluator
 
@@ -46,13 +46,11 @@ def build_classifier(cfg: FinetuneConfig) -> Classifier:
     """The encoder with a fresh head, initialised from ``cfg.init`` (or from scratch)."""
     # the encoder's side: init's where the config leaves it unset
     img_size = full_vit_config(encoder_args(cfg, quiet=True))["img_size"]
-    if cfg.finetune.num_classes or cfg.data.num_classes:
-        # the count given: the shards are not looked for here (a submission's may be visible on
-        # the compute nodes only; a run's are checked with its plan), only their class list read
-        shards = named_shards(cfg, *train_spec(cfg, img_size))
-    else:  # read from the shards there (none: refused naming them)
-        shards = train_shards(cfg, img_size, warn=False)[0]
-    num_classes = resolve_classes(cfg, shards)
+    # the count given: the shards are not looked for here (a submission's may be visible on the
+    # compute nodes only; a run's are checked with its plan), only their class list read; else
+    # read from the shards there (none: refused naming them)
+    given = bool(cfg.finetune.num_classes or cfg.data.num_classes)
+    num_classes = resolve_classes(cfg, shards(cfg, "train", img_size, look=not given))
     encoder = build_encoder(cfg, num_classes=num_classes, global_pool=cfg.finetune.global_pool)
     f = cfg.finetune
     return Classifier(

@@ -1,12 +1,11 @@
-"""The two frozen-encoder tools, downstream/linear_probe.py and downstream/knn.py: parse, load
-the encoder from ``init``, extract features on every rank (``deepspeed --num_gpus N`` /
-torchrun; one process otherwise) and the GPU when there is one, evaluate, write results.json
-(and, with ``--layers all``, results.md and per_block.png)."""
+"""The two frozen-encoder tools, downstream/linear_probe.py and downstream/knn.py, once parsed
+(``mpp.commands.job.probe_main``): load the encoder from ``init``, extract features on every
+rank (``deepspeed --num_gpus N`` / torchrun; one process otherwise) and the GPU when there is
+one, evaluate, write results.json (and, with ``--layers all``, results.md and per_block.png)."""
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import dataclass, replace
 from functools import partial
@@ -15,8 +14,8 @@ from pathlib import Path
 import torch
 
 from mpp.checkpoint.manager import encoder_kwargs
-from mpp.config import ConfigError, ProbeConfig
-from mpp.data import make_eval_loader, make_train_loader
+from mpp.config import ConfigError
+from mpp.data import StreamConfig, make_eval_loader, make_train_loader
 from mpp.data.labels import KEY_FILE, LabelledSubset
 from mpp.data.stats import Pixels
 from mpp.features import FeatureSpec, extract_features, feature_slots, knn_classify
@@ -35,7 +34,7 @@ from mpp.transfer.probe_protocols import (
 
 @dataclass(frozen=True)
 class ProbeSetup:
-    """What a probe evaluates (``_probe_setup``): the encoder from ``init``, the shards
+    """What a probe evaluates (``probe_setup``): the encoder from ``init``, the shards
     ({"train": the training shards there, "val": every validation shard}), the class count and, with few labels, the training
     subset (``mpp.data.labels``; the validation shards stay whole)."""
 
@@ -43,7 +42,7 @@ class ProbeSetup:
     shards: dict[str, list[str]]
     num_classes: int
     subset: LabelledSubset | None = None
-    pixels: Pixels | None = None  # the data's statistics, "auto" measured (_measured)
+    pixels: Pixels | None = None  # the data's statistics, "auto" measured (run_probe)
 
     def loader_args(self, split: str) -> dict:
         """``make_eval_loader``'s shards (and subset keys) for ``split``."""
@@ -76,72 +75,57 @@ def probe_parser(kind: str):
     return p
 
 
-def run_probe(kind: str, argv: list[str] | None = None) -> int:
-    """``kind`` = "linear" or "knn". Exit status 2 on a bad config or init. With --submit, the
-    validated run is submitted as a job, which runs the kind's CLI."""
-    from mpp.cli import config_from_args, open_run_dir
-    from mpp.parallel.distributed import PortInUse, init_distributed, world_from_env
+def run_probe(kind: str, cfg) -> str | None:
+    """The probe in this process, on every rank (``mpp.commands.job.probe_main``): rank 0 writes
+    its results and returns what it prints (the table per block, the done line)."""
+    from mpp.build import with_init_facts
+    from mpp.cli import open_run_dir
+    from mpp.parallel.distributed import init_distributed, world_from_env
+    from mpp.train.plan import labelled_subset, measure_pixels
     from mpp.train.runlock import release
 
-    args = probe_parser(kind).parse_args(argv)
-    args.set += [
-        f"probe.{key}={value}"
-        for key in ("protocol", "layers")
-        if (value := getattr(args, key, None))
-    ]
     rank, world, start = *world_from_env(), time.perf_counter()
-    try:
-        cfg = config_from_args(args, ProbeConfig)
-        setup = _probe_setup(cfg, kind, submit=bool(args.submit))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.submit:  # checked here, run there: each task runs the CLI without --submit (mpp.submit)
-        from mpp.submit import submit
-
-        command = {"linear": "mpp.commands.probe", "knn": "mpp.commands.knn"}[kind]
-        return submit(command, argv, cfg, resumable=False)
-    try:
-        device = (
-            init_distributed()
-            if world > 1
-            else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        )
-        # few labels: chosen by the ranks together (the label index is a collective)
-        setup = _measured(cfg, setup)
-        # held by this job: a second one on it stops here
-        model = encoder_kwargs(cfg, setup.encoder)
-        run_dir = open_run_dir(cfg, rank, pixels=setup.pixels, model=model, restartable=False)
-        if setup.subset is not None and rank == 0:
-            setup.subset.write(run_dir / KEY_FILE)
-        on_device = replace(setup, encoder=setup.encoder.to(device))
-        results = _evaluate(kind, cfg, on_device, rank, world)
-    except (ConfigError, PortInUse) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    setup = probe_setup(cfg, kind)
+    device = (
+        init_distributed()
+        if world > 1
+        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    # channels and statistics the config leaves unset taken from init, "auto" ones measured; few
+    # labels: the subset chosen by the ranks together (the label index is a collective)
+    train = setup.shards["train"]
+    pixels = measure_pixels(with_init_facts(cfg), train)
+    setup = replace(setup, pixels=pixels, subset=labelled_subset(cfg, train, setup.num_classes))
+    # held by this job: a second one on it stops here
+    model = encoder_kwargs(cfg, setup.encoder)
+    run_dir = open_run_dir(cfg, rank, pixels=setup.pixels, model=model, restartable=False)
+    if setup.subset is not None and rank == 0:
+        setup.subset.write(run_dir / KEY_FILE)
+    on_device = replace(setup, encoder=setup.encoder.to(device))
+    results = _evaluate(kind, cfg, on_device, rank, world)
     if rank != 0:
-        return 0
+        return None
     results = {**results, "eval": kind, "init": cfg.init, **init_record(cfg.init), "ranks": world}
+    said = []
     if "per_block" in results:
-        print(
-            write_per_block(run_dir, results["per_block"], f"{kind} top-1 per block of {cfg.init}")
-        )
+        title = f"{kind} top-1 per block of {cfg.init}"
+        said.append(write_per_block(run_dir, results["per_block"], title))
     (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     release(run_dir)
-    print(done_line(kind, results, time.perf_counter() - start, run_dir))
-    return 0
+    return "\n".join([*said, done_line(kind, results, time.perf_counter() - start, run_dir)])
 
 
 def done_line(kind: str, results: dict, seconds: float, run_dir: Path) -> str:
-    """The line a probe ends with: its top-1 (and top-5), on how many images, its time, and
-    where results.json is (every figure kept there)."""
+    """The line a probe ends with: its top-1 (and top-5), on how many images (those kept: a bad
+    label or image skipped, every protocol), its time, and where results.json is."""
     name = {"linear": f"linear probe ({results.get('protocol', 'fast')})", "knn": "k-NN"}[kind]
     top5 = f", top-5 {results['top5']:.1f} %" if "top5" in results else ""
     images = f"{results['num_train']:,} train, " if "num_train" in results else ""
+    skipped = f", {results['skipped']:,} skipped" if results.get("skipped") else ""
     minutes, secs = divmod(round(seconds), 60)
     return (
         f"done: {name} top-1 {results['top1']:.1f} %{top5} ({images}{results['num_val']:,} val "
-        f"images) in {minutes}m{secs:02d}s -> {run_dir}: results.json"
+        f"images kept{skipped}) in {minutes}m{secs:02d}s -> {run_dir}: results.json"
     )
 
 
@@ -263,12 +247,9 @@ def _mae(cfg, setup: ProbeSetup, val: tuple, features: FeatureSpec, rank: int, w
 
     d, pr = cfg.data, cfg.probe
     encoder, num_classes, slots = setup.encoder, setup.num_classes, features.slots
-    if setup.subset is not None:  # few labels: the stream reads the subset's samples only
-        shards, sizes, keys = setup.subset.shards, setup.subset.sizes, setup.subset.keys
-    else:
-        shards = setup.shards["train"]
-        sizes, keys = census(shards, d.allow_pipe).sizes, None
-    total = sum(sizes)
+    # few labels: the stream reads the subset's samples only
+    epoch = setup.subset or census(setup.shards["train"], d.allow_pipe)
+    total = epoch.total
     steps = total // pr.batch_size  # MAE's loader drops the last partial batch
     if steps < 1 or pr.batch_size % world:
         raise ConfigError(
@@ -287,8 +268,9 @@ def _mae(cfg, setup: ProbeSetup, val: tuple, features: FeatureSpec, rank: int, w
         device=next(encoder.parameters()).device,
     )
     accum = micro_batches(pr.batch_size // world)
-    loader = make_train_loader(
-        shards,
+    stream = StreamConfig.from_data(
+        d,
+        epoch,
         batch_size=pr.batch_size // world // accum,
         num_batches=steps * accum,
         global_batch=pr.batch_size,
@@ -299,13 +281,9 @@ def _mae(cfg, setup: ProbeSetup, val: tuple, features: FeatureSpec, rank: int, w
         num_classes=num_classes,
         seed=cfg.seed,
         crop_scale=MAE_CROP_SCALE,
-        shard_sizes=tuple(sizes),
-        shard_keys=keys,
         pixels=setup.pixels.format,
-        num_workers=d.num_workers,
-        persistent=True,
-        allow_pipe=d.allow_pipe,
     )
+    loader = make_train_loader(epoch.shards, stream, num_workers=d.num_workers, persistent=True)
     try:
         res = mae_probe(
             encoder,
@@ -322,34 +300,23 @@ def _mae(cfg, setup: ProbeSetup, val: tuple, features: FeatureSpec, rank: int, w
         {**r, "max_top1": m, "train_loss": loss}
         for r, m, loss in zip(res["last"], res["max_top1"], res["train_loss"], strict=True)
     ]
-    facts = {"num_train": total, "lr": lr, "steps_per_epoch": steps}
-    # this rank's bad samples in the last pass of the stream (every epoch reads the same ones)
+    # the samples kept, as the other protocols count them: the census less the ranks' bad ones
+    # in the last pass of the stream (every epoch reads the same ones)
+    facts = {
+        "num_train": total - _summed(loader.skipped, world),
+        "lr": lr,
+        "steps_per_epoch": steps,
+    }
     return facts | _headline(per_slot, slots) | {"skipped": loader.skipped}
 
 
-def _measured(cfg, setup: ProbeSetup) -> ProbeSetup:
-    """``setup`` with the data's statistics ("auto" measured) and, with ``data.labels_per_class``
-    / ``label_fraction`` / ``label_keys``, the training subset, chosen by every rank together
-    (``mpp.train.plan.labelled_subset``); ConfigError names the key."""
-    from mpp.build import with_init_facts
-    from mpp.train.plan import labelled_subset, measure_pixels
-
-    shards = setup.shards["train"]
-    # channels and statistics the config leaves unset taken from init; "auto" ones measured
-    pixels = measure_pixels(with_init_facts(cfg), shards)
-    subset = None
-    if cfg.data.label_subset_key is not None:
-        subset = labelled_subset(cfg, shards, setup.num_classes)
-    return replace(setup, pixels=pixels, subset=subset)
-
-
-def _probe_setup(cfg, kind: str, submit: bool = False) -> ProbeSetup:
+def probe_setup(cfg, kind: str, submit: bool = False) -> ProbeSetup:
     """The encoder from ``init``, the train/val shards, the class count; ConfigError names the key.
     ``submit`` (checked here, run there): the shards are the ones the keys name, not looked for
     (they may be visible on the compute nodes only; the job's run checks them)."""
     from mpp.build import build_encoder
-    from mpp.data import digits_shards, expand_shards, read_sizes
-    from mpp.train.plan import named_shards, train_shards, train_spec, val_shards
+    from mpp.data import read_sizes
+    from mpp.train.plan import shards
 
     if kind == "linear" and cfg.probe.protocol == "dinov2" and cfg.probe.layers == "all":
         raise ConfigError(
@@ -359,22 +326,11 @@ def _probe_setup(cfg, kind: str, submit: bool = False) -> ProbeSetup:
     torch.manual_seed(cfg.seed)
     encoder = build_encoder(cfg)
     img = encoder.patch_embed.img_size[0]
-    d = cfg.data
-    if submit:
-        val = d.val_shards or digits_shards(img)["val"]
-        spec = {
-            "train": named_shards(cfg, *train_spec(cfg, img)),
-            "val": named_shards(cfg, val, "data.val_shards"),
-        }
-    else:
-        # as pretraining and fine-tuning read them: missing training shards left out (with a
-        # warning), none left or any validation shard missing refused
-        spec = {
-            "train": train_shards(cfg, img)[0],
-            "val": val_shards(cfg) or expand_shards(digits_shards(img)["val"]),
-        }
+    # as pretraining and fine-tuning read them: missing training shards left out (with a
+    # warning), none left or any validation shard missing refused
+    spec = {role: shards(cfg, role, img, look=not submit, warn=True) for role in ("train", "val")}
     names = (read_sizes(spec["train"]) or {}).get("class_names") or []
-    num_classes = d.num_classes or len(names)
+    num_classes = cfg.data.num_classes or len(names)
     if not num_classes:
         raise ConfigError(
             f"{cfg._source}: data.num_classes: not set and the shards carry no class list"
