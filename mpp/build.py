@@ -18,7 +18,7 @@ from mpp.hub.source import PIXEL_FACTS, WeightSource, adopt_architecture, differ
 from mpp.masking import MaskGenerator
 from mpp.models.vit import VisionTransformer, create_vit
 from mpp.objectives import Objective
-from mpp.objectives.configs import HPMConfig
+from mpp.objectives.hpm import HPMConfig
 
 log = logging.getLogger(__name__)
 

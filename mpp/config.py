@@ -2,7 +2,7 @@
 resolved copy saved in the run directory. Every default lives here, nowhere else.
 
 Sections: model, objective, masking, data, optim, train, deepspeed. ``objective`` is typed
-per objective (``mpp.objectives.configs``: MPP, MAE, HPM with its base, keyed on ``name``);
+per objective (``mpp.objectives.configs``: every registered objective, keyed on ``name``);
 ``masking`` is typed per strategy (``mpp.masking.MaskingConfig``, keyed on ``strategy``). ``deepspeed`` holds DeepSpeed's own keys, passed to ``deepspeed.initialize``;
 the batch, precision and clipping keys are derived from ``train``/``optim`` (one source).
 """
@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from mpp.masking import MASKING_CONFIGS, MaskingConfig, RandomMasking
-from mpp.objectives.configs import MPPConfig, ObjectiveConfig
+from mpp.objectives.configs import OBJECTIVE_CONFIGS, ObjectiveConfig
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD
 from mpp.parallel.ds_config import derive, refusal_of
 from mpp.sections import Section, nearest, refusals, refuse
@@ -525,7 +525,7 @@ class MonitorSection(Section):
 class Config(RunConfig):
     """Pretraining: the objective and its masking."""
 
-    objective: ObjectiveConfig = MPPConfig()
+    objective: ObjectiveConfig = OBJECTIVE_CONFIGS["mpp"]()
     masking: MaskingConfig = RandomMasking()
     monitor: MonitorSection = MonitorSection()
 

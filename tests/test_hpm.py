@@ -400,7 +400,10 @@ def test_bad_arguments():
     for kwargs, match in [
         (dict(schedule="linear"), r"schedule: .*'easy_to_hard'.*\(got 'linear'\)"),
         (dict(pred_loss="bce"), r"pred_loss: .*ranking.*\(got 'bce'\)"),
-        (dict(base="simmim"), r"base.name: Input should be 'mae' or 'mpp' \(got 'simmim'\)"),
+        (
+            dict(base="beit"),
+            r"base.name: Input should be 'mae', 'mpp' or 'simmim' \(got 'beit'\)",
+        ),
         (dict(hard_ratio=1.5), "hard_ratio.*1.5"),
         # the keys of the base it picked, mpp's
         (
@@ -497,16 +500,16 @@ def test_picture_loads_weights(tmp_path):
     assert not torch.equal(fresh.predictor.pred.weight, trained.predictor.pred.weight)
 
 
-@pytest.mark.parametrize("base", ["mae", "mpp"])
+@pytest.mark.parametrize("base", ["mae", "mpp", "simmim"])
 def test_every_hpm_base_keeps_the_per_patch_contract(base):
     """What HPM reads from its base is declared (mpp.objectives.base.PerPatchObjective): the
     keys of forward_per_patch, their shapes, token_dim and predictor_tokens' width."""
     from typing import get_type_hints
 
     from mpp.objectives.base import PerPatch, PerPatchObjective
-    from mpp.objectives.hpm import HPM_BASES
+    from mpp.objectives.hpm import hpm_bases
 
-    assert issubclass(HPM_BASES[base], PerPatchObjective)
+    assert issubclass(hpm_bases()[base], PerPatchObjective)
     student = tiny_hpm(base).base
     images = digits(4)
     B, N = images.shape[0], student.mask_generator.num_patches

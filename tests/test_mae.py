@@ -130,10 +130,10 @@ def test_mae_learns_and_gradients_reach_everything_trainable():
 
 
 def test_registry_and_bad_arguments():
-    assert set(OBJECTIVES) == {"mpp", "mae", "hpm"}
+    assert set(OBJECTIVES) == {"mpp", "mae", "hpm", "simmim"}
     enc = create_vit("vit_tiny_patch4_32", depth=1)
     assert isinstance(create_objective("mae", enc, **SMALL), MaskedAutoencoder)
-    with pytest.raises(ValueError, match=r"'beit'.*\['hpm', 'mae', 'mpp'\]"):
+    with pytest.raises(ValueError, match=r"'beit'.*\['hpm', 'mae', 'mpp', 'simmim'\]"):
         create_objective("beit", enc)
     with pytest.raises(
         ValueError, match=r"'mae': decoder_width: unknown key \(did you mean decoder_"

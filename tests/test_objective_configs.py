@@ -1,6 +1,7 @@
-"""The typed objective section (mpp/objectives/configs.py): one model per objective keyed on
-``name``, the only place its defaults live, HPM's base nested (its flat form read too), errors
-naming the key and the file, and a saved config that loads back to the same objective."""
+"""The typed objective section: one model per objective, beside its class in the objective's file,
+keyed on ``name`` (the union built from ``mpp.objectives.base.REGISTRY``), the only place its
+defaults live, HPM's base nested (its flat form read too), errors naming the key and the file,
+and a saved config that loads back to the same objective."""
 
 import inspect
 import json
@@ -11,23 +12,29 @@ from conftest import write_config
 from mpp.build import build_objective
 from mpp.config import ConfigError, load_config, save_config
 from mpp.objectives import OBJECTIVES
-from mpp.objectives.configs import OBJECTIVE_CONFIGS, HPMConfig, MAEBase, MAEConfig, MPPConfig
-from mpp.objectives.hpm import HPM_BASES
+from mpp.objectives.base import REGISTRY, PerPatchObjective
+from mpp.objectives.configs import OBJECTIVE_CONFIGS
+from mpp.objectives.hpm import HPMConfig, hpm_bases
+from mpp.objectives.mae import MAEBase, MAEConfig
+from mpp.objectives.mpp import MPPConfig
 
 
-@pytest.mark.parametrize("name", ["mpp", "mae", "hpm"])
-def test_each_default_lives_in_the_typed_section_alone(name):
-    """The constructors take every key of their section as a required keyword (no default that
-    could drift from the section's), and the section's arguments are exactly what they take."""
-    cfg = OBJECTIVE_CONFIGS[name]()
-    section = {**cfg.kwargs(), **cfg.base.kwargs()} if name == "hpm" else cfg.kwargs()
-    params = dict(inspect.signature(OBJECTIVES[name]).parameters)
-    if name == "hpm":
-        # its base's keys are the base's constructor's (MAE by default)
-        params |= inspect.signature(HPM_BASES["mae"]).parameters
-    taken = {k: p for k, p in params.items() if p.kind is p.KEYWORD_ONLY}
-    assert [k for k, p in taken.items() if p.default is not p.empty] == []
-    assert set(section) - {"base"} == set(taken) - {"mean", "std"}
+@pytest.mark.parametrize("name", ["mpp", "mae", "hpm", "simmim"])
+def test_each_objective_takes_its_typed_section(name):
+    """An objective's section lives in its own file, beside its class (the registry pairs them),
+    and its constructor takes the section itself, no keyword argument re-listing its keys."""
+    section, cls = REGISTRY[name]
+    assert OBJECTIVE_CONFIGS[name] is section and OBJECTIVES[name] is cls
+    assert section.__module__ == cls.__module__ == f"mpp.objectives.{name}"
+    params = inspect.signature(cls).parameters.values()
+    assert not [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+    assert "cfg" in inspect.signature(cls).parameters
+
+
+def test_hpm_wraps_every_registered_per_patch_objective():
+    bases = hpm_bases()
+    assert set(bases) == {"mae", "mpp", "simmim"}
+    assert bases == {n: c for n, (_, c) in REGISTRY.items() if issubclass(c, PerPatchObjective)}
 
 
 def test_hpm_flat_and_nested_forms_are_one_config():
@@ -55,8 +62,12 @@ def test_hpm_flat_and_nested_forms_are_one_config():
             "objective.target: Input should be 'mean_color', 'downsampled' or 'pixel'",
         ),
         (
-            {"name": "hpm", "base": "simmim"},
-            "objective.base.name: Input should be 'mae' or 'mpp' (got 'simmim')",
+            {"name": "hpm", "base": "beit"},
+            "objective.base.name: Input should be 'mae', 'mpp' or 'simmim' (got 'beit')",
+        ),
+        (
+            {"name": "simmim", "mask_ratio": 1.0},
+            "objective.mask_ratio: Input should be less than 1",
         ),
         (
             {"name": "hpm", "base": "mpp", "bits": 0},  # the flat form: named as written
@@ -78,7 +89,10 @@ def test_hpm_flat_and_nested_forms_are_one_config():
             {"name": "hpm", "schedule": "linear"},
             "objective.schedule: Input should be 'easy_to_hard'",
         ),
-        ({"name": "beit"}, "objective.name: Input should be 'mpp', 'mae' or 'hpm' (got 'beit')"),
+        (
+            {"name": "beit"},
+            "objective.name: Input should be 'hpm', 'mae', 'mpp' or 'simmim' (got 'beit')",
+        ),
         # checks of several keys, at load time too (they were the constructors')
         (
             {"name": "mpp", "mask_token_prob": 0.7},
@@ -100,7 +114,7 @@ def test_a_bad_objective_key_is_named_with_the_file(tmp_path, digits16, objectiv
     assert str(e.value).startswith(f"{path}: {message}"), str(e.value)
 
 
-@pytest.mark.parametrize("name", ["mpp_demo", "mae_demo", "hpm_demo"])
+@pytest.mark.parametrize("name", ["mpp_demo", "mae_demo", "hpm_demo", "simmim_demo"])
 def test_a_saved_config_builds_the_same_objective(tmp_path, name):
     """config.json of a run (HPM's base nested) loads back to the same section and objective."""
     import torch

@@ -45,7 +45,7 @@ def fake_peak(cfg, micro: int, dtype: torch.dtype) -> int:
         return activation_peak(materialize(meta, dtype), micro, size)
 
 
-@pytest.mark.parametrize("name", ["mae_demo", "hpm_demo", "mpp_demo"])
+@pytest.mark.parametrize("name", ["mae_demo", "hpm_demo", "mpp_demo", "simmim_demo"])
 def test_fake_activation_peak_matches_real_tensors(name):
     """(a) The planner's peak (meta build, fake tensors) against the same objective's real step:
     MemTracker on real CPU tensors, fp32, within 10 %."""
@@ -134,7 +134,7 @@ def test_zero_model_states_match_a_real_engine(engine_states, world):
         )
 
 
-@pytest.mark.parametrize("name", ["mae_demo", "mpp_demo", "hpm_demo"])
+@pytest.mark.parametrize("name", ["mae_demo", "mpp_demo", "hpm_demo", "simmim_demo"])
 def test_flops_match_the_closed_form(name):
     """(c) FlopCounterMode on the fake step (CPU flash attention mapped to SDPA's counts) against
     ``step_flops``: the closed form counts 3x every trained forward, where autograd skips the

@@ -1,5 +1,5 @@
-"""Reference results (issue 30 §4): configs/reference_demo.json runs MPP, MAE and HPM at an equal
-budget through the ablation runner (a grid of whole objective sections, every evaluation also at
+"""Reference results (issue 30 §4): configs/reference_demo.json runs MPP, MAE, HPM and SimMIM at
+an equal budget through the ablation runner (a grid of whole objective sections, every evaluation also at
 few labels, the scratch baselines), and RESULTS.md says what the command, commit and machine
 were. The regression test re-runs the cheapest cell briefly and holds what its monitor measured
 to the band that the committed reference runs set (RESULTS.md, "Held by a test")."""
@@ -32,8 +32,8 @@ from mpp.tools.ablation_report import write_report
 def test_the_reference_spec_is_equal_budget_and_every_cell_validates():
     spec = resolved(load_spec("reference_demo", {}))
     cells = plan_cells(spec)
-    assert [c.display["objective"] for c in cells] == ["mpp", "mae", "hpm"]
-    assert len({c.name for c in cells}) == 3 and all("{" not in c.name for c in cells)
+    assert [c.display["objective"] for c in cells] == ["mpp", "mae", "hpm", "simmim"]
+    assert len({c.name for c in cells}) == 4 and all("{" not in c.name for c in cells)
     model_sets = check_cells(spec, cells)  # every cell's pretraining and evaluation configs load
     assert len({tuple(model_sets[c]) for c in cells}) == 1  # one architecture for every cell
     # the evaluations take the pretraining's channels: one whose data differ is refused here

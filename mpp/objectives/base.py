@@ -1,11 +1,50 @@
 """What the training engine may call on an objective, and nothing more (docs/ARCHITECTURE.md
-§3.1: the engine knows nothing objective-specific)."""
+§3.1: the engine knows nothing objective-specific), and the one registry of objectives: a name
+-> (its typed config section, its class), filled by ``@register(Section)`` where each is defined."""
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import Any, ClassVar, TypedDict
 
+from pydantic import BaseModel, ConfigDict
 from torch import Tensor, nn
+
+from mpp.masking import MaskGenerator
+
+Pixels = tuple[tuple[float, ...], tuple[float, ...]]  # the data's (mean, std)
+
+
+class Section(BaseModel):
+    """An objective's typed config section (``objective`` of a config): unknown keys refused, each
+    field's docstring what ``mpp config --explain`` prints; ``name`` its registry name."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: str
+
+    def build(
+        self, encoder: nn.Module, mask_generator: MaskGenerator | None, pixels: Pixels
+    ) -> Objective:
+        """The registered objective of this section around ``encoder``."""
+        return REGISTRY[self.name][1].from_config(self, encoder, mask_generator, pixels)
+
+
+# name -> (section, class); mpp.objectives.configs imports every module of the package, so the
+# union of a config's ``objective`` is built from it (a new objective: one file, one ``@register``)
+REGISTRY: dict[str, tuple[type[Section], type[Objective]]] = {}
+
+
+def register(section: type[Section], *, as_base: type[Section] | None = None) -> Any:
+    """Class decorator: the objective ``cls`` is built from ``section`` under ``section``'s name.
+    ``as_base``: the form HPM nests when it wraps ``cls`` (MAE's: without the decoder's size,
+    which is HPM's); default ``section``."""
+
+    def add(cls: Any) -> Any:
+        REGISTRY[section.model_fields["name"].default] = (section, cls)
+        cls.base_section = as_base or section
+        return cls
+
+    return add
 
 
 class Objective(nn.Module):
@@ -13,8 +52,18 @@ class Objective(nn.Module):
 
     ``images`` are normalised floats (B, C, H, W) already on the device; ``metrics`` maps
     names to detached 0-dim tensors (the engine turns them into numbers only at log time,
-    so the step has no host sync).
+    so the step has no host sync). A registered one is built by ``from_config``.
     """
+
+    base_section: ClassVar[type[Section]]  # what HPM nests when it wraps this (``register``)
+
+    @classmethod
+    def from_config(
+        cls, cfg: Any, encoder: nn.Module, mask_generator: MaskGenerator | None, pixels: Pixels
+    ) -> Objective:
+        """The objective of section ``cfg`` around ``encoder``; ``pixels``: the data's
+        (mean, std). Default: ``cls(encoder, mask_generator, cfg, pixels)``."""
+        return cls(encoder, mask_generator, cfg, pixels)
 
     def forward(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:  # pragma: no cover
         raise NotImplementedError

@@ -12,30 +12,88 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field, model_validator
 from torch import Tensor, nn
 
+from mpp.masking import MaskGenerator
 from mpp.models.decoder import Decoder
 from mpp.models.vit import VisionTransformer
-from mpp.objectives.base import Objective, PerPatchObjective
-from mpp.objectives.hpm_mask import hard_patch_mask, hard_ratio_at
-from mpp.objectives.mae import MaskedAutoencoder
-from mpp.objectives.mpp import MaskedPatchPrediction
-from mpp.ops import gather_tokens
+from mpp.objectives.base import REGISTRY, Objective, PerPatchObjective, Pixels, Section, register
+from mpp.objectives.hpm_mask import SCHEDULES, hard_patch_mask, hard_ratio_at
+from mpp.objectives.mae import DecoderSize, MAEBase
+from mpp.ops import IMAGENET_MEAN, IMAGENET_STD, gather_tokens
 from mpp.parallel.ema import EMA
 
-# what HPM can wrap: objectives with a per-patch loss (mpp.objectives.base.PerPatchObjective)
-HPM_BASES: dict[str, type[PerPatchObjective]] = {
-    "mae": MaskedAutoencoder,
-    "mpp": MaskedPatchPrediction,
-}
 PRED_LOSSES = ("ranking", "mse")
 # what the teacher scores to choose the hard patches: the fully visible image (the paper and its
 # code), or views that mask each patch as training does (the predictor is only ever trained on
 # masked patches; on the built-in data it ranks visible ones inversely, docs/ARCHITECTURE.md)
 TEACHER_VIEWS = ("visible", "masked")
+
+
+def hpm_bases() -> dict[str, type[PerPatchObjective]]:
+    """What HPM can wrap: every registered objective with a per-patch loss
+    (mpp.objectives.base.PerPatchObjective)."""
+    return {n: c for n, (_, c) in REGISTRY.items() if issubclass(c, PerPatchObjective)}
+
+
+class HPMConfig(Section, DecoderSize):
+    """HPM (mpp.objectives.hpm) around ``base``; it chooses its masks itself (its teacher).
+
+    The decoder's size is HPM's: its loss predictor and, for MAE, the base's pixel decoder share
+    it, so the nested base does not repeat it. The flat form of the shipped configs (``"base":
+    "mae"`` with the base's keys beside HPM's) is read too and nested."""
+
+    name: Literal["hpm"] = "hpm"
+    """The objective: hpm."""
+    # the union of the per-patch objectives' ``base_section``s, set by mpp.objectives.configs
+    # once every objective is registered (``model_rebuild``)
+    base: PerPatchSection = Field(default_factory=MAEBase, discriminator="name")  # noqa: F821
+    """The objective HPM wraps, with its keys: mae (the paper's) or any per-patch objective."""
+    hard_ratio: float = Field(0.5, ge=0.0, le=1.0)
+    """alpha_T: the share of the mask chosen as the teacher's hardest patches at the end of training
+    (0.5)."""
+    schedule: Literal[SCHEDULES] = "easy_to_hard"
+    """How that share grows: easy_to_hard (the paper's, alpha_T (e+1)/T per epoch), hard_only,
+    hard_to_easy, random."""
+    pred_loss: Literal[PRED_LOSSES] = "ranking"
+    """The loss predictor's objective: ranking (the paper's pairwise BCE) or mse (against the per-
+    image z-scored loss)."""
+    pred_weight: float = Field(1.0, ge=0.0)
+    """The loss predictor's weight in the total loss."""
+    momentum_start: float = Field(0.999, ge=0.0, le=1.0)
+    """The teacher's EMA momentum at the start."""
+    momentum_end: float = Field(0.9999, ge=0.0, le=1.0)
+    """The teacher's EMA momentum after momentum_epochs (set once per epoch)."""
+    momentum_epochs: float = 100.0
+    """Epochs over which the momentum rises linearly."""
+    teacher_view: Literal[TEACHER_VIEWS] = "visible"
+    """What the teacher scores to choose the hard patches: the fully visible image (the paper's)
+    or views that mask each patch as training does (masked; RESULTS.md compares them)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_the_base(cls, raw: Any) -> Any:
+        """The flat form (``"base": "mae"`` and the base's keys beside HPM's): nested."""
+        if not isinstance(raw, dict):
+            return raw
+        own = set(cls.model_fields)
+        base = raw.get("base", "mae")
+        base = dict(base) if isinstance(base, dict) else {"name": base}
+        base.update({k: v for k, v in raw.items() if k not in own})
+        return {**{k: v for k, v in raw.items() if k in own}, "base": base}
+
+    def base_config(self) -> Section:
+        """The base's full section: its nested keys, and those its ``base_section`` leaves to
+        HPM (MAE's decoder size) taken from HPM's."""
+        section = REGISTRY[self.base.name][0]
+        shared = set(section.model_fields) - set(type(self.base).model_fields)
+        return section.model_validate({**self.model_dump(include=shared), **self.base.model_dump()})
+
 
 # ---- schedules ------------------------------------------------------------------------------
 
@@ -109,63 +167,65 @@ def rank_correlation(a: Tensor, b: Tensor) -> Tensor:
 # ---- the objective ------------------------------------------------------------------------------
 
 
+@register(HPMConfig)
 class HardPatchesMining(Objective):
     """HPM around ``base``, a built objective with a per-patch loss (its encoder is HPM's):
     ``forward(images) -> (loss, metrics)``; the engine must call ``set_progress`` before each
     micro-step and ``after_optimizer_step`` after each optimiser step (the EMA teacher). By
     name and flat arguments: ``create_objective("hpm", encoder, base="mae", mask_ratio=0.75)``;
-    from a config: ``mpp.objectives.configs.HPMConfig``. The decoder's size is the loss
-    predictor's (and, built through those, an MAE base's pixel decoder's)."""
+    from a config: ``from_config(HPMConfig, encoder, None, pixels)``. The decoder's size is the
+    loss predictor's (and, built through those, an MAE base's pixel decoder's)."""
 
     def __init__(
         self,
         base: PerPatchObjective,
-        *,
-        hard_ratio: float,
-        schedule: str,
-        pred_loss: str,
-        pred_weight: float,
-        momentum_start: float,
-        momentum_end: float,
-        momentum_epochs: float,
-        teacher_view: str,
-        decoder_dim: int,
-        decoder_depth: int,
-        decoder_heads: int,
-        mlp_ratio: float,
-        attn_backend: str,
-        mean: tuple[float, ...],
-        std: tuple[float, ...],
+        cfg: HPMConfig,
+        pixels: Pixels = (IMAGENET_MEAN, IMAGENET_STD),
     ) -> None:
-        """The keyword arguments' defaults and checks are ``mpp.objectives.configs.HPMConfig``'s
-        (``mpp.create_objective`` fills them); ``mean``/``std`` are the data's."""
+        """HPM of section ``cfg`` (its own keys; ``cfg.base`` is ``base``'s) around ``base``;
+        ``pixels``: the data's (mean, std)."""
         super().__init__()
         if not isinstance(base, PerPatchObjective):
             raise ValueError(
                 "HPM wraps an objective with a per-patch loss (mpp.objectives.base."
-                f"PerPatchObjective: {sorted(HPM_BASES)}), got {type(base).__name__}"
+                f"PerPatchObjective: {sorted(hpm_bases())}), got {type(base).__name__}"
             )
         self.base = base
         # the loss predictor is the size of the pixel decoder, fed what the base hands it
         self.predictor = Decoder(
-            decoder_dim,
-            decoder_depth,
-            decoder_heads,
+            cfg.decoder_dim,
+            cfg.decoder_depth,
+            cfg.decoder_heads,
             out_dim=1,
             in_dim=self.base.token_dim,
-            mlp_ratio=mlp_ratio,
-            attn_backend=attn_backend,
+            mlp_ratio=cfg.mlp_ratio,
+            attn_backend=cfg.attn_backend,
         )
         self.num_masked = self.base.mask_generator.num_masked
-        self.mean, self.std = tuple(mean), tuple(std)  # to show the images (mpp.tools.viz)
-        self.hard_ratio, self.schedule = hard_ratio, schedule
-        self.pred_loss, self.pred_weight = pred_loss, pred_weight
-        self.momentum_start, self.momentum_end = momentum_start, momentum_end
-        self.momentum_epochs = momentum_epochs
-        self.teacher_view = teacher_view
+        self.mean, self.std = tuple(pixels[0]), tuple(pixels[1])  # to show the images (tools.viz)
+        self.hard_ratio, self.schedule = cfg.hard_ratio, cfg.schedule
+        self.pred_loss, self.pred_weight = cfg.pred_loss, cfg.pred_weight
+        self.momentum_start, self.momentum_end = cfg.momentum_start, cfg.momentum_end
+        self.momentum_epochs = cfg.momentum_epochs
+        self.teacher_view = cfg.teacher_view
 
         self.teacher = self.make_teacher()
         self.set_progress(0.0, 1.0)  # the engine overrides this before the first step
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: HPMConfig,
+        encoder: VisionTransformer,
+        mask_generator: MaskGenerator | None,
+        pixels: Pixels,
+    ) -> HardPatchesMining:
+        """HPM around its base built on ``encoder``; ``mask_generator`` must be None (the
+        teacher masks)."""
+        if mask_generator is not None:
+            raise ValueError("hpm chooses its own masks (its teacher): pass no mask generator")
+        base_cls = REGISTRY[cfg.base.name][1]
+        return cls(base_cls.from_config(cfg.base_config(), encoder, None, pixels), cfg, pixels)
 
     def make_teacher(self) -> nn.ModuleDict:
         """The EMA of the whole student, frozen. A submodule, so it is checkpointed (and

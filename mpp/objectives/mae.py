@@ -8,13 +8,58 @@ MSE against per-patch normalised pixels, on the masked patches only.
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
 from mpp.masking import MaskGenerator, RandomMask, mask_indices
 from mpp.models.decoder import Decoder, DecoderEmbed
 from mpp.models.vit import VisionTransformer
-from mpp.objectives.base import PerPatch, PerPatchObjective
+from mpp.objectives.base import PerPatch, PerPatchObjective, Pixels, Section, register
 from mpp.ops import gather_tokens, patchify
+
+
+class DecoderSize(BaseModel):
+    """A decoder's size: MAE's pixel decoder, HPM's loss predictor (and its MAE base's decoder)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    decoder_dim: int = Field(512, gt=0)
+    """The decoder's width (MAE: 512)."""
+    decoder_depth: int = Field(8, gt=0)
+    """The decoder's blocks (MAE: 8)."""
+    decoder_heads: int = Field(16, gt=0)
+    """The decoder's attention heads (MAE: 16)."""
+    mlp_ratio: float = Field(4.0, gt=0)
+    """The decoder blocks' MLP width over their token width."""
+    attn_backend: Literal["auto", "xformers", "sdpa", "math"] = "auto"
+    """The decoder's attention backend (as model.attn_backend)."""
+
+    @model_validator(mode="after")
+    def _heads_divide_the_width(self) -> DecoderSize:
+        if self.decoder_dim % 4 or self.decoder_dim % self.decoder_heads:
+            raise ValueError(
+                f"decoder_dim {self.decoder_dim} must be divisible by 4 (sin-cos positions) and "
+                f"by decoder_heads {self.decoder_heads}"
+            )
+        return self
+
+
+class MAEBase(Section):
+    """MAE beside its decoder's size: what HPM nests as its base (the size is HPM's)."""
+
+    name: Literal["mae"] = "mae"
+    """The objective: mae."""
+    mask_ratio: float = Field(0.75, gt=0.0, lt=1.0)
+    """MAE needs visible and masked patches."""
+    norm_pix_loss: bool = True
+    """Standardise each target patch by its own mean and variance (MAE's recommended setting; HPM's
+    released scripts train without)."""
+
+
+class MAEConfig(MAEBase, DecoderSize):
+    """MAE (mpp.objectives.mae)."""
 
 
 def normalize_patches(patches: Tensor, eps: float = 1e-6) -> Tensor:
@@ -26,6 +71,7 @@ def normalize_patches(patches: Tensor, eps: float = 1e-6) -> Tensor:
     return (patches - mean) / (var + eps) ** 0.5
 
 
+@register(MAEConfig, as_base=MAEBase)
 class MaskedAutoencoder(PerPatchObjective):
     """Targets are computed on the normalised images the objective receives, as MAE does."""
 
@@ -33,18 +79,13 @@ class MaskedAutoencoder(PerPatchObjective):
         self,
         encoder: VisionTransformer,
         mask_generator: MaskGenerator | None,
-        *,
-        mask_ratio: float,
-        decoder_dim: int,
-        decoder_depth: int,
-        decoder_heads: int,
-        norm_pix_loss: bool,
-        mlp_ratio: float,
-        attn_backend: str,
+        cfg: MAEConfig,
+        pixels: Pixels | None = None,
     ) -> None:
-        """The keyword arguments' defaults and checks are ``mpp.objectives.configs.MAEConfig``'s
-        (``mpp.create_objective`` fills them)."""
+        """MAE of section ``cfg`` around ``encoder`` (``pixels`` unused: its targets are the
+        normalised images)."""
         super().__init__()
+        mask_ratio, decoder_dim = cfg.mask_ratio, cfg.decoder_dim
         self.encoder = encoder
         self.mask_generator = mask_generator or RandomMask(encoder.grid_size, mask_ratio)
         if self.mask_generator.num_patches != encoder.num_patches:
@@ -56,7 +97,7 @@ class MaskedAutoencoder(PerPatchObjective):
             raise ValueError(
                 f"mask_ratio {mask_ratio} masks {self.num_masked} of {encoder.num_patches} patches; need 1..N-1"
             )
-        self.norm_pix_loss = norm_pix_loss
+        self.norm_pix_loss = cfg.norm_pix_loss
         self.token_dim = decoder_dim  # what HPM's loss predictor reads: the decoder input
         patch_dim = encoder.patch_size**2 * encoder.patch_embed.in_chans
         self.decoder_embed = DecoderEmbed(
@@ -64,11 +105,11 @@ class MaskedAutoencoder(PerPatchObjective):
         )
         self.decoder = Decoder(
             decoder_dim,
-            decoder_depth,
-            decoder_heads,
+            cfg.decoder_depth,
+            cfg.decoder_heads,
             patch_dim,
-            mlp_ratio=mlp_ratio,
-            attn_backend=attn_backend,
+            mlp_ratio=cfg.mlp_ratio,
+            attn_backend=cfg.attn_backend,
         )
 
     def no_weight_decay(self) -> set[str]:

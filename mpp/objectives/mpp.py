@@ -12,17 +12,51 @@ RGB keeps the paper's joint 512-class target exactly.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
+from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 from mpp.masking import MaskGenerator, RandomMask, mask_indices
 from mpp.models.vit import VisionTransformer
-from mpp.objectives.base import PerPatch, PerPatchObjective
-from mpp.ops import gather_tokens, patchify, unnormalize
+from mpp.objectives.base import PerPatch, PerPatchObjective, Pixels, Section, register
+from mpp.ops import IMAGENET_MEAN, IMAGENET_STD, gather_tokens, patchify, unnormalize
 
 MPP_TARGETS = ("mean_color", "downsampled", "pixel")
+
+
+class MPPConfig(Section):
+    """The ViT paper's masked patch prediction (mpp.objectives.mpp)."""
+
+    name: Literal["mpp"] = "mpp"
+    """The objective: mpp."""
+    mask_ratio: float = Field(0.5, ge=0.0, le=1.0)
+    """The share of patch embeddings corrupted (the ViT paper: 50 %)."""
+    mask_token_prob: float = Field(0.8, ge=0.0, le=1.0)
+    """Of the corrupted: the share replaced by the learned [mask] embedding (80 %)."""
+    random_token_prob: float = Field(0.1, ge=0.0, le=1.0)
+    """Of the corrupted: the share replaced by another patch of the same image (10 %)."""
+    keep_prob: float = Field(0.1, ge=0.0, le=1.0)
+    """Of the corrupted: the share kept as it is (10 %); the three sum to 1."""
+    target: Literal[MPP_TARGETS] = "mean_color"
+    """mean_color: each corrupted patch's mean colour class (the paper's); downsampled: a class per
+    cell of the patch; pixel: L2 regression of its pixels."""
+    bits: int = Field(3, ge=1, le=8)
+    """Bits per channel of the colour classes (3: 512 RGB classes)."""
+    downsample_cells: int = Field(4, ge=1)
+    """The downsampled target's cells per side."""
+
+    @model_validator(mode="after")
+    def _corruptions_sum_to_one(self) -> MPPConfig:
+        probs = (self.mask_token_prob, self.random_token_prob, self.keep_prob)
+        if abs(sum(probs) - 1.0) > 1e-6:
+            raise ValueError(
+                f"mask_token_prob + random_token_prob + keep_prob must sum to 1, got {probs}"
+            )
+        return self
 
 
 def color_classes(rgb_means: Tensor, bits: int = 3) -> Tensor:
@@ -57,33 +91,27 @@ class MPPPerPatch(PerPatch):
     kind: Tensor  # (B, N): what each patch became (mask token, random patch, kept)
 
 
+@register(MPPConfig)
 class MaskedPatchPrediction(PerPatchObjective):
     def __init__(
         self,
         encoder: VisionTransformer,
         mask_generator: MaskGenerator | None,
-        *,
-        mask_ratio: float,
-        mask_token_prob: float,
-        random_token_prob: float,
-        keep_prob: float,
-        target: str,
-        bits: int,
-        downsample_cells: int,
-        mean: tuple[float, ...],
-        std: tuple[float, ...],
+        cfg: MPPConfig,
+        pixels: Pixels = (IMAGENET_MEAN, IMAGENET_STD),
     ) -> None:
-        """The keyword arguments' defaults and checks are ``mpp.objectives.configs.MPPConfig``'s
-        (``mpp.create_objective`` fills them); ``mean``/``std`` are the data's."""
+        """MPP of section ``cfg`` around ``encoder``; ``pixels``: the data's (mean, std)."""
         super().__init__()
+        mean, std = pixels
+        target, bits, downsample_cells = cfg.target, cfg.bits, cfg.downsample_cells
         self.encoder = encoder
-        self.mask_generator = mask_generator or RandomMask(encoder.grid_size, mask_ratio)
+        self.mask_generator = mask_generator or RandomMask(encoder.grid_size, cfg.mask_ratio)
         if self.mask_generator.num_patches != encoder.num_patches:
             raise ValueError(
                 f"mask generator covers {self.mask_generator.num_patches} patches, encoder has {encoder.num_patches}"
             )
         self.num_corrupt = self.mask_generator.num_masked
-        self.mask_token_prob, self.random_token_prob = mask_token_prob, random_token_prob
+        self.mask_token_prob, self.random_token_prob = cfg.mask_token_prob, cfg.random_token_prob
         self.target, self.bits, self.cells = target, bits, downsample_cells
         self.mean, self.std = tuple(mean), tuple(std)
 

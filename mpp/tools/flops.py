@@ -18,6 +18,7 @@ from mpp.models.vit import VisionTransformer
 from mpp.objectives.hpm import HardPatchesMining, num_views
 from mpp.objectives.mae import MaskedAutoencoder
 from mpp.objectives.mpp import MaskedPatchPrediction
+from mpp.objectives.simmim import SimMIM
 
 TRAIN_FACTOR = 3  # forward + backward (input and weight gradients) of a trained forward
 
@@ -103,13 +104,15 @@ def _teacher(model: HardPatchesMining, predictor: int) -> int:
 
 def step_flops(model: nn.Module) -> StepFlops:
     """Model FLOPs per image of one training step of ``model``: a plain classifier
-    (``VisionTransformer`` with a head), MPP, MAE or HPM (MAE or MPP base).
+    (``VisionTransformer`` with a head), MPP, MAE, SimMIM or HPM (any of those three as base).
 
     - plain: encoder on 1 + N tokens + head (D -> classes) on the pooled token.
     - MPP: encoder on 1 + N tokens (all patches, corrupted ones included) + head on the
       n_corrupt corrupted tokens only.
     - MAE: encoder on 1 + N_vis tokens; decoder_embed proj on 1 + N_vis; decoder blocks and
       pixel head on 1 + N tokens.
+    - SimMIM: encoder on 1 + N tokens (the masked ones as mask tokens) + the linear head on all
+      N tokens (the loss reads the masked ones only, the head runs on every patch).
     - HPM: its base + the loss-predictor decoder on 1 + N tokens, all trained; the teacher
       (no grad, only when it runs: k > 0) = the base's encoder on all 1 + N tokens
       [+ decoder_embed] + the predictor decoder, once per view (``_teacher``: V masked views
@@ -122,6 +125,10 @@ def step_flops(model: nn.Module) -> StepFlops:
     if isinstance(model, MaskedPatchPrediction):
         enc = _encoder(model.encoder, model.encoder.num_patches)
         head = _linear(model.num_corrupt, model.head)
+        return StepFlops(enc + head, 0, {"encoder": enc, "head": head})
+    if isinstance(model, SimMIM):
+        enc = _encoder(model.encoder, model.encoder.num_patches)
+        head = _linear(model.encoder.num_patches, model.head)
         return StepFlops(enc + head, 0, {"encoder": enc, "head": head})
     if isinstance(model, MaskedAutoencoder):
         n = model.encoder.num_patches

@@ -29,7 +29,7 @@ from mpp.config import Config, load_config, resolve_config_path
 from mpp.hub.encoder_file import load_encoder_file
 from mpp.objectives import create_objective
 from mpp.objectives.base import Objective
-from mpp.objectives.hpm import HardPatchesMining
+from mpp.objectives.hpm import HardPatchesMining, hpm_bases
 from mpp.quiet import add_verbose_argument
 from mpp.train.panels import objective_panels, save_picture
 
@@ -141,13 +141,13 @@ def used_pixels(cfg: Config, config: Path, objective: Objective) -> tuple:
     config's, its "auto" ones measured (``mpp.train.plan.measure_pixels``)."""
     from mpp.data.stats import run_pixels
     from mpp.data.transforms import PixelFormat
-    from mpp.train.plan import measure_pixels, train_shards
+    from mpp.train.plan import measure_pixels, shards
 
     d = cfg.data
     used = run_pixels(config.parent) if config.name == "config.json" else None
     if used is None:
         img_size = objective.encoder.patch_embed.img_size[0]
-        pixels = measure_pixels(cfg, train_shards(cfg, img_size)[0])
+        pixels = measure_pixels(cfg, shards(cfg, "train", img_size, warn=True))
         return pixels.mean, pixels.std, pixels.format
     vr = used.get("value_range")
     fmt = PixelFormat(d.channels, d.layout, tuple(vr) if vr else None)
@@ -216,7 +216,7 @@ def parser() -> argparse.ArgumentParser:
         "its training shards; without a run, scikit-learn's digits)",
     )
     ap.add_argument("--model", default="vit_tiny_patch4_32")
-    ap.add_argument("--base", default="mae", choices=["mae", "mpp"])
+    ap.add_argument("--base", default="mae", choices=sorted(hpm_bases()))
     ap.add_argument("--decoder-dim", type=int, default=128)
     ap.add_argument("--decoder-depth", type=int, default=2)
     ap.add_argument("--decoder-heads", type=int, default=4)

@@ -1,14 +1,10 @@
-"""What a pretraining objective sees, as pictures: one row per image, panels side by side
-(PIL only, no plotting library). Drawn after training by ``python -m mpp.tools.viz`` and during it by
-the previews (``mpp.train.preview``).
+"""What a pretraining objective sees, as pictures (PIL only), one row per image, drawn by
+``python -m mpp.tools.viz`` and the previews (``mpp.train.preview``; docs/ARCHITECTURE.md §3.6).
 
-HPM: input | mask (grey: masked at random, red: masked as hard by the teacher) |
-reconstruction (visible patches from the input, masked ones predicted) | teacher's predicted loss.
-MAE / MPP: input | mask (grey) | reconstruction (MPP: each masked patch in its predicted colour;
-MAE with ``norm_pix_loss``: un-normalised with each true patch's own mean and variance).
-Images of another channel count are shown as a composite of three of them (``data.display_channels``,
-default the first three) or, with one channel, in grey.
-"""
+HPM: input | mask (grey: random, red: hard by the teacher) | reconstruction (visible patches from
+the input) | teacher's predicted loss. MAE / MPP: input | mask | reconstruction (MPP: each masked
+patch in its predicted colour; MAE with ``norm_pix_loss``: un-normalised with each true patch's
+own mean and variance). Other channel counts: three of them (``data.display_channels``), or grey."""
 
 from __future__ import annotations
 
@@ -25,7 +21,6 @@ from torch import Tensor
 from mpp.objectives.base import Objective
 from mpp.objectives.hpm import HardPatchesMining
 from mpp.objectives.hpm_mask import hard_patch_mask
-from mpp.objectives.mae import MaskedAutoencoder
 from mpp.ops import gather_tokens, patchify, unnormalize, unpatchify
 
 RANDOM_COLOR = (0.5, 0.5, 0.5)
@@ -55,7 +50,7 @@ def predicted_patches(
     """The base's predictions for the masked patches (B, N_mask, P*P*C), as raw pixels in [0, 1]
     (MPP: the centre of each predicted colour bin, per channel where the target is factorised)."""
     P = base.encoder.patch_size
-    if isinstance(base, MaskedAutoencoder):
+    if hasattr(base, "norm_pix_loss"):  # pixels of the normalised images: MAE's, SimMIM's
         pred = gather_tokens(out["pred"].float(), out["idx"])
         if base.norm_pix_loss:  # undo the per-patch standardisation with the true patch's stats
             true = gather_tokens(patchify(images, P).float(), out["idx"])

@@ -208,7 +208,7 @@ def plan_gpus(
         "recipe": rec,
         "host_syncs_per_step": accum
         if cfg.train.skip_nonfinite
-        else 0,  # mpp.train.nonfinite.all_finite's
+        else 0,  # mpp.train.trainer.all_finite's
         "parameters": {
             "trainable": sum(measured["trainable"]),
             "frozen": sum(measured["frozen"]),
