@@ -1,4 +1,4 @@
-"""mpp: masked-patch pretraining of Vision Transformers (BERT-style MPP, MAE, HPM) under DeepSpeed
+"""mpp: masked-patch pretraining of Vision Transformers (BERT-style MPP, MAE, HPM, SimMIM) under DeepSpeed
 ZeRO, from WebDataset shards. The command line is ``mpp`` (``mpp --help``); the library's public
 names are these, and they stay put (``tests/test_api.py`` holds them)::
 

@@ -20,7 +20,7 @@ atexit.register(gc.freeze)
 COMMANDS = {
     "pretrain": (
         "mpp.commands.pretrain",
-        "pretrain a ViT (MPP, MAE, HPM) under DeepSpeed; also --plan, --submit",
+        "pretrain a ViT (MPP, MAE, HPM, SimMIM) under DeepSpeed; also --plan, --submit",
     ),
     "finetune": (
         "mpp.commands.finetune",
@@ -66,7 +66,7 @@ def usage() -> str:
         [
             "usage: mpp COMMAND [ARGS ...]      (mpp COMMAND --help for its arguments)",
             "",
-            "masked-patch pretraining of Vision Transformers: MPP, MAE and HPM under DeepSpeed ZeRO,",
+            "masked-patch pretraining of Vision Transformers: MPP, MAE, HPM, SimMIM under DeepSpeed ZeRO,",
             "from WebDataset shards; fine-tuning, probes and exports. Commands:",
             "",
             *lines,
