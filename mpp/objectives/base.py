@@ -9,7 +9,7 @@ from typing import Any, ClassVar, TypedDict
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor, nn
 
-from mpp.masking import MaskGenerator
+from mpp.masking import MaskGenerator, RandomMask
 
 Pixels = tuple[tuple[float, ...], tuple[float, ...]]  # the data's (mean, std)
 
@@ -146,9 +146,31 @@ class PerPatchObjective(Objective):
     def forward_per_patch(self, images: Tensor, mask: Tensor | None = None) -> PerPatch:
         raise NotImplementedError
 
+    def use_masks(
+        self, encoder: nn.Module, given: MaskGenerator | None, ratio: float, some_visible=True
+    ) -> None:
+        """``mask_generator``: ``given`` (HPM's, a config's strategy) or random patches at
+        ``ratio``, over ``encoder``'s patches; ``num_masked`` its count, 1..N-1 when
+        ``some_visible``. ValueError otherwise."""
+        self.mask_generator = given or RandomMask(encoder.grid_size, ratio)
+        n, self.num_masked = encoder.num_patches, self.mask_generator.num_masked
+        if self.mask_generator.num_patches != n:
+            raise ValueError(
+                f"mask generator covers {self.mask_generator.num_patches} patches, encoder has {n}"
+            )
+        if some_visible and not 0 < self.num_masked < n:
+            raise ValueError(
+                f"mask_ratio {ratio} masks {self.num_masked} of {n} patches; need 1..N-1"
+            )
+
     def per_image_metrics(self, out: PerPatch) -> dict[str, Tensor]:
         """What ``forward_per_patch`` says of each image (B,): its masked patches' mean loss."""
         return {"loss": out["loss"].mean(1)}
+
+    def forward(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """The mean of the masked patches' losses (MPP adds its own metrics)."""
+        loss = self.forward_per_patch(images)["loss"].mean()
+        return loss, {"loss": loss.detach()}
 
     def held_out_metrics(self, images: Tensor) -> dict[str, Tensor]:
         return self.per_image_metrics(self.forward_per_patch(images))

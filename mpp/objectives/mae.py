@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
-from mpp.masking import MaskGenerator, RandomMask, mask_indices
+from mpp.masking import MaskGenerator, mask_indices
 from mpp.models.decoder import Decoder, DecoderEmbed
 from mpp.models.vit import VisionTransformer
 from mpp.objectives.base import PerPatch, PerPatchObjective, Pixels, Section, register
@@ -87,16 +87,7 @@ class MaskedAutoencoder(PerPatchObjective):
         super().__init__()
         mask_ratio, decoder_dim = cfg.mask_ratio, cfg.decoder_dim
         self.encoder = encoder
-        self.mask_generator = mask_generator or RandomMask(encoder.grid_size, mask_ratio)
-        if self.mask_generator.num_patches != encoder.num_patches:
-            raise ValueError(
-                f"mask generator covers {self.mask_generator.num_patches} patches, encoder has {encoder.num_patches}"
-            )
-        self.num_masked = self.mask_generator.num_masked
-        if not 0 < self.num_masked < encoder.num_patches:
-            raise ValueError(
-                f"mask_ratio {mask_ratio} masks {self.num_masked} of {encoder.num_patches} patches; need 1..N-1"
-            )
+        self.use_masks(encoder, mask_generator, mask_ratio)
         self.norm_pix_loss = cfg.norm_pix_loss
         self.token_dim = decoder_dim  # what HPM's loss predictor reads: the decoder input
         patch_dim = encoder.patch_size**2 * encoder.patch_embed.in_chans
@@ -156,7 +147,3 @@ class MaskedAutoencoder(PerPatchObjective):
 
     def per_image_metrics(self, out: PerPatch) -> dict[str, Tensor]:
         return {"rec_loss": out["loss"].mean(1)}
-
-    def forward(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        loss = self.forward_per_patch(images)["loss"].mean()
-        return loss, {"loss": loss.detach()}

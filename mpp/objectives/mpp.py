@@ -20,7 +20,7 @@ from einops import rearrange
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from mpp.masking import MaskGenerator, RandomMask, mask_indices
+from mpp.masking import MaskGenerator, mask_indices
 from mpp.models.vit import VisionTransformer
 from mpp.objectives.base import PerPatch, PerPatchObjective, Pixels, Section, register
 from mpp.ops import IMAGENET_MEAN, IMAGENET_STD, gather_tokens, patchify, unnormalize
@@ -105,12 +105,8 @@ class MaskedPatchPrediction(PerPatchObjective):
         mean, std = pixels
         target, bits, downsample_cells = cfg.target, cfg.bits, cfg.downsample_cells
         self.encoder = encoder
-        self.mask_generator = mask_generator or RandomMask(encoder.grid_size, cfg.mask_ratio)
-        if self.mask_generator.num_patches != encoder.num_patches:
-            raise ValueError(
-                f"mask generator covers {self.mask_generator.num_patches} patches, encoder has {encoder.num_patches}"
-            )
-        self.num_corrupt = self.mask_generator.num_masked
+        self.use_masks(encoder, mask_generator, cfg.mask_ratio, some_visible=False)
+        self.num_corrupt = self.num_masked
         self.mask_token_prob, self.random_token_prob = cfg.mask_token_prob, cfg.random_token_prob
         self.target, self.bits, self.cells = target, bits, downsample_cells
         self.mean, self.std = tuple(mean), tuple(std)

@@ -15,7 +15,7 @@ import torch
 from pydantic import Field
 from torch import Tensor, nn
 
-from mpp.masking import MaskGenerator, RandomMask, mask_indices
+from mpp.masking import MaskGenerator, mask_indices
 from mpp.models.vit import VisionTransformer
 from mpp.objectives.base import PerPatch, PerPatchObjective, Pixels, Section, register
 from mpp.ops import gather_tokens, patchify
@@ -45,16 +45,7 @@ class SimMIM(PerPatchObjective):
         """SimMIM of section ``cfg`` around ``encoder`` (``pixels`` unused)."""
         super().__init__()
         self.encoder = encoder
-        self.mask_generator = mask_generator or RandomMask(encoder.grid_size, cfg.mask_ratio)
-        if self.mask_generator.num_patches != encoder.num_patches:
-            raise ValueError(
-                f"mask generator covers {self.mask_generator.num_patches} patches, encoder has {encoder.num_patches}"
-            )
-        self.num_masked = self.mask_generator.num_masked
-        if not 0 < self.num_masked < encoder.num_patches:
-            raise ValueError(
-                f"mask_ratio {cfg.mask_ratio} masks {self.num_masked} of {encoder.num_patches} patches; need 1..N-1"
-            )
+        self.use_masks(encoder, mask_generator, cfg.mask_ratio)
         self.norm_pix_loss = False  # the target: the normalised input itself (the pictures read it)
         dim = encoder.embed_dim
         self.token_dim = dim  # what HPM's loss predictor reads: the encoder's output tokens
@@ -92,7 +83,3 @@ class SimMIM(PerPatchObjective):
 
     def per_image_metrics(self, out: PerPatch) -> dict[str, Tensor]:
         return {"rec_l1": out["loss"].mean(1)}
-
-    def forward(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        loss = self.forward_per_patch(images)["loss"].mean()
-        return loss, {"loss": loss.detach()}
