@@ -329,8 +329,8 @@ def test_host_check_catches_a_per_tensor_loop(dist_group, monkeypatch):
 
     after = engine_step.after_optimizer_step
 
-    def per_tensor_loop(engine):
-        after(engine)
+    def per_tensor_loop(engine, *args):
+        after(engine, *args)
         with torch.no_grad():
             for p in engine.module.parameters():
                 p.mul_(1.0)

@@ -50,10 +50,12 @@ def test_two_ranks_scan_what_one_scans(tmp_path):
     one = scans(tmp_path / "shards")  # no process group
     for cache in (tmp_path / "shards").glob(".mpp_*"):  # the ranks scan again, not read these
         cache.unlink()
+    # spawned, not forked: a forked rank would inherit this worker's process group (the session's
+    # one-rank group of another test) and could not make its own
     with mp.Manager() as manager:
         out = manager.dict()
         mp.start_processes(
-            rank, (2, free_port(), tmp_path / "shards", out), nprocs=2, start_method="fork"
+            rank, (2, free_port(), tmp_path / "shards", out), nprocs=2, start_method="spawn"
         )
         two = dict(out)
     assert one["squares"] == [0, 1, 4, 9, 16] and one["counts"] == [3, 3, 3, 2]
