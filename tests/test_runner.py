@@ -184,7 +184,10 @@ BAD = [
     ({"data": {"train_shards": 42}}, "data.train_shards"),
     ({"model": {"name": "vit_gigantic_patch4_16"}}, "unknown ViT variant 'vit_gigantic_patch4_16'"),
     ({"model": {"attn_backend": "flash"}}, "model.attn_backend: Input should be"),
-    ({"objective": {"name": "simclr"}}, "objective.name: Input should be 'hpm', 'mae', 'mpp' or 'simmim'"),
+    (
+        {"objective": {"name": "simclr"}},
+        "objective.name: Input should be 'hpm', 'mae', 'mpp' or 'simmim'",
+    ),
     ({"objective": {"mask_token_prob": 0.5}}, "must sum to 1"),
     ({"masking": {"strategy": "grid"}, "objective": {"mask_ratio": 0.6}}, "grid"),
     ({"masking": {"strategy": "units", "unit_size": 3}}, "unit"),
