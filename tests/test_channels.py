@@ -5,6 +5,7 @@ runs over them are in tests/test_channels_runs.py."""
 from __future__ import annotations
 
 import io
+import json
 import random
 
 import numpy as np
@@ -189,6 +190,11 @@ def test_auto_statistics_agree_with_numpy_on_the_same_files(tmp_path):
     again, how_again = pixel_stats(shards, fmt, 100)
     assert how.startswith("measured") and how_again.startswith("cached in") and again == first
     assert (tmp_path / ".mpp_stats.json").is_file()
+    # a cache written before its entries were nested under "shards" still answers
+    cache = tmp_path / ".mpp_stats.json"
+    cache.write_text(json.dumps(json.loads(cache.read_text())["shards"]))
+    old, how_old = pixel_stats(shards, fmt, 100)
+    assert how_old.startswith("cached in") and old == first
     # eight-bit data: its range is 0..255, not the observed one
     eight = [RNG.integers(10, 200, (6, 6, 3), dtype=np.uint8) for _ in range(4)]
     shards8 = write_shards(

@@ -1,7 +1,7 @@
 """WebDataset shards in, uint8 batches out: ``write_shards`` writes them, ``make_train_loader`` /
 ``make_eval_loader`` stream them (docs/ARCHITECTURE.md §3, §5.4)."""
 
-from .digits import digits_shards, held_out_shards
+from .digits import digits_shards
 from .errors import DataError, SkipCounter
 from .loader import Loader, StreamConfig, make_eval_loader, make_train_loader
 from .sources import expand_shards, read_sizes
@@ -23,7 +23,6 @@ __all__ = [
     "StreamConfig",
     "WriterOptions",
     "digits_shards",
-    "held_out_shards",
     "expand_shards",
     "from_arrays",
     "from_flat_folder",

@@ -272,8 +272,10 @@ def cache_places(
 
 
 def read_cache(path: Path) -> dict:
-    """A cache's entries ({} when it is not there or not JSON)."""
-    return (_read_json(str(path)) or {}).get("shards", {})
+    """A cache's entries ({} when it is not there or not JSON; a statistics cache written before
+    the entries were nested under "shards": its top level)."""
+    data = _read_json(str(path)) or {}
+    return data.get("shards", data)
 
 
 def write_cache(path: Path, entries: dict) -> bool:

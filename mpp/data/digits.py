@@ -10,7 +10,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -106,13 +105,3 @@ def digits_shards(
         "img_size": img_size,
         "dir": str(folder),
     }
-
-
-def held_out_shards(data: Any, img_size: int) -> Any:
-    """A data section's held-out images (the monitor's, the previews', ``mpp viz``'s): its
-    val_shards; else, training on the built-in digits, their validation split; else None."""
-    if data.val_shards:
-        return data.val_shards
-    if data.train_shards is None:
-        return digits_shards(img_size)["val"]
-    return None

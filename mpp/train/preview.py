@@ -110,13 +110,12 @@ def build_preview(cfg: Any, plan: Any, objective: Any, device: torch.device, ran
 
 
 def preview_shards(cfg: Any, img_size: int, train: list[str] | None = None) -> Any:
-    """What the previews (and ``mpp viz``) draw: the held-out images (``held_out_shards``), else
+    """What the previews (and ``mpp viz``) draw: the held-out images (``shards`` "val"), else
     the first training shard there: of ``train`` (the plan's, the missing ones left out), else
     of the shards resolved as the plan does (none there: ConfigError naming the key)."""
-    from mpp.data import held_out_shards
     from mpp.train.plan import shards
 
-    held = held_out_shards(cfg.data, img_size)
+    held = shards(cfg, "val", img_size, look=False)
     if held:
         return held
     return (train if train is not None else shards(cfg, "train", img_size))[:1]
