@@ -229,3 +229,78 @@ def test_probe_is_a_dataclass_over_slots():
     p = Probe([2, 0], 0.1, nn.Identity())
     feats = torch.arange(6.0).view(1, 3, 2)
     assert p.inputs(feats).tolist() == [[4.0, 5.0, 0.0, 1.0]]
+
+
+def _mae_probe_rank(r: int, port: int, out: dict) -> None:
+    """A rank of MAE's probe whose stream (rank 1's) raises a DataError at its second batch."""
+    import os
+
+    import torch.distributed as dist
+
+    from mpp.data.errors import DataError
+    from mpp.features import FeatureSpec
+    from mpp.transfer.probe import HeadTrainer
+    from mpp.transfer.probe_protocols import mae_heads, mae_probe
+
+    class Stream:
+        def set_epoch(self, epoch: int) -> None:
+            pass
+
+        def __iter__(self):
+            for i in range(4):
+                if r == 1 and i == 1:
+                    raise DataError("100 consecutive data failures (the last: a label 99)")
+                yield {
+                    "image": torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8),
+                    "label": torch.tensor([0, 1, 2, 3]),
+                }
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=r, world_size=2)
+    try:
+        torch.manual_seed(0)
+        encoder = create_vit("vit_tiny_patch4_16", depth=1, embed_dim=16, num_heads=1)
+        slots = feature_slots(1, "token")
+        heads = HeadTrainer(
+            mae_heads(slots, 16, 4, 0.1, 0),
+            total_steps=4,
+            warmup_steps=1,
+            momentum=0.9,
+            weight_decay=0.0,
+            optimizer="lars",
+        )
+        val = (torch.randn(8, 1, 16), torch.arange(8) % 4)
+        spec = FeatureSpec(slots, (0.5,) * 3, (0.25,) * 3)
+        try:
+            mae_probe(encoder, Stream(), heads, val, epochs=1, accum=1, features=spec)
+            out[r] = "finished"
+        except DataError as e:
+            out[r] = f"DataError: {e}"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_data_error_in_maes_stream_on_one_rank_ends_every_rank():
+    """MAE's probe gathers every step's features across ranks: rank 1's stream failing must end
+    rank 0 too (with rank 1's error), not leave it in the next gather. Spawned ranks, 60 s limit."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    from mpp.parallel.launch import free_port
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        ctx = mp.start_processes(
+            _mae_probe_rank, (free_port(), out), nprocs=2, start_method="spawn", join=False
+        )
+        deadline = time.monotonic() + 60
+        while not ctx.join(timeout=1) and time.monotonic() < deadline:
+            pass
+        alive = [p for p in ctx.processes if p.is_alive()]
+        for p in alive:
+            p.kill()
+        ended = dict(out)
+    assert not alive, f"a rank was left waiting: {ended}"
+    assert ended[1].startswith("DataError: 100 consecutive"), ended
+    assert ended[0].startswith("DataError: rank 1: 100 consecutive"), ended

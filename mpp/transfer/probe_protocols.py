@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from mpp.features import FeatureSpec, Slot
+from mpp.features import FeatureSpec, Slot, end_every_rank
 from mpp.models.vit import VisionTransformer
 from mpp.transfer.probe import (
     HeadTrainer,
@@ -62,16 +62,22 @@ def micro_batches(per_rank: int) -> int:
     return accum
 
 
-def _gather_rows(x: Tensor) -> Tensor:
-    """Every rank's rows, in rank order (ranks may hold different counts: a skipped bad sample)."""
+def _gather_rows(
+    x: Tensor | None, failed: Exception | None = None, device: torch.device | None = None
+) -> Tensor | None:
+    """Every rank's rows, in rank order (ranks may hold different counts: a skipped bad sample).
+    ``failed``: this rank's stream raised it (``x`` None, the rows' ``device`` given): it says so
+    in the count, and every rank ends with it (``end_every_rank``) instead of waiting here."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return x
-    counts = [
-        torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(dist.get_world_size())
-    ]
-    dist.all_gather(counts, torch.tensor([x.shape[0]], device=x.device))
+    world, device = dist.get_world_size(), x.device if x is not None else device
+    counts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor([-1 if x is None else x.shape[0]], device=device))
+    if x is None or min(int(c.item()) for c in counts) < 0:
+        end_every_rank(failed, world)  # the others raise the failing rank's error
+        return None
     longest = int(max(c.item() for c in counts))
     padded = torch.zeros(longest, *x.shape[1:], dtype=x.dtype, device=x.device)
     padded[: x.shape[0]] = x
@@ -99,8 +105,15 @@ def mae_probe(
     history = []
     for epoch in range(epochs):
         loader.set_epoch(epoch)
-        feats, labels = [], []
-        for batch in loader:
+        feats, labels, batches = [], [], iter(loader)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            except Exception as e:  # a DataError on this rank: every rank ends, none left waiting
+                _gather_rows(None, e, device)
+                raise
             feats.append(features.pool(encoder, batch["image"]))
             labels.append(batch["label"].to(device))
             if len(feats) == accum:
