@@ -445,10 +445,10 @@ class RunConfig(Section):
             found.append(why)
         return found
 
-    def stream_settings(self) -> dict[str, Any]:
-        """The training stream's settings from the data section (``mpp.data.StreamConfig`` fields)."""
-        keys = {"crop_scale", "crop_ratio", "hflip", "shuffle_buffer", "allow_pipe"}
-        return self.data.model_dump(include=keys)
+    @property
+    def randaug(self) -> tuple[int, int] | None:
+        """The training stream's RandAugment (n, m): fine-tuning's; None in pretraining."""
+        return None
 
     @property
     def zero_stage(self) -> Any:
@@ -611,12 +611,10 @@ class FinetuneConfig(RunConfig):
     def _across_keys(self) -> list[str]:
         return super()._across_keys() + _not_scored_on_its_own_data(self)
 
-    def stream_settings(self) -> dict[str, Any]:
+    @property
+    def randaug(self) -> tuple[int, int] | None:
         f = self.finetune
-        return {
-            **super().stream_settings(),
-            "randaug": (f.randaug_n, f.randaug_m) if f.randaug_n > 0 else None,
-        }
+        return (f.randaug_n, f.randaug_m) if f.randaug_n > 0 else None
 
 
 class ProbeSection(Section):

@@ -106,7 +106,7 @@ def plan_run(
         global_batch=t.batch_size,
         pixels=pixels.format,
         defer_jpeg=defer_jpeg,
-        randaug=cfg.stream_settings().get("randaug"),  # fine-tuning's
+        randaug=cfg.randaug,
         # the member indexes the census kept in the run (shards in a folder it cannot write)
         index_dir=shard_index.run_index_dir(run_dir_of(cfg)),
     )
