@@ -90,3 +90,24 @@ def test_min_steps_counts_small_data_in_steps_and_leaves_the_digits_as_they_were
         "finetune_demo", ["train.min_steps=200", "train.max_steps=7"], cls=FinetuneConfig
     )
     assert schedule(exact, 2, 162) == (7, 2, None)
+
+
+def test_a_short_fine_tune_says_so_and_names_the_probe(caplog):
+    """Issue 50, finding 8's "no hint that the schedule is short": finetune_demo's 10 epochs of 162
+    images (20 steps) say it in one line naming the probe and the keys; the digits' 230 steps, a
+    floor, a schedule set in steps and pretraining say nothing."""
+    import logging
+
+    from mpp.train.plan import schedule
+
+    shipped = load_config("finetune_demo", cls=FinetuneConfig)
+    with caplog.at_level(logging.WARNING, logger="mpp.train.plan"):
+        assert schedule(shipped, 162 // 64, 162) == (20, 2, None)
+        (line,) = caplog.messages
+        assert line.startswith("a short fine-tune: train.epochs 10 of 162 samples is 20 steps")
+        assert "mpp probe --config linear_demo" in line and "train.min_steps" in line
+        caplog.clear()
+        schedule(shipped, 1497 // 64, 1497)
+        schedule(load_config("finetune_demo", ["train.max_steps=20"], cls=FinetuneConfig), 2, 162)
+        schedule(load_config("mae_demo"), 2, 162)
+        assert not caplog.messages
