@@ -202,7 +202,10 @@ def check_data(cfg: RunConfig, img_size: int) -> None:
     # the held-out shards read: fine-tuning's score; pretraining's monitor when on and previews
     # when drawn (a key nothing reads is not looked for: it may be a later fine-tune's val set)
     held = [("monitor", monitor_on(cfg)), ("val", previews_on(cfg))]
-    for role in ["val"] if isinstance(cfg, FinetuneConfig) else [r for r, on in held if on]:
+    roles = ["val"] if isinstance(cfg, FinetuneConfig) else [r for r, on in held if on]
+    if roles == ["monitor", "val"] and not cfg.monitor.val_shards:
+        roles = ["val"]  # both read data.val_shards: listed once
+    for role in roles:
         refused(shards, cfg, role, img_size)
     refused.raise_any()
 
